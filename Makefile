@@ -1,0 +1,46 @@
+# mtp developer targets. Each target creates .venv first when it is missing:
+#   CPU machine : a plain venv, torch==2.13.0 (the CPU build on local disk) installed first,
+#                 then triton and the package with its test extras.
+#   GPU machine : (nvidia-smi works) a venv on top of the system Python, which already has a
+#                 CUDA torch and triton; nothing replaces them.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+PYTEST_ARGS ?=
+# Two workers when pytest-xdist is there (the CI machine has 2 cores).
+XDIST = $$($(PY) -c "import xdist" 2>/dev/null && echo "-n 2")
+
+.PHONY: venv test test-slow test-gpu clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py pyproject.toml
+ifeq ($(HAS_GPU),1)
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PIP) install --no-deps --no-build-isolation -e .
+	-$(PIP) install hypothesis pytest-xdist
+else
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install triton numpy
+	$(PIP) install -e ".[test]"
+endif
+	touch $@
+
+# The default suite: CPU-only, Triton interpreter, gloo process groups; `slow` and `gpu` skipped.
+test: venv
+	$(PY) -m pytest $(XDIST) -q $(PYTEST_ARGS)
+
+# Heavy cases as well (e.g. nvcc builds of csrc/).
+test-slow: venv
+	$(PY) -m pytest $(XDIST) -q --runslow $(PYTEST_ARGS)
+
+# On a GPU machine: the tests that need CUDA.
+test-gpu: venv
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,402 @@
+"""Process groups for tensor, pipeline, data, context and expert parallelism.
+
+:func:`initialize_model_parallel` builds the dense and expert rank generators
+(:func:`mtp.parallel.make_rank_generators`) and creates one ``torch.distributed`` group per rank
+set of each kind below. Every rank creates every group, in the same order (a torch.distributed
+requirement), and keeps the one it belongs to. Getter names follow Megatron-Core.
+
+======== ============ =====================================================================
+kind     generator    getters
+======== ============ =====================================================================
+tp       dense tp     ``get_tensor_model_parallel_{group,rank,world_size}``
+pp       dense pp     ``get_pipeline_model_parallel_{group,rank,world_size}``
+dp       dense dp     ``get_data_parallel_{group,rank,world_size}()``
+cp       dense cp     ``get_context_parallel_{group,rank,world_size}``
+dp-cp    dense dp-cp  ``get_data_parallel_*(with_context_parallel=True)``
+tp-pp    dense tp-pp  ``get_model_parallel_{group,rank,world_size}``
+tp-cp    dense tp-cp  ``get_tensor_and_context_parallel_{group,rank,world_size}``
+tp-dp    dense tp-dp  ``get_tensor_and_data_parallel_*()``
+tp-dp-cp dense        ``get_tensor_and_data_parallel_*(with_context_parallel=True)``
+ep       expert ep    ``get_expert_model_parallel_{group,rank,world_size}``
+etp      expert tp    ``get_expert_tensor_parallel_{group,rank,world_size}``
+edp      expert dp    ``get_expert_data_parallel_{group,rank,world_size}``
+tp-ep    expert tp-ep ``get_expert_tensor_and_model_parallel_{group,rank,world_size}``
+tp-ep-pp expert       ``get_expert_tensor_model_pipeline_parallel_{group,rank,world_size}``
+======== ============ =====================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+
+import torch.distributed as dist
+
+from .rank_generator import DEFAULT_ORDER, ParallelSizes, RankGenerator, make_rank_generators
+
+__all__ = [
+    "GROUP_KINDS",
+    "ParallelStateError",
+    "initialize_model_parallel",
+    "destroy_model_parallel",
+    "model_parallel_is_initialized",
+    "get_parallel_sizes",
+    "get_rank_generators",
+    "get_process_group",
+    "get_process_group_ranks",
+    "get_group_rank",
+    "get_group_world_size",
+    "get_context_parallel_group",
+    "get_context_parallel_rank",
+    "get_context_parallel_world_size",
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "get_expert_data_parallel_group",
+    "get_expert_data_parallel_rank",
+    "get_expert_data_parallel_world_size",
+    "get_expert_model_parallel_group",
+    "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_world_size",
+    "get_expert_tensor_and_model_parallel_group",
+    "get_expert_tensor_and_model_parallel_rank",
+    "get_expert_tensor_and_model_parallel_world_size",
+    "get_expert_tensor_model_pipeline_parallel_group",
+    "get_expert_tensor_model_pipeline_parallel_rank",
+    "get_expert_tensor_model_pipeline_parallel_world_size",
+    "get_expert_tensor_parallel_group",
+    "get_expert_tensor_parallel_rank",
+    "get_expert_tensor_parallel_world_size",
+    "get_model_parallel_group",
+    "get_model_parallel_rank",
+    "get_model_parallel_world_size",
+    "get_pipeline_model_parallel_group",
+    "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size",
+    "get_tensor_and_context_parallel_group",
+    "get_tensor_and_context_parallel_rank",
+    "get_tensor_and_context_parallel_world_size",
+    "get_tensor_and_data_parallel_group",
+    "get_tensor_and_data_parallel_rank",
+    "get_tensor_and_data_parallel_world_size",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size",
+    "is_pipeline_first_stage",
+    "is_pipeline_last_stage",
+]
+
+logger = logging.getLogger("mtp")
+
+#: kind -> (generator, token), in the order the groups are created on every rank.
+GROUP_KINDS: dict[str, tuple[str, str]] = {
+    "tp": ("dense", "tp"),
+    "pp": ("dense", "pp"),
+    "dp": ("dense", "dp"),
+    "cp": ("dense", "cp"),
+    "dp-cp": ("dense", "dp-cp"),
+    "tp-pp": ("dense", "tp-pp"),
+    "tp-cp": ("dense", "tp-cp"),
+    "tp-dp": ("dense", "tp-dp"),
+    "tp-dp-cp": ("dense", "tp-dp-cp"),
+    "ep": ("expert", "ep"),
+    "etp": ("expert", "tp"),
+    "edp": ("expert", "dp"),
+    "tp-ep": ("expert", "tp-ep"),
+    "tp-ep-pp": ("expert", "tp-ep-pp"),
+}
+
+_DESCRIPTIONS = {
+    "tp": "tensor model parallel",
+    "pp": "pipeline model parallel",
+    "dp": "data parallel",
+    "cp": "context parallel",
+    "dp-cp": "data parallel (with context parallel)",
+    "tp-pp": "model parallel",
+    "tp-cp": "tensor and context parallel",
+    "tp-dp": "tensor and data parallel",
+    "tp-dp-cp": "tensor and data parallel (with context parallel)",
+    "ep": "expert model parallel",
+    "etp": "expert tensor parallel",
+    "edp": "expert data parallel",
+    "tp-ep": "expert tensor and model parallel",
+    "tp-ep-pp": "expert tensor, model and pipeline parallel",
+}
+
+
+class ParallelStateError(RuntimeError):
+    """Model parallel state used before :func:`initialize_model_parallel` (or twice)."""
+
+
+@dataclasses.dataclass
+class _Group:
+    group: dist.ProcessGroup
+    ranks: list[int]
+    rank: int
+
+
+@dataclasses.dataclass
+class _State:
+    sizes: ParallelSizes
+    dense: RankGenerator
+    expert: RankGenerator
+    groups: dict[str, _Group]
+
+
+_STATE: _State | None = None
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    order: str = DEFAULT_ORDER,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> None:
+    """Create every parallel group (see the module table) for the current process group.
+
+    Args:
+        tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size:
+            dense-part sizes; the data parallel size is what is left of the world size.
+        expert_model_parallel_size: experts are split over this many ranks.
+        expert_tensor_parallel_size: tensor parallel size inside experts (default: tp).
+        order: rank order, fastest dimension first (default ``tp-cp-ep-dp-pp``).
+        backend: backend of the new groups (default: that of the default process group).
+        timeout: collective timeout of the new groups (default: torch.distributed's).
+
+    Raises:
+        ParallelStateError: torch.distributed is not initialized, or groups already exist.
+        ParallelConfigError: the sizes do not fit the world size (a ``ValueError``).
+    """
+    global _STATE
+    if not dist.is_available() or not dist.is_initialized():
+        raise ParallelStateError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+            "(or run under torchrun) before initialize_model_parallel()"
+        )
+    if _STATE is not None:
+        raise ParallelStateError(
+            "model parallel groups are already initialized; call destroy_model_parallel() first"
+        )
+    world_size, me = dist.get_world_size(), dist.get_rank()
+    dense, expert = make_rank_generators(
+        world_size,
+        tp=tensor_model_parallel_size,
+        pp=pipeline_model_parallel_size,
+        cp=context_parallel_size,
+        ep=expert_model_parallel_size,
+        etp=expert_tensor_parallel_size,
+        order=order,
+    )
+    generators = {"dense": dense, "expert": expert}
+    kwargs = {"backend": backend}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    groups: dict[str, _Group] = {}
+    for kind, (which, token) in GROUP_KINDS.items():
+        for ranks in generators[which].get_ranks(token):
+            group = dist.new_group(ranks, **kwargs)
+            if me in ranks:
+                groups[kind] = _Group(group, ranks, ranks.index(me))
+    sizes = ParallelSizes(
+        world_size,
+        tp=dense.tp,
+        pp=dense.pp,
+        cp=dense.cp,
+        dp=dense.dp,
+        ep=expert.ep,
+        etp=expert.tp,
+        edp=expert.dp,
+    )
+    _STATE = _State(sizes, dense, expert, groups)
+    if me == 0:
+        logger.info("initialized model parallel groups: %s", sizes)
+
+
+def destroy_model_parallel() -> None:
+    """Forget (and destroy) the groups made by :func:`initialize_model_parallel`."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
+        return
+    for entry in state.groups.values():
+        try:
+            dist.destroy_process_group(entry.group)
+        except (RuntimeError, ValueError):  # already gone with the default group
+            pass
+
+
+def model_parallel_is_initialized() -> bool:
+    """True between :func:`initialize_model_parallel` and :func:`destroy_model_parallel`."""
+    return _STATE is not None
+
+
+def _state(kind: str) -> _State:
+    if kind not in GROUP_KINDS:
+        raise ValueError(f"unknown group kind {kind!r}; known: {list(GROUP_KINDS)}")
+    if _STATE is None:
+        raise ParallelStateError(
+            f"the {_DESCRIPTIONS[kind]} group ({kind!r}) is not initialized: call "
+            "mtp.parallel.initialize_model_parallel(...) after "
+            "torch.distributed.init_process_group()"
+        )
+    return _STATE
+
+
+def get_parallel_sizes() -> ParallelSizes:
+    """The sizes the groups were built with (``tp, pp, cp, dp, ep, etp, edp``)."""
+    return _state("tp").sizes
+
+
+def get_rank_generators() -> tuple[RankGenerator, RankGenerator]:
+    """The ``(dense, expert)`` rank generators the groups were built from."""
+    state = _state("tp")
+    return state.dense, state.expert
+
+
+def get_process_group(kind: str) -> dist.ProcessGroup:
+    """This rank's group of ``kind`` (``"tp"``, ``"dp-cp"``, ``"ep"``... see the module table)."""
+    return _state(kind).groups[kind].group
+
+
+def get_process_group_ranks(kind: str) -> list[int]:
+    """Global ranks in this rank's group of ``kind``."""
+    return list(_state(kind).groups[kind].ranks)
+
+
+def get_group_rank(kind: str) -> int:
+    """This rank's index in its group of ``kind``."""
+    return _state(kind).groups[kind].rank
+
+
+def get_group_world_size(kind: str) -> int:
+    """Number of ranks in this rank's group of ``kind``."""
+    return len(_state(kind).groups[kind].ranks)
+
+
+# Megatron-Core getters ---------------------------------------------------------------------
+
+
+def _getters(name: str, kind: str):
+    """``get_<name>_group``, ``get_<name>_rank`` and ``get_<name>_world_size`` for ``kind``."""
+
+    def group() -> dist.ProcessGroup:
+        return get_process_group(kind)
+
+    def rank() -> int:
+        return get_group_rank(kind)
+
+    def world_size() -> int:
+        return get_group_world_size(kind)
+
+    what = _DESCRIPTIONS[kind]
+    for fn, suffix, doc in (
+        (group, "group", f"This rank's {what} group ({kind!r})."),
+        (rank, "rank", f"This rank's index in its {what} group ({kind!r})."),
+        (world_size, "world_size", f"Size of the {what} group ({kind!r})."),
+    ):
+        fn.__name__ = fn.__qualname__ = f"get_{name}_{suffix}"
+        fn.__doc__ = doc
+    return group, rank, world_size
+
+
+(
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+) = _getters("tensor_model_parallel", "tp")
+(
+    get_pipeline_model_parallel_group,
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+) = _getters("pipeline_model_parallel", "pp")
+(
+    get_context_parallel_group,
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
+) = _getters("context_parallel", "cp")
+(
+    get_model_parallel_group,
+    get_model_parallel_rank,
+    get_model_parallel_world_size,
+) = _getters("model_parallel", "tp-pp")
+(
+    get_tensor_and_context_parallel_group,
+    get_tensor_and_context_parallel_rank,
+    get_tensor_and_context_parallel_world_size,
+) = _getters("tensor_and_context_parallel", "tp-cp")
+(
+    get_expert_model_parallel_group,
+    get_expert_model_parallel_rank,
+    get_expert_model_parallel_world_size,
+) = _getters("expert_model_parallel", "ep")
+(
+    get_expert_tensor_parallel_group,
+    get_expert_tensor_parallel_rank,
+    get_expert_tensor_parallel_world_size,
+) = _getters("expert_tensor_parallel", "etp")
+(
+    get_expert_data_parallel_group,
+    get_expert_data_parallel_rank,
+    get_expert_data_parallel_world_size,
+) = _getters("expert_data_parallel", "edp")
+(
+    get_expert_tensor_and_model_parallel_group,
+    get_expert_tensor_and_model_parallel_rank,
+    get_expert_tensor_and_model_parallel_world_size,
+) = _getters("expert_tensor_and_model_parallel", "tp-ep")
+(
+    get_expert_tensor_model_pipeline_parallel_group,
+    get_expert_tensor_model_pipeline_parallel_rank,
+    get_expert_tensor_model_pipeline_parallel_world_size,
+) = _getters("expert_tensor_model_pipeline_parallel", "tp-ep-pp")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of the first rank in this rank's tensor parallel group."""
+    return get_process_group_ranks("tp")[0]
+
+
+def is_pipeline_first_stage() -> bool:
+    """True on the first pipeline stage."""
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    """True on the last pipeline stage."""
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """This rank's data parallel group (``dp``, or ``dp-cp`` with context parallel)."""
+    return get_process_group("dp-cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """This rank's index in its data parallel group (``dp`` or ``dp-cp``)."""
+    return get_group_rank("dp-cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Size of the data parallel group (``dp`` or ``dp-cp``)."""
+    return get_group_world_size("dp-cp" if with_context_parallel else "dp")
+
+
+def get_tensor_and_data_parallel_group(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """This rank's ``tp-dp`` group (``tp-dp-cp`` with context parallel)."""
+    return get_process_group("tp-dp-cp" if with_context_parallel else "tp-dp")
+
+
+def get_tensor_and_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """This rank's index in its ``tp-dp`` (or ``tp-dp-cp``) group."""
+    return get_group_rank("tp-dp-cp" if with_context_parallel else "tp-dp")
+
+
+def get_tensor_and_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Size of the ``tp-dp`` (or ``tp-dp-cp``) group."""
+    return get_group_world_size("tp-dp-cp" if with_context_parallel else "tp-dp")

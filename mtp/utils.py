@@ -1,0 +1,138 @@
+"""Small conventions shared by every op and layer.
+
+- :func:`data_checks_enabled` implements the project rule for data-dependent validation: a check
+  that must read tensor values (and so synchronises with the device) runs by default, is skipped
+  automatically while tracing, compiling or capturing a CUDA graph, and is turned off by
+  ``validate=False``.
+- :func:`empty` allocates op outputs. With ``MTP_POISON_OUTPUTS=1`` (the test suite sets it) the
+  buffer is filled with NaN (floats) or a large sentinel (integers) so that an element a kernel
+  forgot to write cannot pass a test by luck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def simulated_capture() -> Iterator[None]:
+    """Behave as if a CUDA graph were being captured (used by ``mtp.testing.assert_graph_safe``).
+
+    Inside this context :func:`data_checks_enabled` returns False, exactly as it does during a
+    real ``torch.cuda.graph`` capture, so a graph-safety check sees what a capture would run.
+    """
+    previous = getattr(_state, "capturing", False)
+    _state.capturing = True
+    try:
+        yield
+    finally:
+        _state.capturing = previous
+
+
+def _is_fake_or_traced(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor) or t.device.type == "meta":
+        return True
+    # Functional / proxy tensors used by export and AOTAutograd are wrapper subclasses.
+    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
+def is_capturing() -> bool:
+    """True while a CUDA graph is being captured on the current stream, or simulated."""
+    if getattr(_state, "capturing", False):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def data_checks_enabled(validate: bool, *tensors: torch.Tensor) -> bool:
+    """Whether a data-dependent (host-syncing) check should run now.
+
+    Args:
+        validate: the op's ``validate`` argument; False turns the check off.
+        tensors: the tensors the check would read; fake/meta/traced tensors disable it.
+    """
+    if not validate:
+        return False
+    if torch.compiler.is_compiling() or is_capturing():
+        return False
+    return not any(_is_fake_or_traced(t) for t in tensors if isinstance(t, torch.Tensor))
+
+
+def poison_enabled() -> bool:
+    """True when ``MTP_POISON_OUTPUTS`` asks for poisoned output buffers (tests and debugging)."""
+    return os.environ.get("MTP_POISON_OUTPUTS", "0") not in ("", "0")
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` in place with a value no correct kernel writes: NaN, or the dtype's max int."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def empty(
+    shape: Sequence[int] | torch.Size,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """``torch.empty`` for op outputs; poisoned when :func:`poison_enabled`."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if poison_enabled() and not _is_fake_or_traced(out):
+        poison_(out)
+    return out
+
+
+def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`empty` with ``t``'s shape and device (and dtype unless given)."""
+    return empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Validate an op argument; raise ``TypeError``/``ValueError`` naming it.
+
+    Args:
+        name: the argument name used in the message (``"logits"``).
+        value: the object to check; must be a ``torch.Tensor``.
+        ndim: required number of dimensions (an int or a collection of allowed ints).
+        dtypes: allowed dtypes.
+        device: required device (compared by type and index).
+
+    Returns the tensor, so calls can be chained.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            want = " or ".join(f"{d}-D" for d in allowed)
+            raise ValueError(
+                f"{name} must be {want}, got a {value.dim()}-D tensor of shape {tuple(value.shape)}"
+            )
+    if dtypes is not None and value.dtype not in dtypes:
+        want = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({want}), got {_dtype_name(value.dtype)}")
+    if device is not None and value.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device} (like the other inputs), got {value.device}")
+    return value
