@@ -1,0 +1,7 @@
+"""The op layer: each op is a ``torch.library`` custom op (``torch.ops.mtp.*``) with a fake
+implementation, autograd, argument checks, backend choice and a plain-PyTorch reference.
+
+Backends are chosen by argument (``backend="auto"|"triton"|"reference"|...``) or, when the
+argument is ``"auto"``, by the ``MTP_BACKEND`` environment variable; ``auto`` means the fused
+kernel on CUDA and the reference on CPU (see :func:`mtp.ops._backend.resolve_backend`).
+"""
