@@ -341,17 +341,18 @@ class _Into:
         return self.buffers
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("drop_and_pad", [False, True], ids=["dropless", "drop_and_pad"])
-def test_permute_and_unpermute_are_graph_safe(drop_and_pad):
+def test_permute_and_unpermute_are_graph_safe(drop_and_pad, backend):
     routing_map, probs, indices = topk_routing(24, 6, 2, seed=11)
     tokens = torch.randn(24, 10)
     n = 24 if drop_and_pad else 48
     kw = dict(drop_and_pad=True, capacity=4) if drop_and_pad else dict(num_out_tokens=n)
 
     def routine(tokens, routing_map, probs):
-        permuted, pprobs, rid = permute(tokens, routing_map, probs, backend="triton", **kw)
+        permuted, pprobs, rid = permute(tokens, routing_map, probs, backend=backend, **kw)
         out = unpermute(
-            permuted * 2, rid, tokens.shape, probs, routing_map, drop_and_pad, backend="triton"
+            permuted * 2, rid, tokens.shape, probs, routing_map, drop_and_pad, backend=backend
         )
         return permuted, pprobs, rid, out
 
@@ -362,7 +363,7 @@ def test_permute_and_unpermute_are_graph_safe(drop_and_pad):
     assert_graph_safe(fn, tokens, routing_map, probs)
 
     def by_indices(tokens, indices, probs):
-        return permute(tokens, probs=probs, indices=indices, backend="triton", **kw)
+        return permute(tokens, probs=probs, indices=indices, backend=backend, **kw)
 
     fn = _Into(by_indices, torch.empty(n, 10), torch.empty(n), torch.empty(n, dtype=torch.int64))
     assert_graph_safe(fn, tokens, indices, probs)

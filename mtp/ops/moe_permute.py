@@ -12,6 +12,19 @@ the ``row_id_map`` are Megatron-Core's (``megatron/core/transformer/moe/moe_util
   token (an unused drop-and-pad slot, or a row past the routed pairs when validation is off);
   such rows are zero and ``unpermute`` skips them.
 
+Where this differs from Megatron-Core (on purpose, following mtp's issue 5):
+
+- ``drop_and_pad``: ``capacity`` may be given explicitly (Megatron derives it from
+  ``num_out_tokens // E``, also accepted); an expert with fewer than ``capacity`` tokens gets
+  zero rows and ``-1`` in ``row_id_map`` (Megatron assumes the router filled every slot and
+  would copy unrouted tokens there). The kept tokens are the same: the first ``capacity`` in
+  token order.
+- ``unpermute`` is a per-token gather summed in fp32 in ascending row order (deterministic, no
+  atomics) instead of a scatter-add; the permute backward is the same gather (Megatron's
+  ``index_select`` backward accumulates in the tokens' dtype).
+- ``num_out_tokens`` is checked against the routing (data check) instead of silently cutting or
+  padding; ``indices=[T, k]`` is accepted in place of ``routing_map``.
+
 Everything runs on the device with static shapes (graph-safe): the per-expert counts and the
 row map come from cumulative sums and ``searchsorted``; nothing reads a value on the host except
 the data-dependent validation (:func:`mtp.utils.data_checks_enabled`), and, only when
@@ -576,21 +589,20 @@ def _check_row_map(
     """Data-dependent checks of unpermute's row map (one host sync)."""
     if row_id_map.numel() == 0:
         return
-    lo, hi = int(row_id_map.min()), int(row_id_map.max())
+    stats = [row_id_map.min().to(torch.int64), row_id_map.max().to(torch.int64)]
+    if pair is not None and routing_map is not None:
+        routed = torch.cat([routing_map.reshape(-1), routing_map.new_zeros(1)])[pair]
+        stats.append(((row_id_map >= 0) & ~routed).sum())
+    lo, hi, *bad = torch.stack(stats).tolist()
     if lo < -1 or hi >= num_tokens:
         raise ValueError(
             f"row_id_map must hold token numbers in [0, {num_tokens}) or -1, got values in "
             f"[{lo}, {hi}]"
         )
-    if pair is None or routing_map is None:
-        return
-    held = row_id_map >= 0
-    routed = torch.cat([routing_map.reshape(-1), routing_map.new_zeros(1)])[pair]
-    bad = int((held & ~routed).sum())
-    if bad:
+    if bad and bad[0]:
         raise ValueError(
-            f"row_id_map does not match routing_map: {bad} rows hold a token that routing_map "
-            "does not send to that row's expert"
+            f"row_id_map does not match routing_map: {bad[0]} rows hold a token that "
+            "routing_map does not send to that row's expert"
         )
 
 
@@ -655,7 +667,7 @@ def _combine_reference(
         rows = rows * weight.to(acc_dtype).unsqueeze(1)
     index = row_id_map.to(torch.int64)
     valid = (index >= 0) & (index < num_tokens)
-    rows = rows * valid.unsqueeze(1).to(acc_dtype)
+    rows = torch.where(valid.unsqueeze(1), rows, rows.new_zeros(()))
     out = torch.zeros((num_tokens, permuted.shape[1]), dtype=acc_dtype, device=permuted.device)
     if num_tokens:
         out = out.index_add(0, index.clamp(0, num_tokens - 1), rows)
