@@ -1,0 +1,691 @@
+"""MoE token permutation: :func:`permute` and :func:`unpermute` (Megatron-Core order).
+
+``permute`` groups the token rows by expert for the expert computation; ``unpermute`` merges the
+expert outputs back into token order, weighted by the routing probabilities. The row order and
+the ``row_id_map`` are Megatron-Core's (``megatron/core/transformer/moe/moe_utils.py``,
+``permute``/``unpermute`` without ``fused=True``), so outputs are interchangeable with it:
+
+- Row order: expert-major, ascending token index within each expert.
+- ``row_id_map`` is Megatron's ``sorted_indices``: an int64 ``[N]`` tensor whose entry ``i`` is
+  the token (row of ``tokens``) that permuted row ``i`` was copied from, so
+  ``permuted[i] == tokens[row_id_map[i]]``. The only addition: ``-1`` marks a row that holds no
+  token (an unused drop-and-pad slot, or a row past the routed pairs when validation is off);
+  such rows are zero and ``unpermute`` skips them.
+
+Where this differs from Megatron-Core (on purpose, following mtp's issue 5):
+
+- ``drop_and_pad``: ``capacity`` may be given explicitly (Megatron derives it from
+  ``num_out_tokens // E``, also accepted); an expert with fewer than ``capacity`` tokens gets
+  zero rows and ``-1`` in ``row_id_map`` (Megatron assumes the router filled every slot and
+  would copy unrouted tokens there). The kept tokens are the same: the first ``capacity`` in
+  token order.
+- ``unpermute`` is a per-token gather summed in fp32 in ascending row order (deterministic, no
+  atomics) instead of a scatter-add; the permute backward is the same gather (Megatron's
+  ``index_select`` backward accumulates in the tokens' dtype).
+- ``num_out_tokens`` is checked against the routing (data check) instead of silently cutting or
+  padding; ``indices=[T, k]`` is accepted in place of ``routing_map``.
+
+Everything runs on the device with static shapes (graph-safe): the per-expert counts and the
+row map come from cumulative sums and ``searchsorted``; nothing reads a value on the host except
+the data-dependent validation (:func:`mtp.utils.data_checks_enabled`), and, only when
+``num_out_tokens`` is omitted for a routing map, the count of routed pairs.
+
+Backends: ``"triton"`` (the kernels of :mod:`mtp.kernels.moe_permute`) and ``"reference"``
+(plain PyTorch, same signature), chosen by :func:`mtp.ops._backend.resolve_backend`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from mtp.kernels import moe_permute as _kernels
+from mtp.ops._backend import resolve_backend
+from mtp.utils import check_tensor, data_checks_enabled, empty
+
+__all__ = [
+    "permute",
+    "unpermute",
+    "permute_reference",
+    "unpermute_reference",
+    "moe_permute_row_map",
+]
+
+logger = logging.getLogger("mtp")
+
+_BACKENDS = ("triton", "reference")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops: the two data movements, each the other's adjoint
+# --------------------------------------------------------------------------------------------
+
+
+def _token_major(index: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Invert ``index`` (row -> token): ``rows`` grouped by token, ascending row within a token,
+    and ``offsets[T + 1]`` (token ``t`` owns ``rows[offsets[t]:offsets[t + 1]]``). Rows whose
+    index is outside ``[0, T)`` are left out. Static shapes, no host sync."""
+    index = index.to(torch.int64)
+    valid = (index >= 0) & (index < num_tokens)
+    keys = torch.where(valid, index, torch.full_like(index, num_tokens))
+    sorted_keys, rows = torch.sort(keys, stable=True)
+    bounds = torch.arange(num_tokens + 1, device=index.device, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_keys, bounds)
+    return rows, offsets
+
+
+@torch.library.custom_op("mtp::moe_gather_rows", mutates_args=())
+def _gather_rows_op(x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``out[i] = scale[i] * x[index[i]]`` (zero row where ``index[i]`` is outside ``[0, M)``)."""
+    x = x.contiguous()
+    out = empty((index.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+    _kernels.gather_rows(
+        x, index.contiguous(), out, scale=None if scale is None else scale.contiguous()
+    )
+    return out
+
+
+@_gather_rows_op.register_fake
+def _(x, index, scale):
+    return x.new_empty((index.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op("mtp::moe_combine_rows", mutates_args=())
+def _combine_rows_op(
+    x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, num_tokens: int
+) -> torch.Tensor:
+    """``out[t] = sum_{i: index[i] == t} weight[i] * x[i]``: per-token gather, fp32 sum in
+    ascending ``i``, deterministic."""
+    x = x.contiguous()
+    rows, offsets = _token_major(index, num_tokens)
+    out = empty((num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
+    _kernels.combine_rows(
+        x, rows, offsets, out, weight=None if weight is None else weight.contiguous()
+    )
+    return out
+
+
+@_combine_rows_op.register_fake
+def _(x, index, weight, num_tokens):
+    return x.new_empty((num_tokens, x.shape[1]))
+
+
+@torch.library.custom_op("mtp::moe_gather_rows_dot", mutates_args=())
+def _gather_rows_dot_op(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    scale: torch.Tensor | None,
+    other: torch.Tensor,
+    write_out: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward helper: ``(scale[i] * x[index[i]] or an empty [0, H], dot[i] = <x[index[i]],
+    other[i]>)``, the dot in fp32."""
+    x = x.contiguous()
+    n = index.shape[0]
+    out = empty((n if write_out else 0, x.shape[1]), dtype=x.dtype, device=x.device)
+    dot = empty((n,), dtype=torch.float32, device=x.device)
+    _kernels.gather_rows(
+        x,
+        index.contiguous(),
+        out if write_out else None,
+        scale=None if scale is None else scale.contiguous(),
+        other=other.contiguous(),
+        dot=dot,
+    )
+    return out, dot
+
+
+@_gather_rows_dot_op.register_fake
+def _(x, index, scale, other, write_out):
+    n = index.shape[0]
+    return x.new_empty((n if write_out else 0, x.shape[1])), x.new_empty((n,), dtype=torch.float32)
+
+
+def _gather_setup(ctx, inputs, output):
+    x, index, scale = inputs
+    ctx.num_rows = x.shape[0]
+    ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, index, scale)
+
+
+def _gather_backward(ctx, grad):
+    x, index, scale = ctx.saved_tensors
+    grad_x = grad_scale = None
+    if ctx.needs_input_grad[0]:
+        grad_x = torch.ops.mtp.moe_combine_rows(grad, index, scale, ctx.num_rows)
+    if ctx.needs_input_grad[2]:
+        _, dot = torch.ops.mtp.moe_gather_rows_dot(x, index, None, grad, False)
+        grad_scale = dot.to(scale.dtype)
+    return grad_x, None, grad_scale
+
+
+_gather_rows_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+def _combine_setup(ctx, inputs, output):
+    x, index, weight, _ = inputs
+    ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, index, weight)
+
+
+def _combine_backward(ctx, grad):
+    x, index, weight = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    grad_x = grad_w = None
+    if need_w:
+        grad_x, dot = torch.ops.mtp.moe_gather_rows_dot(grad, index, weight, x, need_x)
+        grad_w = dot.to(weight.dtype)
+        grad_x = grad_x if need_x else None
+    elif need_x:
+        grad_x = torch.ops.mtp.moe_gather_rows(grad, index, weight)
+    return grad_x, None, grad_w, None
+
+
+_combine_rows_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# Row maps (device, static shapes)
+# --------------------------------------------------------------------------------------------
+
+
+def moe_permute_row_map(
+    routing_map: torch.Tensor,
+    num_out_tokens: int,
+    drop_and_pad: bool = False,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row map of :func:`permute`, computed on the device without a host sync.
+
+    Args:
+        routing_map: ``[T, E]`` bool.
+        num_out_tokens: ``N``, the number of permuted rows (``E * capacity`` when dropping).
+        drop_and_pad: keep the first ``capacity`` tokens (token order) of each expert, in slots
+            ``[e * capacity, (e + 1) * capacity)``.
+        capacity: slots per expert (with ``drop_and_pad``).
+
+    Returns:
+        ``(row_id_map, pair)``, both int64 ``[N]``: the token of each row (``-1``: no token) and
+        its flat ``(token, expert)`` index ``t * E + e`` (``T * E`` for an empty row).
+    """
+    tokens, experts = routing_map.shape
+    device = routing_map.device
+    if drop_and_pad:
+        # Position of each token among the tokens of its expert, then the (s+1)-th one per slot.
+        ranks = torch.cumsum(routing_map.t(), dim=1, dtype=torch.int32)  # [E, T]
+        want = torch.arange(1, capacity + 1, device=device, dtype=torch.int32)
+        token = torch.searchsorted(ranks, want.expand(experts, capacity).contiguous())  # [E, C]
+        valid = token < tokens
+        expert = torch.arange(experts, device=device, dtype=torch.int64).unsqueeze(1)
+        pair = torch.where(valid, token * experts + expert, tokens * experts)
+        row_id_map = torch.where(valid, token, -1)
+        return row_id_map.reshape(-1), pair.reshape(-1)
+    if tokens * experts == 0:
+        none = torch.full((num_out_tokens,), -1, device=device, dtype=torch.int64)
+        return none, torch.full_like(none, tokens * experts)
+    # Cumulative count over the expert-major flattening (e * T + t): row i is the pair where the
+    # count first reaches i + 1 (Megatron's stable argsort of routing_map.T, without the sort).
+    count_dtype = torch.int32 if tokens * experts < 2**31 else torch.int64
+    counts = torch.cumsum(routing_map.t().reshape(-1), dim=0, dtype=count_dtype)
+    want = torch.arange(1, num_out_tokens + 1, device=device, dtype=count_dtype)
+    flat = torch.searchsorted(counts, want)
+    valid = flat < tokens * experts
+    flat = torch.where(valid, flat, 0)
+    token, expert = flat % tokens, flat // tokens
+    row_id_map = torch.where(valid, token, -1)
+    pair = torch.where(valid, token * experts + expert, tokens * experts)
+    return row_id_map, pair
+
+
+def _row_pairs(
+    row_id_map: torch.Tensor,
+    num_tokens: int,
+    num_experts: int,
+    routing_map: torch.Tensor | None,
+    drop_and_pad: bool,
+) -> torch.Tensor:
+    """Flat ``(token, expert)`` index of each permuted row (``T * E`` where it has none), from
+    ``row_id_map`` and the expert layout: ``capacity`` slots per expert, or the per-expert
+    counts of ``routing_map``."""
+    n = row_id_map.shape[0]
+    device = row_id_map.device
+    rows = torch.arange(n, device=device, dtype=torch.int64)
+    if drop_and_pad:
+        expert = rows // max(n // max(num_experts, 1), 1)
+    else:
+        ends = torch.cumsum(routing_map.sum(dim=0, dtype=torch.int64), dim=0)
+        expert = torch.searchsorted(ends, rows, right=True)
+    token = row_id_map.to(torch.int64)
+    valid = (token >= 0) & (token < num_tokens) & (expert < num_experts)
+    return torch.where(valid, token * num_experts + expert, num_tokens * num_experts)
+
+
+def _select_probs(probs: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+    """``probs.flatten()[pair]`` with ``0`` where ``pair == T * E`` (differentiable)."""
+    flat = torch.cat([probs.reshape(-1), probs.new_zeros(1)])
+    return flat.index_select(0, pair)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_int(name: str, value: object, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _routing_from_indices(
+    indices: torch.Tensor, num_experts: int, validate: bool
+) -> torch.Tensor:
+    """``[T, k]`` top-k expert indices -> ``[T, E]`` bool routing map (device, static shape)."""
+    if data_checks_enabled(validate, indices):
+        bad_range = ((indices < 0) | (indices >= num_experts)).any()
+        sorted_idx = indices.sort(dim=1).values
+        dup = (sorted_idx[:, 1:] == sorted_idx[:, :-1]).any()
+        bad_range, dup = torch.stack([bad_range, dup]).tolist()
+        if bad_range:
+            raise ValueError(
+                f"indices must hold expert numbers in [0, {num_experts}), got values outside "
+                f"(min {int(indices.min())}, max {int(indices.max())})"
+            )
+        if dup:
+            raise ValueError("indices must not repeat an expert within a token's row")
+    idx = indices.to(torch.int64).clamp(0, max(num_experts - 1, 0))
+    routing = torch.zeros(
+        (indices.shape[0], num_experts), dtype=torch.bool, device=indices.device
+    )
+    if indices.numel():
+        routing.scatter_(1, idx, True)
+    return routing
+
+
+def _resolve_routing(
+    tokens_shape: Sequence[int],
+    device: torch.device,
+    routing_map: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    probs: torch.Tensor | None,
+    num_experts: int | None,
+    validate: bool,
+) -> tuple[torch.Tensor, int | None]:
+    """Check routing_map / indices / probs; return the ``[T, E]`` bool routing map and ``k``
+    (the row width of ``indices``, None for a routing map)."""
+    num_tokens = tokens_shape[0]
+    if (routing_map is None) == (indices is None):
+        raise ValueError("pass exactly one of routing_map=[T, E] bool or indices=[T, k]")
+    if probs is not None:
+        check_tensor("probs", probs, ndim=2, dtypes=_FLOAT_DTYPES, device=device)
+        if probs.shape[0] != num_tokens:
+            raise ValueError(
+                f"probs must be [T, E] with T={num_tokens} (tokens' rows), got {tuple(probs.shape)}"
+            )
+    if routing_map is not None:
+        check_tensor("routing_map", routing_map, ndim=2, dtypes=(torch.bool,), device=device)
+        if routing_map.shape[0] != num_tokens:
+            raise ValueError(
+                f"routing_map must be [T, E] with T={num_tokens} (tokens' rows), got "
+                f"{tuple(routing_map.shape)}"
+            )
+        if probs is not None and probs.shape != routing_map.shape:
+            raise ValueError(
+                f"probs must have routing_map's shape {tuple(routing_map.shape)}, got "
+                f"{tuple(probs.shape)}"
+            )
+        if num_experts is not None and num_experts != routing_map.shape[1]:
+            raise ValueError(
+                f"num_experts={num_experts} but routing_map has {routing_map.shape[1]} columns"
+            )
+        return routing_map, None
+    check_tensor("indices", indices, ndim=2, dtypes=_INDEX_DTYPES, device=device)
+    if indices.shape[0] != num_tokens:
+        raise ValueError(
+            f"indices must be [T, k] with T={num_tokens} (tokens' rows), got "
+            f"{tuple(indices.shape)}"
+        )
+    if num_experts is None:
+        if probs is None:
+            raise ValueError("indices= needs num_experts= (or probs=[T, E]) to know E")
+        num_experts = probs.shape[1]
+    _check_int("num_experts", num_experts, 1)
+    if probs is not None and probs.shape[1] != num_experts:
+        raise ValueError(
+            f"probs must be [T, E] with E={num_experts}, got {tuple(probs.shape)}"
+        )
+    if indices.shape[1] > num_experts:
+        raise ValueError(
+            f"indices has k={indices.shape[1]} columns but there are only {num_experts} experts"
+        )
+    return _routing_from_indices(indices, num_experts, validate), indices.shape[1]
+
+
+def _resolve_sizes(
+    routing_map: torch.Tensor,
+    topk: int | None,
+    num_out_tokens: int | None,
+    drop_and_pad: bool,
+    capacity: int | None,
+    validate: bool,
+) -> tuple[int, int | None]:
+    """The static row count ``N`` and capacity; checks them against the routing."""
+    num_tokens, num_experts = routing_map.shape
+    if num_out_tokens is not None:
+        _check_int("num_out_tokens", num_out_tokens)
+    if drop_and_pad:
+        if capacity is None:
+            if num_out_tokens is None:
+                raise ValueError("drop_and_pad=True needs capacity= (or num_out_tokens=E*capacity)")
+            if num_experts == 0 or num_out_tokens % num_experts:
+                raise ValueError(
+                    f"drop_and_pad: num_out_tokens={num_out_tokens} must be a multiple of the "
+                    f"number of experts {num_experts} (it is E * capacity)"
+                )
+            capacity = num_out_tokens // num_experts
+        _check_int("capacity", capacity)
+        if num_out_tokens is not None and num_out_tokens != num_experts * capacity:
+            raise ValueError(
+                f"drop_and_pad: num_out_tokens={num_out_tokens} must equal E * capacity = "
+                f"{num_experts} * {capacity}"
+            )
+        return num_experts * capacity, capacity
+    if capacity is not None:
+        raise ValueError("capacity= is only used with drop_and_pad=True")
+    if num_out_tokens is None:
+        if topk is not None:
+            num_out_tokens = num_tokens * topk
+        elif data_checks_enabled(True, routing_map):
+            # Only here does the shape depend on the data: one host sync, not graph-safe.
+            num_out_tokens = int(routing_map.sum())
+            logger.debug("permute: num_out_tokens=None, counted %d routed pairs", num_out_tokens)
+        else:
+            raise ValueError(
+                "permute: num_out_tokens must be given while tracing or capturing (the output "
+                "shape cannot depend on the routing); for top-k routing it is T * k"
+            )
+        return num_out_tokens, None
+    if data_checks_enabled(validate, routing_map):
+        routed = int(routing_map.sum())
+        if routed != num_out_tokens:
+            raise ValueError(
+                f"num_out_tokens={num_out_tokens} but routing_map routes {routed} "
+                "(token, expert) pairs; they must be equal without drop_and_pad"
+            )
+    return num_out_tokens, None
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def permute(
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+    drop_and_pad: bool = False,
+    capacity: int | None = None,
+    *,
+    indices: torch.Tensor | None = None,
+    num_experts: int | None = None,
+    backend: str = "auto",
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Group token rows by expert (Megatron-Core's ``moe_utils.permute`` order).
+
+    Args:
+        tokens: ``[T, H]`` fp32/fp16/bf16 (fp64 too).
+        routing_map: ``[T, E]`` bool, ``True`` where token ``t`` goes to expert ``e``.
+        probs: optional ``[T, E]`` routing probabilities (any float dtype); the probability of
+            each permuted row is returned.
+        num_out_tokens: ``N``, a Python int so the output shape is static. Dropless: the number
+            of routed pairs (``T * k`` for top-k; the default with ``indices=``). Omitted with a
+            routing map, it is counted on the host (one sync, not graph-safe). With
+            ``drop_and_pad`` it may stand for ``E * capacity`` (Megatron's convention).
+        drop_and_pad: give every expert exactly ``capacity`` rows: an expert keeps its first
+            ``capacity`` tokens **in token order** (the same tokens Megatron-Core keeps; not
+            the top-capacity by probability: drop by probability in the router), and its unused
+            slots are zero rows (Megatron assumes the router filled every slot instead).
+        capacity: rows per expert with ``drop_and_pad`` (explicit; Megatron derives it from
+            ``num_out_tokens // E``, which is also accepted).
+        indices: ``[T, k]`` int32/int64 top-k expert numbers instead of ``routing_map``
+            (distinct within a row); gives the same order as the equivalent routing map.
+        num_experts: ``E`` for ``indices=`` when ``probs`` is not given.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        validate: run the checks that read tensor values (range of ``indices``, routed count
+            against ``num_out_tokens``); skipped automatically while tracing/capturing.
+
+    Returns:
+        ``(permuted, permuted_probs, row_id_map)``:
+
+        - ``permuted``: ``[N, H]``, tokens' dtype. Rows are expert-major and, within an expert,
+          in ascending token order; with ``drop_and_pad`` expert ``e`` owns rows
+          ``[e * capacity, (e + 1) * capacity)``.
+        - ``permuted_probs``: ``[N]`` in probs' dtype (``probs[row_id_map[i], expert of row i]``;
+          0 for an empty row), or None without ``probs``.
+        - ``row_id_map``: int64 ``[N]``, Megatron's ``sorted_indices``: ``row_id_map[i]`` is the
+          token that row ``i`` holds (``permuted[i] == tokens[row_id_map[i]]``), ``-1`` for a
+          row that holds none (an unused drop-and-pad slot, zero in ``permuted``; also rows past
+          the routed pairs when ``num_out_tokens`` exceeds them with ``validate=False``). With
+          ``validate=False`` and fewer rows than routed pairs, the last pairs are dropped, as in
+          Megatron.
+
+    Gradients flow to ``tokens`` (a per-token fp32 gather of the row gradients, no atomics) and
+    to ``probs``. The whole path is graph-safe (static shapes, no host sync) once
+    ``num_out_tokens`` (or ``capacity``) is given.
+    """
+    check_tensor("tokens", tokens, ndim=2, dtypes=_FLOAT_DTYPES)
+    routing_map, topk = _resolve_routing(
+        tokens.shape, tokens.device, routing_map, indices, probs, num_experts, validate
+    )
+    n, capacity = _resolve_sizes(
+        routing_map, topk, num_out_tokens, drop_and_pad, capacity, validate
+    )
+    choice = resolve_backend("permute", backend, tokens.device, _BACKENDS)
+    if choice == "reference":
+        return permute_reference(tokens, routing_map, probs, n, drop_and_pad, capacity)
+    row_id_map, pair = moe_permute_row_map(routing_map, n, drop_and_pad, capacity)
+    permuted = torch.ops.mtp.moe_gather_rows(tokens, row_id_map, None)
+    permuted_probs = None if probs is None else _select_probs(probs, pair)
+    return permuted, permuted_probs, row_id_map
+
+
+def unpermute(
+    permuted: torch.Tensor,
+    row_id_map: torch.Tensor,
+    restore_shape: Sequence[int],
+    probs: torch.Tensor | None = None,
+    routing_map: torch.Tensor | None = None,
+    drop_and_pad: bool = False,
+    *,
+    indices: torch.Tensor | None = None,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """Merge permuted rows back into token order (Megatron-Core's ``moe_utils.unpermute``).
+
+    ``out[t] = sum_i p_i * permuted[i]`` over the rows ``i`` with ``row_id_map[i] == t``, where
+    ``p_i = probs[t, expert of row i]`` (or 1 without ``probs``). Computed as a per-token gather
+    in fp32, rows summed in ascending order (deterministic, no atomics; Megatron scatter-adds),
+    and returned in ``permuted``'s dtype.
+
+    Args:
+        permuted: ``[N, H]`` fp32/fp16/bf16 (fp64 too): rows in :func:`permute`'s order.
+        row_id_map: int64/int32 ``[N]`` from :func:`permute` (or Megatron's ``sorted_indices``):
+            the token of each row; rows with ``-1`` are skipped.
+        restore_shape: ``(T, H)`` of the output (``tokens.shape``).
+        probs: optional ``[T, E]`` routing probabilities (any float dtype); gets a gradient.
+        routing_map: ``[T, E]`` bool; needed with ``probs`` to know each row's expert (unless
+            ``drop_and_pad``, where row ``i`` belongs to expert ``i // (N / E)``).
+        drop_and_pad: the rows are ``E`` blocks of ``capacity = N / E`` slots.
+        indices: ``[T, k]`` top-k expert numbers instead of ``routing_map``.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        validate: check the values of ``row_id_map`` (in ``[-1, T)``) and that every row's
+            ``(token, expert)`` pair is routed; skipped while tracing/capturing.
+
+    Returns:
+        ``[T, H]`` in ``permuted``'s dtype; tokens no row maps to are zero. Gradients flow to
+        ``permuted`` (``p_i * grad[t]``) and ``probs`` (``<permuted[i], grad[t]>``).
+    """
+    check_tensor("permuted", permuted, ndim=2, dtypes=_FLOAT_DTYPES)
+    device = permuted.device
+    check_tensor("row_id_map", row_id_map, ndim=1, dtypes=_INDEX_DTYPES, device=device)
+    num_rows, hidden = permuted.shape
+    if row_id_map.shape[0] != num_rows:
+        raise ValueError(
+            f"row_id_map must have one entry per permuted row ({num_rows}), got "
+            f"{row_id_map.shape[0]}"
+        )
+    shape = tuple(restore_shape)
+    if len(shape) != 2 or any(isinstance(s, bool) or not isinstance(s, int) for s in shape):
+        raise ValueError(f"restore_shape must be (T, H) ints, got {restore_shape!r}")
+    if shape[1] != hidden:
+        raise ValueError(f"restore_shape {shape} must end in permuted's hidden size {hidden}")
+    num_tokens = shape[0]
+    pair = None
+    if probs is not None:
+        check_tensor("probs", probs, ndim=2, dtypes=_FLOAT_DTYPES, device=device)
+        if probs.shape[0] != num_tokens:
+            raise ValueError(
+                f"probs must be [T, E] with T={num_tokens} (restore_shape), got "
+                f"{tuple(probs.shape)}"
+            )
+        experts = probs.shape[1]
+        if routing_map is not None or indices is not None:
+            routing_map, _ = _resolve_routing(
+                shape, device, routing_map, indices, probs, experts, validate
+            )
+        elif not drop_and_pad:
+            raise ValueError(
+                "unpermute with probs needs routing_map= (or indices=) to know each row's "
+                "expert (not needed with drop_and_pad)"
+            )
+        if drop_and_pad and (experts == 0 or num_rows % experts):
+            raise ValueError(
+                f"drop_and_pad: permuted has {num_rows} rows, not a multiple of E={experts}"
+            )
+        pair = _row_pairs(row_id_map, num_tokens, experts, routing_map, drop_and_pad)
+    if data_checks_enabled(validate, row_id_map):
+        _check_row_map(row_id_map, num_tokens, pair, routing_map)
+    choice = resolve_backend("unpermute", backend, device, _BACKENDS)
+    weight = None if pair is None else _select_probs(probs, pair)
+    if choice == "reference":
+        return _combine_reference(permuted, row_id_map, weight, num_tokens)
+    return torch.ops.mtp.moe_combine_rows(permuted, row_id_map, weight, num_tokens)
+
+
+def _check_row_map(
+    row_id_map: torch.Tensor,
+    num_tokens: int,
+    pair: torch.Tensor | None,
+    routing_map: torch.Tensor | None,
+) -> None:
+    """Data-dependent checks of unpermute's row map (one host sync)."""
+    if row_id_map.numel() == 0:
+        return
+    stats = [row_id_map.min().to(torch.int64), row_id_map.max().to(torch.int64)]
+    if pair is not None and routing_map is not None:
+        routed = torch.cat([routing_map.reshape(-1), routing_map.new_zeros(1)])[pair]
+        stats.append(((row_id_map >= 0) & ~routed).sum())
+    lo, hi, *bad = torch.stack(stats).tolist()
+    if lo < -1 or hi >= num_tokens:
+        raise ValueError(
+            f"row_id_map must hold token numbers in [0, {num_tokens}) or -1, got values in "
+            f"[{lo}, {hi}]"
+        )
+    if bad and bad[0]:
+        raise ValueError(
+            f"row_id_map does not match routing_map: {bad[0]} rows hold a token that "
+            "routing_map does not send to that row's expert"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (plain PyTorch, same signatures)
+# --------------------------------------------------------------------------------------------
+
+
+def permute_reference(
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+    drop_and_pad: bool = False,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Plain-PyTorch :func:`permute` (Megatron's stable-argsort construction; no checks).
+
+    ``num_out_tokens`` must be given without ``drop_and_pad``, ``capacity`` with it.
+    """
+    num_tokens, num_experts = routing_map.shape
+    by_expert = routing_map.t()
+    if drop_and_pad:
+        order = by_expert.to(torch.int8).argsort(dim=1, descending=True, stable=True)
+        token = order[:, :capacity]
+        valid = torch.gather(by_expert, 1, token)
+        missing = capacity - token.shape[1]  # fewer tokens than slots
+        if missing:
+            token = torch.cat([token, token.new_zeros((num_experts, missing))], dim=1)
+            valid = torch.cat([valid, valid.new_zeros((num_experts, missing))], dim=1)
+        expert = torch.arange(num_experts, device=token.device).unsqueeze(1).expand_as(token)
+        token, expert, valid = token.reshape(-1), expert.reshape(-1), valid.reshape(-1)
+    else:
+        flat = by_expert.reshape(-1)
+        order = flat.argsort(descending=True, stable=True)[:num_out_tokens]
+        valid = flat[order]
+        missing = num_out_tokens - order.shape[0]
+        if missing:
+            order = torch.cat([order, order.new_zeros(missing)])
+            valid = torch.cat([valid, valid.new_zeros(missing)])
+        token = order % max(num_tokens, 1)
+        expert = order // max(num_tokens, 1)
+    row_id_map = torch.where(valid, token, -1)
+    if num_tokens:
+        gathered = tokens.index_select(0, token)
+        permuted = torch.where(valid.unsqueeze(1), gathered, gathered.new_zeros(()))
+    else:
+        permuted = tokens.new_zeros((row_id_map.shape[0], tokens.shape[1]))
+    permuted_probs = None
+    if probs is not None:
+        pair = torch.where(valid, token * num_experts + expert, num_tokens * num_experts)
+        permuted_probs = _select_probs(probs, pair)
+    return permuted, permuted_probs, row_id_map
+
+
+def _combine_reference(
+    permuted: torch.Tensor, row_id_map: torch.Tensor, weight: torch.Tensor | None, num_tokens: int
+) -> torch.Tensor:
+    acc_dtype = torch.float64 if permuted.dtype == torch.float64 else torch.float32
+    rows = permuted.to(acc_dtype)
+    if weight is not None:
+        rows = rows * weight.to(acc_dtype).unsqueeze(1)
+    index = row_id_map.to(torch.int64)
+    valid = (index >= 0) & (index < num_tokens)
+    rows = torch.where(valid.unsqueeze(1), rows, rows.new_zeros(()))
+    out = torch.zeros((num_tokens, permuted.shape[1]), dtype=acc_dtype, device=permuted.device)
+    if num_tokens:
+        out = out.index_add(0, index.clamp(0, num_tokens - 1), rows)
+    return out.to(permuted.dtype)
+
+
+def unpermute_reference(
+    permuted: torch.Tensor,
+    row_id_map: torch.Tensor,
+    restore_shape: Sequence[int],
+    probs: torch.Tensor | None = None,
+    routing_map: torch.Tensor | None = None,
+    drop_and_pad: bool = False,
+) -> torch.Tensor:
+    """Plain-PyTorch :func:`unpermute` (scatter-add in fp32; no checks)."""
+    num_tokens = restore_shape[0]
+    weight = None
+    if probs is not None:
+        pair = _row_pairs(row_id_map, num_tokens, probs.shape[1], routing_map, drop_and_pad)
+        weight = _select_probs(probs, pair)
+    return _combine_reference(permuted, row_id_map, weight, num_tokens)
