@@ -753,9 +753,11 @@ _COLLECTIVES: dict[str, int | None] = {
     "all_reduce": 0,
     "all_gather": 1,
     "all_gather_into_tensor": 1,
+    "all_gather_single": 1,  # torch >= 2.13 name of all_gather_into_tensor
     "_all_gather_base": 1,
     "reduce_scatter": 1,
     "reduce_scatter_tensor": 1,
+    "reduce_scatter_single": 1,  # torch >= 2.13 name of reduce_scatter_tensor
     "_reduce_scatter_base": 1,
     "all_to_all": 1,
     "all_to_all_single": 1,
@@ -787,7 +789,9 @@ def count_collectives() -> Iterator[_CollectiveLog]:
 
     Works by wrapping the functions on the ``torch.distributed`` module, so the code under test
     must call them through the module (``torch.distributed.all_reduce(...)`` or
-    ``dist.all_reduce(...)``), as mtp does.
+    ``dist.all_reduce(...)``), as mtp does. A collective implemented by calling another one
+    (torch 2.13's ``all_gather_into_tensor`` calls ``all_gather_single``) counts once, under the
+    name the caller used.
     """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -795,16 +799,24 @@ def count_collectives() -> Iterator[_CollectiveLog]:
     log = _CollectiveLog()
     saved: list[tuple[Any, str, Any]] = []
 
+    depth = threading.local()
+
     def wrap(name, original, arg_index):
         @functools.wraps(original)
         def collective(*args, **kwargs):
+            if getattr(depth, "inside", False):
+                return original(*args, **kwargs)
             group = kwargs.get("group")
             if group is None:
                 group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             size = dist.get_world_size(group) if dist.is_initialized() else 1
             payload = args[arg_index] if arg_index is not None and len(args) > arg_index else None
             log.calls.append(CollectiveCall(name, _payload_bytes(payload), size))
-            return original(*args, **kwargs)
+            depth.inside = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth.inside = False
 
         return collective
 
