@@ -74,12 +74,12 @@ class GPT(nn.Module):
     def __init__(self, vocab: int, block_size: int, n_embd: int, n_head: int, n_layer: int):
         super().__init__()
         self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(vocab, n_embd),
-                wpe=nn.Embedding(block_size, n_embd),
-                h=nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer)),
-                ln_f=nn.LayerNorm(n_embd),
-            )
+            {
+                "wte": nn.Embedding(vocab, n_embd),
+                "wpe": nn.Embedding(block_size, n_embd),
+                "h": nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer)),
+                "ln_f": nn.LayerNorm(n_embd),
+            }
         )
         self.lm_head = nn.Linear(n_embd, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
@@ -144,7 +144,7 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else "cpu"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
     tp_size = args.tp or dist.get_world_size()
@@ -175,7 +175,9 @@ def main() -> None:
         if reference is not None:
             # the whole global batch on one "device": the dp ranks' batches concatenated
             pieces = [batch(step, r, args, device) for r in range(dp_size)]
-            ref_loss = reference(torch.cat([i for i, _ in pieces]), torch.cat([t for _, t in pieces]))
+            ref_loss = reference(
+                torch.cat([i for i, _ in pieces]), torch.cat([t for _, t in pieces])
+            )
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
@@ -190,8 +192,11 @@ def main() -> None:
         diff = torch.tensor([worst, (model.lm_head.weight - shard).abs().max().item()])
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         if me == 0:
-            print(f"max |loss - single-device loss| = {diff[0]:.3e}; "
-                  f"max |weight - single-device weight| = {diff[1]:.3e}", flush=True)
+            print(
+                f"max |loss - single-device loss| = {diff[0]:.3e}; "
+                f"max |weight - single-device weight| = {diff[1]:.3e}",
+                flush=True,
+            )
             assert diff.max() < 1e-9, "tensor-parallel model diverged from the single-device one"
     mp.destroy_model_parallel()
     dist.destroy_process_group()

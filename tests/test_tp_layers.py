@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_tp_mappings import collective_names, enable_flat_collective_counting
 from torch import nn
 
 import mtp.parallel as mp
 import mtp.tensor_parallel as tp
+import mtp.testing
 from mtp.testing import count_collectives, run_distributed
-
-from test_tp_mappings import collective_names, enable_flat_collective_counting
 
 F64 = torch.float64
 SEED = 1234
@@ -142,18 +142,26 @@ class RefAttention(nn.Module):
 def _check_linear_grads(ref_lin, par_lin, style, blocks, what, *, sp_bias=False):
     """Gather ``par_lin``'s weight/bias (and grads) and compare with ``ref_lin``'s."""
     dim = 0 if style == "column" else 1
-    assert_close(gather_shards(par_lin.weight.detach(), dim, blocks), ref_lin.weight.detach(),
-                 f"{what} weight init")
-    assert_close(gather_shards(par_lin.weight.grad, dim, blocks), ref_lin.weight.grad,
-                 f"{what} weight grad")
+    assert_close(
+        gather_shards(par_lin.weight.detach(), dim, blocks),
+        ref_lin.weight.detach(),
+        f"{what} weight init",
+    )
+    assert_close(
+        gather_shards(par_lin.weight.grad, dim, blocks), ref_lin.weight.grad, f"{what} weight grad"
+    )
     if ref_lin.bias is None:
         assert par_lin.bias is None
         return
     if style == "column":
-        assert_close(gather_shards(par_lin.bias.detach(), 0, blocks), ref_lin.bias.detach(),
-                     f"{what} bias init")
-        assert_close(gather_shards(par_lin.bias.grad, 0, blocks), ref_lin.bias.grad,
-                     f"{what} bias grad")
+        assert_close(
+            gather_shards(par_lin.bias.detach(), 0, blocks),
+            ref_lin.bias.detach(),
+            f"{what} bias init",
+        )
+        assert_close(
+            gather_shards(par_lin.bias.grad, 0, blocks), ref_lin.bias.grad, f"{what} bias grad"
+        )
     else:
         assert_close(par_lin.bias.detach(), ref_lin.bias.detach(), f"{what} bias init")
         assert getattr(par_lin.bias, "sequence_parallel", False) == sp_bias
@@ -172,13 +180,28 @@ def _check_mlp(rank, world, *, sp, skip_bias_add, activation, bias=True, seq_dim
     torch.manual_seed(SEED)
     ref = RefMLP(h, ffn, activation, bias)
     torch.manual_seed(SEED)
-    par = tp.ParallelMLP(h, ffn, activation=activation, bias=bias, sequence_parallel=sp,
-                         seq_dim=seq_dim, skip_bias_add=skip_bias_add, dtype=F64)
+    par = tp.ParallelMLP(
+        h,
+        ffn,
+        activation=activation,
+        bias=bias,
+        sequence_parallel=sp,
+        seq_dim=seq_dim,
+        skip_bias_add=skip_bias_add,
+        dtype=F64,
+    )
     shape = [s, b, h] if seq_dim == 0 else [b, s, h]
     x, dy = random_like_everywhere(shape, 1), random_like_everywhere(shape, 2)
     y_ref, y, dx_ref, dx, fwd, bwd = run_pair(
-        ref, par, x, dy, sp_dim=seq_dim if sp else None, rank=rank, world=world,
-        unpack=add_skipped_bias if skip_bias_add else None)
+        ref,
+        par,
+        x,
+        dy,
+        sp_dim=seq_dim if sp else None,
+        rank=rank,
+        world=world,
+        unpack=add_skipped_bias if skip_bias_add else None,
+    )
     what = f"MLP(sp={sp}, skip_bias_add={skip_bias_add}, {activation}, seq_dim={seq_dim})"
     if sp:
         y_ref, dx_ref = chunk(y_ref, seq_dim, rank, world), chunk(dx_ref, seq_dim, rank, world)
@@ -196,24 +219,41 @@ def _check_attention(rank, world, *, sp, skip_bias_add, nh, nkv, seq_dim=0, bias
     torch.manual_seed(SEED)
     ref = RefAttention(h, nh, nkv, bias, seq_dim)
     torch.manual_seed(SEED)
-    par = tp.ParallelSelfAttention(h, nh, num_kv_heads=nkv, bias=bias, sequence_parallel=sp,
-                                   seq_dim=seq_dim, skip_bias_add=skip_bias_add, dtype=F64)
+    par = tp.ParallelSelfAttention(
+        h,
+        nh,
+        num_kv_heads=nkv,
+        bias=bias,
+        sequence_parallel=sp,
+        seq_dim=seq_dim,
+        skip_bias_add=skip_bias_add,
+        dtype=F64,
+    )
     shape = [s, b, h] if seq_dim == 0 else [b, s, h]
     x, dy = random_like_everywhere(shape, 3), random_like_everywhere(shape, 4)
     y_ref, y, dx_ref, dx, fwd, bwd = run_pair(
-        ref, par, x, dy, sp_dim=seq_dim if sp else None, rank=rank, world=world,
-        unpack=add_skipped_bias if skip_bias_add else None)
-    what = f"attention(sp={sp}, skip_bias_add={skip_bias_add}, nh={nh}, nkv={nkv}, seq_dim={seq_dim})"
+        ref,
+        par,
+        x,
+        dy,
+        sp_dim=seq_dim if sp else None,
+        rank=rank,
+        world=world,
+        unpack=add_skipped_bias if skip_bias_add else None,
+    )
+    what = (
+        f"attention(sp={sp}, skip_bias_add={skip_bias_add}, nh={nh}, nkv={nkv}, seq_dim={seq_dim})"
+    )
     if sp:
         y_ref, dx_ref = chunk(y_ref, seq_dim, rank, world), chunk(dx_ref, seq_dim, rank, world)
         tp.allreduce_sequence_parallel_grads(par)
     assert_close(y, y_ref, f"{what} output")
     assert_close(dx, dx_ref, f"{what} input grad")
     d = h // nh
-    _check_linear_grads(ref.qkv, par.linear_qkv, "column", [nh * d, nkv * d, nkv * d],
-                        f"{what} qkv")
-    _check_linear_grads(ref.proj, par.linear_proj, "row", None, f"{what} proj",
-                        sp_bias=sp and bias)
+    _check_linear_grads(
+        ref.qkv, par.linear_qkv, "column", [nh * d, nkv * d, nkv * d], f"{what} qkv"
+    )
+    _check_linear_grads(ref.proj, par.linear_proj, "row", None, f"{what} proj", sp_bias=sp and bias)
     assert (fwd, bwd) == _expected_counts(sp), (what, fwd, bwd)
 
 
@@ -222,8 +262,9 @@ def _check_embedding(rank, world, *, sp, seq_dim=0, padding_idx=None):
     torch.manual_seed(SEED)
     ref = nn.Embedding(vocab, h, padding_idx=padding_idx, dtype=F64)
     torch.manual_seed(SEED)
-    par = tp.VocabParallelEmbedding(vocab, h, padding_idx=padding_idx, sequence_parallel=sp,
-                                    seq_dim=seq_dim, dtype=F64)
+    par = tp.VocabParallelEmbedding(
+        vocab, h, padding_idx=padding_idx, sequence_parallel=sp, seq_dim=seq_dim, dtype=F64
+    )
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, vocab, (s, b) if seq_dim == 0 else (b, s), generator=g)
     ids[0, 0], ids[-1, -1] = 0, vocab - 1  # both ends of the vocabulary
@@ -288,17 +329,68 @@ def _check_linear_options(rank, world):
     r2 = nn.Linear(4 * world, 8, bias=False)
     torch.manual_seed(SEED)
     c = tp.ColumnParallelLinear(8, 4 * world, bias=False, sequence_parallel=True, seq_dim=1)
-    r = tp.RowParallelLinear(4 * world, 8, bias=False, sequence_parallel=True, seq_dim=1,
-                             skip_bias_add=True)
-    x, dy = random_like_everywhere([3, 2 * world, 8], 11, torch.float32), \
-        random_like_everywhere([3, 2 * world, 8], 12, torch.float32)
+    r = tp.RowParallelLinear(
+        4 * world, 8, bias=False, sequence_parallel=True, seq_dim=1, skip_bias_add=True
+    )
+    x, dy = (
+        random_like_everywhere([3, 2 * world, 8], 11, torch.float32),
+        random_like_everywhere([3, 2 * world, 8], 12, torch.float32),
+    )
     y_ref, y, dx_ref, dx, _, _ = run_pair(
-        lambda t: r2(r1(t)), lambda t: r(c(t)), x, dy, sp_dim=1, rank=rank, world=world,
-        unpack=add_skipped_bias)
+        lambda t: r2(r1(t)),
+        lambda t: r(c(t)),
+        x,
+        dy,
+        sp_dim=1,
+        rank=rank,
+        world=world,
+        unpack=add_skipped_bias,
+    )
     assert_close(y, chunk(y_ref, 1, rank, world), "fp32 sp [b, s, h] output", tol=1e-5)
     assert_close(dx, chunk(dx_ref, 1, rank, world), "fp32 sp [b, s, h] dx", tol=1e-5)
     assert_close(gather_shards(c.weight.grad, 0), r1.weight.grad, "fp32 column grad", tol=1e-5)
     assert_close(gather_shards(r.weight.grad, 1), r2.weight.grad, "fp32 row grad", tol=1e-5)
+
+
+def _check_bf16(rank, world):
+    """bf16 parameters, activations and collectives (sequence-parallel MLP) against the
+    float64 model holding the same bf16-representable weights and inputs."""
+    s, b, h, ffn = 2 * world, 2, 16, 8 * world
+    torch.manual_seed(SEED)
+    ref = RefMLP(h, ffn, "gelu", True)
+    torch.manual_seed(SEED)
+    par = tp.ParallelMLP(h, ffn, sequence_parallel=True, dtype=F64).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).to(F64))
+    x = random_like_everywhere([s, b, h], 14).to(torch.bfloat16)
+    dy = random_like_everywhere([s, b, h], 15).to(torch.bfloat16)
+    x_ref = x.to(F64).requires_grad_(True)
+    ref(x_ref).backward(dy.to(F64))
+    x_par = chunk(x, 0, rank, world).clone().requires_grad_(True)
+    y = par(x_par)
+    y.backward(chunk(dy, 0, rank, world))
+    assert y.dtype == x_par.grad.dtype == par.linear_fc1.weight.grad.dtype == torch.bfloat16
+    # three bf16 roundings in a row (fc1 output, GeLU, partial sums before the reduction):
+    # twice the single-op bf16 tolerance
+    tol = {"rtol": 3.2e-2, "atol": 2e-2}
+    mtp.testing.assert_close(
+        y, chunk(ref(x_ref), 0, rank, world), torch.bfloat16, **tol, msg="bf16 MLP output"
+    )
+    mtp.testing.assert_close(
+        x_par.grad,
+        chunk(x_ref.grad, 0, rank, world),
+        torch.bfloat16,
+        **tol,
+        msg="bf16 MLP input grad",
+    )
+    mtp.testing.assert_close(
+        gather_shards(par.linear_fc1.weight.grad, 0),
+        ref.fc1.weight.grad,
+        torch.bfloat16,
+        **tol,
+        msg="bf16 fc1 weight grad",
+    )
 
 
 def _check_frozen_input(rank, world):
@@ -314,13 +406,19 @@ def _check_frozen_input(rank, world):
 
 
 def _check_bad_configurations(rank, world):
-    with pytest.raises(ValueError, match=r"num_heads \(3\) must be divisible by the tensor parallel"):
+    with pytest.raises(
+        ValueError, match=r"num_heads \(3\) must be divisible by the tensor parallel"
+    ):
         tp.ParallelSelfAttention(12, 3)
     with pytest.raises(ValueError, match=r"num_kv_heads \(1\) must be divisible by the tensor"):
         tp.ParallelSelfAttention(8 * world, 2 * world, num_kv_heads=1)
-    with pytest.raises(ValueError, match=r"hidden_size \(10\) must be divisible by num_heads \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"hidden_size \(10\) must be divisible by num_heads \(4\)"
+    ):
         tp.ParallelSelfAttention(10, 4)
-    with pytest.raises(ValueError, match=r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"
+    ):
         tp.ParallelSelfAttention(12, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match=r"output_size \(5\) must be divisible by the tensor"):
         tp.ColumnParallelLinear(4, 5)
@@ -345,7 +443,9 @@ def _check_bad_configurations(rank, world):
     with pytest.raises(ValueError, match="does not divide by the group size"):
         row(torch.randn(world + 1, 2, 4))  # sequence not divisible by tp
     emb = tp.VocabParallelEmbedding(4 * world, 3)
-    with pytest.raises(ValueError, match=rf"ids must be in \[0, {4 * world}\), got values in \[-1,"):
+    with pytest.raises(
+        ValueError, match=rf"ids must be in \[0, {4 * world}\), got values in \[-1,"
+    ):
         emb(torch.tensor([[0, -1]]))
     with pytest.raises(ValueError, match=r"got values in \[0, 99\]"):
         emb(torch.tensor([[0, 99]]))
@@ -371,11 +471,13 @@ def _layers_main(rank: int, world: int) -> str:
     _check_mlp(rank, world, sp=True, skip_bias_add=False, activation="swiglu", seq_dim=1)
     _check_mlp(rank, world, sp=False, skip_bias_add=False, activation="gelu_tanh", bias=False)
     _check_attention(rank, world, sp=True, skip_bias_add=False, nh=world, nkv=world, seq_dim=1)
-    _check_attention(rank, world, sp=False, skip_bias_add=False, nh=2 * world, nkv=2 * world,
-                     bias=False)
+    _check_attention(
+        rank, world, sp=False, skip_bias_add=False, nh=2 * world, nkv=2 * world, bias=False
+    )
     _check_embedding(rank, world, sp=True, seq_dim=1, padding_idx=3)
     _check_embedding(rank, world, sp=False, padding_idx=8 * world - 1)
     _check_linear_options(rank, world)
+    _check_bf16(rank, world)
     _check_frozen_input(rank, world)
     _check_bad_configurations(rank, world)
     mp.destroy_model_parallel()

@@ -59,7 +59,7 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
     shape = [2 * world, 3 * world, 2 * world]  # every dim divides by world
     xs = _inputs(world, shape, seed=10 + seq_dim)
     gs_full = _inputs(world, shape, seed=20 + seq_dim)
-    chunk = lambda t, d, r: t.chunk(world, d)[r]  # noqa: E731
+    chunk = lambda t, d, r: t.chunk(world, d)[r]
     last = len(shape) - 1
     total_x, total_g = sum(xs), sum(gs_full)
 
@@ -84,9 +84,7 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
 
     # scatter last dim (input replicated: xs[0] on every rank)
     local_g = [chunk(g, last, r) for r, g in enumerate(gs_full)]
-    y, gx, fwd, bwd = _run_mapping(
-        mp.scatter_to_tensor_model_parallel_region, xs[0], local_g[rank]
-    )
+    y, gx, fwd, bwd = _run_mapping(mp.scatter_to_tensor_model_parallel_region, xs[0], local_g[rank])
     _close(y, chunk(xs[0], last, rank), "scatter fwd")
     _close(gx, torch.cat(local_g, last), "scatter bwd")
     assert y.is_contiguous()
@@ -112,7 +110,8 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
 
     big_g = _inputs(world, [s * (world if i == seq_dim else 1) for i, s in enumerate(shape)], 30)
     y, gx, fwd, bwd = _run_mapping(
-        lambda t: mp.gather_from_sequence_parallel_region(t, seq_dim=seq_dim), xs[rank],
+        lambda t: mp.gather_from_sequence_parallel_region(t, seq_dim=seq_dim),
+        xs[rank],
         big_g[rank],
     )
     _close(y, torch.cat(xs, seq_dim), "gather seq fwd")
@@ -130,7 +129,8 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
     assert bwd == {}
 
     y, gx, fwd, bwd = _run_mapping(
-        lambda t: mp.reduce_scatter_to_sequence_parallel_region(t, seq_dim=seq_dim), xs[rank],
+        lambda t: mp.reduce_scatter_to_sequence_parallel_region(t, seq_dim=seq_dim),
+        xs[rank],
         local_g[rank],
     )
     _close(y, chunk(total_x, seq_dim, rank), "reduce-scatter fwd")
@@ -206,5 +206,7 @@ def _check_subgroup(rank: int) -> None:
 
 
 def test_missing_group_init_single_process():
-    with pytest.raises(mp.ParallelStateError, match="init_process_group.*initialize_model_parallel"):
+    with pytest.raises(
+        mp.ParallelStateError, match="init_process_group.*initialize_model_parallel"
+    ):
         mp.reduce_from_tensor_model_parallel_region(torch.ones(2))

@@ -8,14 +8,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_tp_layers import assert_close, chunk, gather_shards, random_like_everywhere
+from test_tp_mappings import collective_names, enable_flat_collective_counting
 from torch import nn
 
 import mtp.parallel as mp
 import mtp.tensor_parallel as tp
 from mtp.testing import count_collectives, run_distributed
-
-from test_tp_layers import assert_close, chunk, gather_shards, random_like_everywhere
-from test_tp_mappings import collective_names, enable_flat_collective_counting
 
 F64 = torch.float64
 
@@ -63,12 +62,14 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, vocab, block_size, n_embd, n_head, n_layer):
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, n_embd, dtype=F64),
-            wpe=nn.Embedding(block_size, n_embd, dtype=F64),
-            h=nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)]),
-            ln_f=nn.LayerNorm(n_embd, dtype=F64),
-        ))
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, n_embd, dtype=F64),
+                "wpe": nn.Embedding(block_size, n_embd, dtype=F64),
+                "h": nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)]),
+                "ln_f": nn.LayerNorm(n_embd, dtype=F64),
+            }
+        )
         self.lm_head = nn.Linear(n_embd, vocab, bias=False, dtype=F64)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT
 
@@ -112,7 +113,7 @@ def _compare_params(ref: nn.Module, par: nn.Module, n_embd: int, what: str, grad
     for name, p_ref in ref_params.items():
         p = par_params[name]
         layout = _layout(name, n_embd)
-        for attr in (("data", "grad") if grads else ("data",)):
+        for attr in ("data", "grad") if grads else ("data",):
             a, e = getattr(p, attr), getattr(p_ref, attr)
             if layout is not None:
                 a = gather_shards(a, layout[0], layout[1])
@@ -152,6 +153,8 @@ def _check_block(rank, world, *, sp):
     else:  # Megatron-LM figure 4: two all-reduces forward, two backward per layer
         assert collective_names(fwd) == {"all_reduce": 2}
         assert collective_names(bwd) == {"all_reduce": 2}
+        activation_bytes = B * T * n_embd * 8  # each one moves a whole [B, T, C] activation
+        assert fwd.nbytes() == bwd.nbytes() == 2 * activation_bytes
 
 
 def _check_gpt(rank, world):

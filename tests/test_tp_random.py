@@ -128,10 +128,9 @@ def test_fork_advances_its_stream_and_leaves_the_default_alone():
     torch.manual_seed(1)
     expected = torch.rand(4)
     torch.manual_seed(1)
-    with pytest.raises(RuntimeError, match="boom"):
-        with tracker.fork("a"):
-            torch.rand(100)
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), tracker.fork("a"):
+        torch.rand(100)
+        raise RuntimeError("boom")
     assert torch.equal(torch.rand(4), expected)
 
 
@@ -142,9 +141,8 @@ def test_tracker_errors():
         tracker.add("a", 2)
     with pytest.raises(ValueError, match="seed 1 is already used"):
         tracker.add("b", 1)
-    with pytest.raises(KeyError, match="model_parallel_manual_seed"):
-        with tracker.fork("missing"):
-            pass
+    with pytest.raises(KeyError, match="model_parallel_manual_seed"), tracker.fork("missing"):
+        pass
     assert tracker.is_initialized()
     tracker.reset()
     assert not tracker.is_initialized()

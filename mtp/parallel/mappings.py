@@ -1,24 +1,21 @@
 """Tensor- and sequence-parallel communication mappings (Megatron-LM section 3, seed 000/002).
 
-Each mapping is an autograd function whose backward is the conjugate collective:
+Each mapping is an autograd function whose backward is the conjugate collective
+(forward / backward):
 
-================================================ ======================== ======================
-function                                         forward                  backward
-================================================ ======================== ======================
-:func:`copy_to_tensor_model_parallel_region` (f) identity                 all-reduce
-:func:`reduce_from_tensor_model_parallel_region` all-reduce               identity
-(g)
-:func:`scatter_to_tensor_model_parallel_region`  split last dim           all-gather last dim
-:func:`gather_from_tensor_model_parallel_region` all-gather last dim      split last dim
-:func:`scatter_to_sequence_parallel_region`      split ``seq_dim``        all-gather ``seq_dim``
-:func:`gather_from_sequence_parallel_region`     all-gather ``seq_dim``   reduce-scatter
-:func:`reduce_scatter_to_sequence_parallel_region` reduce-scatter         all-gather ``seq_dim``
-================================================ ======================== ======================
+- :func:`copy_to_tensor_model_parallel_region` (the paper's ``f``): identity / all-reduce
+- :func:`reduce_from_tensor_model_parallel_region` (``g``): all-reduce / identity
+- :func:`scatter_to_tensor_model_parallel_region`: split last dim / all-gather last dim
+- :func:`gather_from_tensor_model_parallel_region`: all-gather last dim / split last dim
+- :func:`scatter_to_sequence_parallel_region`: split ``seq_dim`` / all-gather ``seq_dim``
+- :func:`gather_from_sequence_parallel_region`: all-gather ``seq_dim`` / reduce-scatter
+- :func:`reduce_scatter_to_sequence_parallel_region`: reduce-scatter / all-gather ``seq_dim``
 
-``group=None`` means the tensor-model-parallel group of :func:`mtp.parallel.initialize_model_parallel`.
-Every mapping is the identity when the group has one rank. ``seq_dim`` defaults to 0 (Megatron's
-``[s, b, h]`` layout); pass ``seq_dim=1`` for ``[b, s, h]``. Splits are rank-major: rank ``r``
-holds the ``r``-th contiguous chunk of the split dimension.
+``group=None`` means the tensor-model-parallel group of
+:func:`mtp.parallel.initialize_model_parallel`. Every mapping is the identity when the group
+has one rank. ``seq_dim`` defaults to 0 (Megatron's ``[s, b, h]`` layout); pass ``seq_dim=1``
+for ``[b, s, h]``. Splits are rank-major: rank ``r`` holds the ``r``-th contiguous chunk of the
+split dimension.
 
 Collectives are called through the ``torch.distributed`` module (so
 :func:`mtp.testing.count_collectives` sees them); all-gather and reduce-scatter use one flat
@@ -34,14 +31,14 @@ import torch.distributed as dist
 from . import parallel_state
 
 __all__ = [
-    "resolve_tensor_parallel_group",
     "copy_to_tensor_model_parallel_region",
-    "reduce_from_tensor_model_parallel_region",
-    "scatter_to_tensor_model_parallel_region",
-    "gather_from_tensor_model_parallel_region",
-    "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "resolve_tensor_parallel_group",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
 ]
 
 
@@ -324,7 +321,7 @@ def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -
 
 
 def scatter_to_sequence_parallel_region(
-    input_: torch.Tensor, group=None, *, seq_dim: int = 0
+    input_: torch.Tensor, group=None, seq_dim: int = 0
 ) -> torch.Tensor:
     """Keep this rank's chunk of the sequence dimension; backward all-gathers it.
 
@@ -342,7 +339,6 @@ def gather_from_sequence_parallel_region(
     input_: torch.Tensor,
     tensor_parallel_output_grad: bool = True,
     group=None,
-    *,
     seq_dim: int = 0,
 ) -> torch.Tensor:
     """All-gather the sequence dimension; backward reduce-scatters the gradient.
@@ -363,7 +359,7 @@ def gather_from_sequence_parallel_region(
 
 
 def reduce_scatter_to_sequence_parallel_region(
-    input_: torch.Tensor, group=None, *, seq_dim: int = 0
+    input_: torch.Tensor, group=None, seq_dim: int = 0
 ) -> torch.Tensor:
     """Sum over the ranks and keep this rank's sequence chunk; backward all-gathers.
 

@@ -30,15 +30,15 @@ import torch.utils.checkpoint
 from . import parallel_state
 
 __all__ = [
-    "MODEL_PARALLEL_RNG_TRACKER_NAME",
-    "EXPERT_PARALLEL_RNG_TRACKER_NAME",
     "DATA_PARALLEL_RNG_TRACKER_NAME",
+    "EXPERT_PARALLEL_RNG_TRACKER_NAME",
+    "MODEL_PARALLEL_RNG_TRACKER_NAME",
     "RNGStatesTracker",
+    "checkpoint",
     "get_cuda_rng_tracker",
     "get_rng_tracker",
-    "model_parallel_manual_seed",
     "model_parallel_cuda_manual_seed",
-    "checkpoint",
+    "model_parallel_manual_seed",
 ]
 
 MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"

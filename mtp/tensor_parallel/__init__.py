@@ -15,7 +15,7 @@
 model-parallel RNG live in :mod:`mtp.parallel` (re-exported here for Megatron-Core users).
 """
 
-from mtp.parallel.mappings import (  # noqa: F401
+from mtp.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -24,7 +24,7 @@ from mtp.parallel.mappings import (  # noqa: F401
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from mtp.parallel.random import (  # noqa: F401
+from mtp.parallel.random import (
     RNGStatesTracker,
     checkpoint,
     get_cuda_rng_tracker,
@@ -37,6 +37,7 @@ from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    VocabRangeError,
     linear_with_grad_reduction,
 )
 from .mlp import ACTIVATIONS, ParallelMLP, apply_bias_activation
@@ -52,35 +53,36 @@ from .utils import (
 )
 
 __all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "ParallelMLP",
-    "ParallelSelfAttention",
     "ACTIVATIONS",
     "STYLES",
-    "apply_bias_activation",
-    "linear_with_grad_reduction",
-    "from_linear",
-    "from_embedding",
-    "parallelize",
-    "allreduce_sequence_parallel_grads",
-    "mark_sequence_parallel_parameters",
-    "pad_vocab_size",
-    "divide",
-    "VocabUtility",
-    "param_is_tensor_parallel",
-    "set_tensor_model_parallel_attributes",
-    "copy_to_tensor_model_parallel_region",
-    "reduce_from_tensor_model_parallel_region",
-    "scatter_to_tensor_model_parallel_region",
-    "gather_from_tensor_model_parallel_region",
-    "scatter_to_sequence_parallel_region",
-    "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
+    "ColumnParallelLinear",
+    "ParallelMLP",
+    "ParallelSelfAttention",
     "RNGStatesTracker",
-    "get_cuda_rng_tracker",
-    "model_parallel_manual_seed",
-    "model_parallel_cuda_manual_seed",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "VocabRangeError",
+    "VocabUtility",
+    "allreduce_sequence_parallel_grads",
+    "apply_bias_activation",
     "checkpoint",
+    "copy_to_tensor_model_parallel_region",
+    "divide",
+    "from_embedding",
+    "from_linear",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "get_cuda_rng_tracker",
+    "linear_with_grad_reduction",
+    "mark_sequence_parallel_parameters",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_manual_seed",
+    "pad_vocab_size",
+    "parallelize",
+    "param_is_tensor_parallel",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "set_tensor_model_parallel_attributes",
 ]

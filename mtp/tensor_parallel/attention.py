@@ -148,9 +148,7 @@ class ParallelSelfAttention(nn.Module):
             return attention_mask & causal
         return attention_mask.to(like.dtype).masked_fill(~causal, float("-inf"))
 
-    def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ):
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None):
         if hidden_states.dim() != 3:
             raise ValueError(
                 f"ParallelSelfAttention: hidden_states must be 3-D ([s, b, h] or [b, s, h]), "

@@ -48,6 +48,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "VocabRangeError",
     "linear_with_grad_reduction",
 ]
 
@@ -435,6 +436,11 @@ class RowParallelLinear(_ParallelLinearBase):
         return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"
 
 
+class VocabRangeError(ValueError, IndexError):
+    """Token ids outside ``[0, num_embeddings)`` (a ``ValueError``, and an ``IndexError`` like
+    ``nn.Embedding``'s)."""
+
+
 class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding`` with the vocabulary split over the tensor-parallel ranks.
 
@@ -452,7 +458,8 @@ class VocabParallelEmbedding(nn.Module):
         sequence_parallel, seq_dim: reduce-scatter the output along ``seq_dim`` (the ids'
             sequence dimension: 0 for ``[s, b]`` ids, 1 for ``[b, s]``).
         validate: check that every id is in ``[0, V)`` (a host sync; skipped automatically
-            while tracing or capturing a CUDA graph). Out-of-range ids raise ``ValueError``.
+            while tracing or capturing a CUDA graph). Out-of-range ids raise
+            :class:`VocabRangeError` (a ``ValueError`` and an ``IndexError``).
         perform_initialization, group, dtype, device: as for :class:`ColumnParallelLinear`.
 
     Forward: integer ids of any shape -> ``[*ids.shape, h]`` (the sequence chunk under
@@ -532,12 +539,13 @@ class VocabParallelEmbedding(nn.Module):
 
     def _validate(self, ids: torch.Tensor) -> None:
         check_tensor("input_", ids, dtypes=(torch.int32, torch.int64))
-        if ids.numel() and data_checks_enabled(self.validate, ids):
-            if bool(((ids < 0) | (ids >= self.num_embeddings)).any()):
-                raise ValueError(
-                    f"VocabParallelEmbedding: input_ ids must be in [0, {self.num_embeddings}), "
-                    f"got values in [{int(ids.min())}, {int(ids.max())}]"
-                )
+        if not ids.numel() or not data_checks_enabled(self.validate, ids):
+            return
+        if bool(((ids < 0) | (ids >= self.num_embeddings)).any()):
+            raise VocabRangeError(
+                f"VocabParallelEmbedding: input_ ids must be in [0, {self.num_embeddings}), "
+                f"got values in [{int(ids.min())}, {int(ids.max())}]"
+            )
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         self._validate(input_)

@@ -14,7 +14,7 @@ from torch import nn
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .utils import InitMethod, divide, group_rank_and_size
 
-__all__ = ["ParallelMLP", "apply_bias_activation", "ACTIVATIONS"]
+__all__ = ["ACTIVATIONS", "ParallelMLP", "apply_bias_activation"]
 
 #: Activations by name; ``swiglu`` makes fc1 twice as wide (``silu(gate) * up``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "relu", "silu")

@@ -31,7 +31,7 @@ from torch import nn
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .utils import group_rank_and_size, mark_sequence_parallel_parameters, shard
 
-__all__ = ["from_linear", "from_embedding", "parallelize", "STYLES"]
+__all__ = ["STYLES", "from_embedding", "from_linear", "parallelize"]
 
 STYLES = ("column", "row", "vocab")
 
@@ -108,9 +108,7 @@ def from_linear(
     layer.weight.partition_stride = layer.stride
     if linear.bias is not None:
         if style == "column":
-            bias = _shard_param(
-                linear.bias, 0, layer._blocks, layer.tp_rank, layer.tp_size, _memo
-            )
+            bias = _shard_param(linear.bias, 0, layer._blocks, layer.tp_rank, layer.tp_size, _memo)
             bias.tensor_model_parallel, bias.partition_dim = True, 0
         else:
             bias = _shard_param(linear.bias, 0, [linear.out_features], 0, 1, _memo)
@@ -172,7 +170,9 @@ def _normalize_style(pattern: str, spec: str | Mapping[str, Any]) -> tuple[str, 
             f"'style' key and layer options, got {spec!r}"
         )
     if style not in STYLES:
-        raise ValueError(f"parallelize: plan[{pattern!r}] style must be one of {STYLES}, got {style!r}")
+        raise ValueError(
+            f"parallelize: plan[{pattern!r}] style must be one of {STYLES}, got {style!r}"
+        )
     return style, options
 
 

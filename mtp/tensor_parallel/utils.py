@@ -13,13 +13,13 @@ from torch import nn
 from mtp.parallel.mappings import all_reduce_, resolve_tensor_parallel_group
 
 __all__ = [
-    "divide",
-    "pad_vocab_size",
     "VocabUtility",
-    "set_tensor_model_parallel_attributes",
-    "param_is_tensor_parallel",
-    "mark_sequence_parallel_parameters",
     "allreduce_sequence_parallel_grads",
+    "divide",
+    "mark_sequence_parallel_parameters",
+    "pad_vocab_size",
+    "param_is_tensor_parallel",
+    "set_tensor_model_parallel_attributes",
 ]
 
 #: ``init_method(tensor)`` fills a tensor in place (Megatron-Core's convention).
@@ -86,8 +86,7 @@ def block_sizes(size: int, stride: Stride, world: int, what: str) -> list[int]:
         blocks = [int(b) for b in stride]
         if sum(blocks) != size or any(b < 0 for b in blocks):
             raise ValueError(
-                f"{what}: the block sizes {blocks} (stride) must be non-negative and sum to "
-                f"{size}"
+                f"{what}: the block sizes {blocks} (stride) must be non-negative and sum to {size}"
             )
     if len(blocks) == 1:
         divide(size, world, what)
@@ -100,7 +99,9 @@ def block_sizes(size: int, stride: Stride, world: int, what: str) -> list[int]:
     return blocks
 
 
-def shard(full: torch.Tensor, dim: int, blocks: Sequence[int], rank: int, world: int) -> torch.Tensor:
+def shard(
+    full: torch.Tensor, dim: int, blocks: Sequence[int], rank: int, world: int
+) -> torch.Tensor:
     """This rank's shard of ``full`` along ``dim``: chunk ``rank`` of every block, concatenated."""
     pieces = []
     for block in full.split(list(blocks), dim):
