@@ -175,6 +175,33 @@ def _expected_counts(sp):
     return {"all_reduce": 1}, {"all_reduce": 1}
 
 
+def _compare_block(rank, world, ref, par, shape, *, sp, seq_dim, skip_bias_add, what, linears):
+    """Run ``ref`` and ``par`` on the same random input; compare the output, the input grad,
+    every (gathered) weight and bias grad of ``linears`` = ``[(ref_lin, par_lin, style,
+    blocks)]``, and the collectives of one column -> row block."""
+    x, dy = random_like_everywhere(shape, 1), random_like_everywhere(shape, 2)
+    y_ref, y, dx_ref, dx, fwd, bwd = run_pair(
+        ref,
+        par,
+        x,
+        dy,
+        sp_dim=seq_dim if sp else None,
+        rank=rank,
+        world=world,
+        unpack=add_skipped_bias if skip_bias_add else None,
+    )
+    if sp:
+        y_ref, dx_ref = chunk(y_ref, seq_dim, rank, world), chunk(dx_ref, seq_dim, rank, world)
+        has_bias = linears[-1][0].bias is not None
+        assert tp.allreduce_sequence_parallel_grads(par) == (1 if has_bias else 0)
+    assert_close(y, y_ref, f"{what} output")
+    assert_close(dx, dx_ref, f"{what} input grad")
+    for ref_lin, par_lin, style, blocks in linears:
+        sp_bias = sp and style == "row" and ref_lin.bias is not None
+        _check_linear_grads(ref_lin, par_lin, style, blocks, f"{what} {style}", sp_bias=sp_bias)
+    assert (fwd, bwd) == _expected_counts(sp), (what, fwd, bwd)
+
+
 def _check_mlp(rank, world, *, sp, skip_bias_add, activation, bias=True, seq_dim=0):
     s, b, h, ffn = 2 * world, 3, 8, 4 * world
     torch.manual_seed(SEED)
@@ -190,32 +217,27 @@ def _check_mlp(rank, world, *, sp, skip_bias_add, activation, bias=True, seq_dim
         skip_bias_add=skip_bias_add,
         dtype=F64,
     )
-    shape = [s, b, h] if seq_dim == 0 else [b, s, h]
-    x, dy = random_like_everywhere(shape, 1), random_like_everywhere(shape, 2)
-    y_ref, y, dx_ref, dx, fwd, bwd = run_pair(
+    fc1_blocks = [ffn, ffn] if activation == "swiglu" else None
+    _compare_block(
+        rank,
+        world,
         ref,
         par,
-        x,
-        dy,
-        sp_dim=seq_dim if sp else None,
-        rank=rank,
-        world=world,
-        unpack=add_skipped_bias if skip_bias_add else None,
+        [s, b, h] if seq_dim == 0 else [b, s, h],
+        sp=sp,
+        seq_dim=seq_dim,
+        skip_bias_add=skip_bias_add,
+        what=f"MLP(sp={sp}, skip_bias_add={skip_bias_add}, {activation}, seq_dim={seq_dim})",
+        linears=[
+            (ref.fc1, par.linear_fc1, "column", fc1_blocks),
+            (ref.fc2, par.linear_fc2, "row", None),
+        ],
     )
-    what = f"MLP(sp={sp}, skip_bias_add={skip_bias_add}, {activation}, seq_dim={seq_dim})"
-    if sp:
-        y_ref, dx_ref = chunk(y_ref, seq_dim, rank, world), chunk(dx_ref, seq_dim, rank, world)
-        assert tp.allreduce_sequence_parallel_grads(par) == (1 if bias else 0)
-    assert_close(y, y_ref, f"{what} output")
-    assert_close(dx, dx_ref, f"{what} input grad")
-    fc1_blocks = [ffn, ffn] if activation == "swiglu" else None
-    _check_linear_grads(ref.fc1, par.linear_fc1, "column", fc1_blocks, f"{what} fc1")
-    _check_linear_grads(ref.fc2, par.linear_fc2, "row", None, f"{what} fc2", sp_bias=sp and bias)
-    assert (fwd, bwd) == _expected_counts(sp), (what, fwd, bwd)
 
 
 def _check_attention(rank, world, *, sp, skip_bias_add, nh, nkv, seq_dim=0, bias=True):
     s, b, h = 2 * world, 2, 4 * nh
+    d = h // nh
     torch.manual_seed(SEED)
     ref = RefAttention(h, nh, nkv, bias, seq_dim)
     torch.manual_seed(SEED)
@@ -229,32 +251,21 @@ def _check_attention(rank, world, *, sp, skip_bias_add, nh, nkv, seq_dim=0, bias
         skip_bias_add=skip_bias_add,
         dtype=F64,
     )
-    shape = [s, b, h] if seq_dim == 0 else [b, s, h]
-    x, dy = random_like_everywhere(shape, 3), random_like_everywhere(shape, 4)
-    y_ref, y, dx_ref, dx, fwd, bwd = run_pair(
+    _compare_block(
+        rank,
+        world,
         ref,
         par,
-        x,
-        dy,
-        sp_dim=seq_dim if sp else None,
-        rank=rank,
-        world=world,
-        unpack=add_skipped_bias if skip_bias_add else None,
+        [s, b, h] if seq_dim == 0 else [b, s, h],
+        sp=sp,
+        seq_dim=seq_dim,
+        skip_bias_add=skip_bias_add,
+        what=f"attention(sp={sp}, skip={skip_bias_add}, nh={nh}, nkv={nkv}, seq_dim={seq_dim})",
+        linears=[
+            (ref.qkv, par.linear_qkv, "column", [nh * d, nkv * d, nkv * d]),
+            (ref.proj, par.linear_proj, "row", None),
+        ],
     )
-    what = (
-        f"attention(sp={sp}, skip_bias_add={skip_bias_add}, nh={nh}, nkv={nkv}, seq_dim={seq_dim})"
-    )
-    if sp:
-        y_ref, dx_ref = chunk(y_ref, seq_dim, rank, world), chunk(dx_ref, seq_dim, rank, world)
-        tp.allreduce_sequence_parallel_grads(par)
-    assert_close(y, y_ref, f"{what} output")
-    assert_close(dx, dx_ref, f"{what} input grad")
-    d = h // nh
-    _check_linear_grads(
-        ref.qkv, par.linear_qkv, "column", [nh * d, nkv * d, nkv * d], f"{what} qkv"
-    )
-    _check_linear_grads(ref.proj, par.linear_proj, "row", None, f"{what} proj", sp_bias=sp and bias)
-    assert (fwd, bwd) == _expected_counts(sp), (what, fwd, bwd)
 
 
 def _check_embedding(rank, world, *, sp, seq_dim=0, padding_idx=None):
@@ -310,6 +321,19 @@ def _check_linear_options(rank, world):
     assert_close(dx, dx_ref, "row input_is_parallel=False dx")
     _check_linear_grads(ref, row, "row", None, "row input_is_parallel=False")
     assert (fwd, bwd) == ({"all_reduce": 1}, {"all_gather": 1})
+
+    # gather_output on a fused [a; b; c] weight, with skip_bias_add: the full layout comes back
+    torch.manual_seed(SEED)
+    ref = nn.Linear(6, 6 * world, dtype=F64)
+    torch.manual_seed(SEED)
+    col = tp.ColumnParallelLinear(
+        6, 6 * world, gather_output=True, skip_bias_add=True, stride=3, dtype=F64
+    )
+    x, dy = random_like_everywhere([3, 6], 16), random_like_everywhere([3, 6 * world], 17)
+    y_ref, y, dx_ref, dx, fwd, bwd = run_pair(ref, col, x, dy, unpack=add_skipped_bias)
+    assert_close(y, y_ref, "column gather_output stride=3")
+    assert_close(dx, dx_ref, "column gather_output stride=3 dx")
+    _check_linear_grads(ref, col, "column", [2 * world] * 3, "column gather_output stride=3")
 
     # explicit init_method: weight from it (same RNG draws as on one device), bias zero
     def init(w):

@@ -82,24 +82,32 @@ def test_dropout_inside_and_outside_tensor_parallel_regions():
 # --------------------------------------------------------------------------------------------
 
 
-def _draw(seed: int, n: int = 8) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(n, generator=g)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def test_seeds_follow_megatron():
+def _draw(seed: int, n: int = 8, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(n, generator=g, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeds_follow_megatron(device):
     mp.model_parallel_manual_seed(42)  # single process: tp = ep = etp rank 0
     tracker = mp.get_cuda_rng_tracker()
-    assert torch.equal(torch.rand(8), _draw(42))
+
+    def rand():
+        return torch.rand(8, device=device)
+
+    assert torch.equal(rand(), _draw(42, device=device))
     with tracker.fork():
-        assert torch.equal(torch.rand(8), _draw(42 + 2718))
+        assert torch.equal(rand(), _draw(42 + 2718, device=device))
     with tracker.fork(mp.EXPERT_PARALLEL_RNG_TRACKER_NAME):
-        assert torch.equal(torch.rand(8), _draw(42 + 1024))
+        assert torch.equal(rand(), _draw(42 + 1024, device=device))
     mp.model_parallel_manual_seed(42, tp_rank=3, ep_rank=2, etp_rank=1)
     with tracker.fork():
-        assert torch.equal(torch.rand(8), _draw(42 + 2718 + 3))
+        assert torch.equal(rand(), _draw(42 + 2718 + 3, device=device))
     with tracker.fork("expert-parallel-rng"):
-        assert torch.equal(torch.rand(8), _draw(42 + 1024 + 200 + 1))
+        assert torch.equal(rand(), _draw(42 + 1024 + 200 + 1, device=device))
     assert mp.model_parallel_cuda_manual_seed is mp.model_parallel_manual_seed
 
 
@@ -156,36 +164,39 @@ def _dropout_net(weight: torch.Tensor, x: torch.Tensor, calls: list) -> torch.Te
     return (h * h).sum(-1)
 
 
-def _run(use_checkpoint: bool):
+def _run(use_checkpoint: bool, device: str = "cpu"):
     mp.model_parallel_manual_seed(11)
     g = torch.Generator().manual_seed(3)
-    weight = torch.randn(6, 6, dtype=torch.float64, generator=g).requires_grad_(True)
-    x = torch.randn(5, 6, dtype=torch.float64, generator=g).requires_grad_(True)
+    weight = torch.randn(6, 6, dtype=torch.float64, generator=g).to(device).requires_grad_(True)
+    x = torch.randn(5, 6, dtype=torch.float64, generator=g).to(device).requires_grad_(True)
     calls: list = []
     if use_checkpoint:
         out = mp.checkpoint(_dropout_net, weight, x, calls)
     else:
         out = _dropout_net(weight, x, calls)
-    torch.rand(3)  # other randomness between forward and backward
+    torch.rand(3, device=device)  # other randomness between forward and backward
     with mp.get_cuda_rng_tracker().fork():
-        torch.rand(3)
+        torch.rand(3, device=device)
     out.sum().backward()
-    after = (torch.get_rng_state(), mp.get_cuda_rng_tracker().get_states())
+    default = torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+    after = (default, mp.get_cuda_rng_tracker().get_states())
     return out.detach(), weight.grad, x.grad, len(calls), after
 
 
-def test_checkpoint_repeats_dropout_masks():
-    out, gw, gx, calls, (cpu_state, tracked) = _run(use_checkpoint=False)
-    out_c, gw_c, gx_c, calls_c, (cpu_state_c, tracked_c) = _run(use_checkpoint=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_repeats_dropout_masks(device):
+    out, gw, gx, calls, (state, tracked) = _run(False, device)
+    out_c, gw_c, gx_c, calls_c, (state_c, tracked_c) = _run(True, device)
     assert calls == 1 and calls_c == 2  # the checkpointed function was recomputed
     torch.testing.assert_close(out_c, out, rtol=0, atol=0)
     torch.testing.assert_close(gw_c, gw, rtol=0, atol=0)
     torch.testing.assert_close(gx_c, gx, rtol=0, atol=0)
     # the recompute did not disturb the run's random streams
-    assert torch.equal(cpu_state_c, cpu_state)
+    assert torch.equal(state_c, state)
     assert tracked_c.keys() == tracked.keys()
     for name in tracked:
-        assert torch.equal(tracked_c[name]["cpu"], tracked[name]["cpu"]), name
+        for kind in tracked[name]:
+            assert torch.equal(tracked_c[name][kind], tracked[name][kind]), (name, kind)
 
 
 def test_checkpoint_without_restoring_would_differ():

@@ -261,10 +261,12 @@ class ColumnParallelLinear(_ParallelLinearBase):
     Args:
         input_size, output_size: the full (unsplit) sizes; ``output_size`` must divide by tp.
         bias: add a bias (sharded like the output features).
-        gather_output: all-gather the output features so every rank gets ``[..., out]``;
-            otherwise each rank returns its ``[..., out/tp]`` part (to feed a row-parallel layer).
+        gather_output: all-gather the output features so every rank gets ``[..., out]`` (in
+            the full layout, fused blocks included); otherwise each rank returns its
+            ``[..., out/tp]`` part (to feed a row-parallel layer).
         skip_bias_add: return ``(output, bias)`` without adding the bias, so the next op can
-            fuse it (bias-GeLU).
+            fuse it (bias-GeLU); the bias is this rank's shard, or the full bias with
+            ``gather_output``.
         sequence_parallel: the input is this rank's sequence chunk; it is all-gathered along
             ``seq_dim`` before the GEMM (backward: reduce-scatter). Not with ``gather_output``.
         seq_dim: the sequence dimension of the input (0: ``[s, b, h]``; 1: ``[b, s, h]``).
@@ -339,9 +341,22 @@ class ColumnParallelLinear(_ParallelLinearBase):
             sequence_parallel=self.sequence_parallel,
             seq_dim=self.seq_dim,
         )
-        if self.gather_output:
-            output = gather_from_tensor_model_parallel_region(output, self.group)
-        return self._finish(output, bias_in_output=True)
+        if not self.gather_output:
+            return self._finish(output, bias_in_output=True)
+        output = self._gather(output)
+        if self.skip_bias_add:  # the bias that goes with the gathered output: the full one
+            return output, None if self.bias is None else self._gather(self.bias)
+        return output
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """All-gather the output features and put fused blocks back in the full layout."""
+        t = gather_from_tensor_model_parallel_region(t, self.group)
+        if len(self._blocks) == 1 or self.tp_size == 1:
+            return t
+        # rank-major [r0: a0 b0 | r1: a1 b1] -> block-major [a0 a1 | b0 b1]
+        per_rank = t.unflatten(-1, (self.tp_size, -1))
+        pieces = per_rank.split([b // self.tp_size for b in self._blocks], dim=-1)
+        return torch.cat([p.flatten(-2) for p in pieces], dim=-1)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", gather_output={self.gather_output}"
