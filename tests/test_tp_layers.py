@@ -268,6 +268,25 @@ def _check_attention(rank, world, *, sp, skip_bias_add, nh, nkv, seq_dim=0, bias
     )
 
 
+def _check_attention_masks(rank, world):
+    """attention_mask: a bool mask equal to the causal one gives the causal result; combined
+    with causal=True an all-True mask changes nothing, a float mask is added to the scores."""
+    s, b, h, nh = 2 * world, 2, 8 * world, 2 * world
+    torch.manual_seed(SEED)
+    causal = tp.ParallelSelfAttention(h, nh, dtype=F64)
+    plain = tp.ParallelSelfAttention(h, nh, causal=False, dtype=F64)
+    plain.load_state_dict(causal.state_dict())
+    x = random_like_everywhere([s, b, h], 18)
+    expected = causal(x)
+    tril = torch.ones(s, s, dtype=torch.bool).tril()
+    assert_close(plain(x, tril), expected, "bool mask = causal")
+    assert_close(causal(x, torch.ones(b, 1, s, s, dtype=torch.bool)), expected, "all-True mask")
+    additive = torch.zeros(s, s, dtype=F64).masked_fill(~tril, float("-inf"))
+    assert_close(plain(x, additive), expected, "additive mask = causal")
+    assert_close(causal(x, torch.zeros(s, s, dtype=F64)), expected, "zero additive + causal")
+    assert not torch.allclose(plain(x), expected)  # without a mask it differs
+
+
 def _check_embedding(rank, world, *, sp, seq_dim=0, padding_idx=None):
     vocab, h, s, b = 8 * world, 6, 2 * world, 3
     torch.manual_seed(SEED)
@@ -500,6 +519,7 @@ def _layers_main(rank: int, world: int) -> str:
     )
     _check_embedding(rank, world, sp=True, seq_dim=1, padding_idx=3)
     _check_embedding(rank, world, sp=False, padding_idx=8 * world - 1)
+    _check_attention_masks(rank, world)
     _check_linear_options(rank, world)
     _check_bf16(rank, world)
     _check_frozen_input(rank, world)
