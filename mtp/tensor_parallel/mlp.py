@@ -23,8 +23,10 @@ _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _fused_op(name: str) -> Callable | None:
     """``mtp.ops.<name>`` when that fused op exists (it lands with the kernels issue)."""
-    import mtp.ops
-
+    try:
+        import mtp.ops
+    except ImportError:  # the op layer cannot load here (e.g. no triton): plain PyTorch
+        return None
     op = getattr(mtp.ops, name, None)
     if isinstance(op, types.ModuleType):  # the submodule, not the function
         op = getattr(op, name, None)
