@@ -562,3 +562,31 @@ def test_layers_need_group_init():
     ):
         with pytest.raises(mp.ParallelStateError, match="initialize_model_parallel"):
             make()
+
+
+def test_bias_activation_uses_fused_ops_when_present(monkeypatch):
+    import mtp.ops
+
+    calls = []
+
+    def spy_gelu(x, bias, approximate="none"):
+        calls.append(("gelu", approximate))
+        return F.gelu(x + bias, approximate=approximate)
+
+    def spy_swiglu(x, bias):
+        calls.append(("swiglu",))
+        a, b = (x + bias).chunk(2, -1)
+        return F.silu(a) * b
+
+    monkeypatch.setattr(mtp.ops, "bias_gelu", spy_gelu, raising=False)
+    monkeypatch.setattr(mtp.ops, "bias_swiglu", spy_swiglu, raising=False)
+    x, bias = torch.randn(3, 8), torch.randn(8)
+    expected = F.gelu(x + bias, approximate="tanh")
+    assert_close(tp.apply_bias_activation(x, bias, "gelu_tanh"), expected, "fused gelu")
+    tp.apply_bias_activation(x, bias, "gelu")
+    tp.apply_bias_activation(x, bias, "swiglu")
+    tp.apply_bias_activation(x.double(), bias.double(), "gelu")  # float64: plain PyTorch
+    tp.apply_bias_activation(x, None, "gelu")  # no bias: plain PyTorch
+    assert calls == [("gelu", "tanh"), ("gelu", "none"), ("swiglu",)]
+    with pytest.raises(ValueError, match="activation must be one of"):
+        tp.apply_bias_activation(x, bias, "tanh")
