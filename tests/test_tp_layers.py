@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_tp_mappings import collective_names, enable_flat_collective_counting
+from test_tp_mappings import collective_names
 from torch import nn
 
 import mtp.parallel as mp
@@ -500,7 +500,6 @@ def _check_bad_configurations(rank, world):
 
 
 def _layers_main(rank: int, world: int) -> str:
-    enable_flat_collective_counting()
     with pytest.raises(mp.ParallelStateError, match="initialize_model_parallel"):
         tp.ColumnParallelLinear(4, 4)
     with pytest.raises(mp.ParallelStateError, match="initialize_model_parallel"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_tp_layers import assert_close, chunk, gather_shards, random_like_everywhere
-from test_tp_mappings import collective_names, enable_flat_collective_counting
+from test_tp_mappings import collective_names
 from torch import nn
 
 import mtp.parallel as mp
@@ -232,7 +232,6 @@ def _check_bad_plans(rank, world):
 
 
 def _parallelize_main(rank: int, world: int) -> str:
-    enable_flat_collective_counting()
     with pytest.raises(mp.ParallelStateError, match="initialize_model_parallel"):
         tp.parallelize(Block(8, 2), BLOCK_PLAN)
     mp.initialize_model_parallel(tensor_model_parallel_size=world)
