@@ -5,3 +5,6 @@ Backends are chosen by argument (``backend="auto"|"triton"|"reference"|...``) or
 argument is ``"auto"``, by the ``MTP_BACKEND`` environment variable; ``auto`` means the fused
 kernel on CUDA and the reference on CPU (see :func:`mtp.ops._backend.resolve_backend`).
 """
+
+from .bias_act import bias_gelu, bias_swiglu  # noqa: E402,F401
+from .cross_entropy import vocab_parallel_cross_entropy  # noqa: E402,F401
