@@ -242,3 +242,42 @@ def test_compiles_for_sm90_and_sm100_without_spills():
             if info is None:
                 pytest.skip("no ptxas available")
             assert not info.spills, f"{build.name} {constexprs} spills on sm_{cc}: {info.output}"
+
+
+# --- on a GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ACTS)
+def test_gpu_large_shapes(act):
+    torch.manual_seed(6)
+    x = torch.randn(4, 1024, 4224, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(4224, device="cuda", dtype=torch.bfloat16)
+    _check(act, x, bias)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    torch.manual_seed(7)
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y = mtp.ops.bias_swiglu(x, bias)
+        return (y, *torch.autograd.grad(y, (x, bias), dy))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+        dy.copy_(torch.randn_like(dy))
+    graph.replay()
+    for got, expected in zip(outs, step()):
+        assert torch.equal(got, expected)

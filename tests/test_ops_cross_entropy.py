@@ -368,3 +368,41 @@ def test_compiles_for_sm90_and_sm100_without_spills():
             if info is None:
                 pytest.skip("no ptxas available")
             assert not info.spills, f"{build.name} {constexprs} spills on sm_{cc}: {info.output}"
+
+
+# --- on a GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_large_vocab(dtype):
+    logits, target = make_inputs((2, 256), 50257, dtype, "cuda", ignore_every=7)
+    check(logits, target, label_smoothing=0.1, z_loss_weight=1e-4, reduction="mean")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    logits, target = make_inputs((4, 128), 32000, torch.bfloat16, "cuda", ignore_every=5)
+    x = logits.clone().requires_grad_(True)
+    static_target = target.clone()
+
+    def step():
+        loss = vocab_parallel_cross_entropy(x, static_target, label_smoothing=0.1,
+                                            reduction="mean")
+        return loss.detach(), torch.autograd.grad(loss, x)[0]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the target range check is skipped while capturing
+        outs = step()
+    new_logits, new_target = make_inputs((4, 128), 32000, torch.bfloat16, "cuda", seed=1)
+    with torch.no_grad():
+        x.copy_(new_logits)
+        static_target.copy_(new_target)
+    graph.replay()
+    for got, expected in zip(outs, step()):
+        assert torch.equal(got, expected)

@@ -261,7 +261,7 @@ def bias_gelu(
     forward reads ``M*H*s + H*sb`` and writes ``M*H*s``; backward reads ``dy``, ``x``, ``bias``
     (``2*M*H*s + H*sb``) and writes ``dx`` and ``dbias`` (``M*H*s + H*sb``), plus an fp32
     partial-sum workspace of ``G*H*4`` bytes written and read once (``G <= 1024`` row groups,
-    ``G*H <= 2**20``; none without bias).
+    ``G*H <= 2**20 + H``, about 4 MiB; none without bias).
     """
     _check_approximate(approximate)
     backend = _check_inputs("bias_gelu", x, bias, backend, gated=False)
@@ -290,7 +290,7 @@ def bias_swiglu(
     Bytes (``s`` = element size of ``x``, ``sb`` of ``bias``, ``M`` rows): forward reads
     ``2*M*H*s + 2*H*sb`` and writes ``M*H*s``; backward reads ``dy`` and ``x`` and ``bias``
     (``3*M*H*s + 2*H*sb``) and writes ``dx`` and ``dbias`` (``2*M*H*s + 2*H*sb``), plus the
-    fp32 partial-sum workspace (``G*2*H*4`` bytes, ``G*H <= 2**20``; none without bias).
+    fp32 partial-sum workspace (``G*2*H*4`` bytes, ``G*H <= 2**20 + H``; none without bias).
     """
     backend = _check_inputs("bias_swiglu", x, bias, backend, gated=True)
     return torch.ops.mtp.bias_swiglu(x, bias, backend)

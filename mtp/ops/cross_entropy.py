@@ -139,10 +139,15 @@ def _reference_grad(dloss, logits, target, rowstat, eps, ignore_index, z, vocab_
 # --------------------------------------------------------------------------------------------
 
 
-def _layout(logits: torch.Tensor):
+def _kernel_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``t`` (or a contiguous copy) and its row layout, as the kernels read it."""
     from mtp.kernels.cross_entropy import row_layout
 
-    return row_layout(logits)
+    layout = row_layout(t) if (t.stride(-1) == 1 or t.shape[-1] == 1) else None
+    if layout is None:
+        t = t.contiguous()
+        layout = row_layout(t)
+    return t, layout
 
 
 @torch.library.custom_op("mtp::vocab_parallel_cross_entropy", mutates_args=())
@@ -178,7 +183,7 @@ def _ce_op(
         ignore_index=ignore_index,
         z_loss_weight=z_loss_weight,
     )
-    layout = _layout(logits)
+    logits, layout = _kernel_view(logits)
     if not group_name:
         kernels.cross_entropy_forward(
             logits, layout, target1, **common, loss=loss, rowstat=rowstat, stats=None
@@ -215,20 +220,24 @@ def _backward_into(grad, dloss, logits, target, rowstat, eps, ignore_index, z, s
         return
     from mtp.kernels.cross_entropy import cross_entropy_backward
 
+    logits, layout = _kernel_view(logits)
+    out, out_layout = _kernel_view(grad)
     cross_entropy_backward(
         dloss.reshape(-1).float(),
         logits,
-        _layout(logits),
+        layout,
         target.reshape(-1).contiguous(),
         rowstat.reshape(-1, 2).contiguous(),
-        grad,
-        _layout(grad),
+        out,
+        out_layout,
         vocab_start=start,
         vocab_size=size,
         label_smoothing=eps,
         ignore_index=ignore_index,
         z_loss_weight=z,
     )
+    if out is not grad:
+        grad.copy_(out)
 
 
 @torch.library.custom_op("mtp::vocab_parallel_cross_entropy_backward", mutates_args=())
@@ -410,8 +419,8 @@ def vocab_parallel_cross_entropy(
     backend = resolve_backend("vocab_parallel_cross_entropy", backend, logits.device, _BACKENDS)
     v_local = logits.shape[-1]
     vocab_size = v_local * world
-    if (logits.stride(-1) != 1 and v_local > 1) or _layout(logits) is None:
-        logits = logits.contiguous()
+    if backend == "triton":
+        logits, _ = _kernel_view(logits)  # a copy only if the rows need more than two strides
     if data_checks_enabled(validate, target):
         _check_targets(target, ignore_index, vocab_size)
     loss, _ = torch.ops.mtp.vocab_parallel_cross_entropy(
