@@ -62,6 +62,15 @@ def _gelu_and_grad(u, APPROX_TANH: tl.constexpr, NEED_GRAD: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(row0, cols, cmask, M, stride_xm, stride_om, BLOCK_M: tl.constexpr):
+    """Mask of the ``[BLOCK_M, BLOCK_N]`` tile at ``row0`` and its row offsets into x and out."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    mask = (rows < M)[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    return mask, rows64 * stride_xm, rows64 * stride_om
+
+
+@triton.jit
 def _load_pre_activation(x_ptr, b_ptr, xrow, cols, mask, cmask, col_offset, HAS_BIAS: tl.constexpr):
     """fp32 ``x[rows, col_offset + cols] + bias[col_offset + cols]`` (0 where masked)."""
     u = tl.load(x_ptr + xrow + (col_offset + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -85,25 +94,18 @@ def _bias_act_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    mask = (rows < M)[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)
-    xrow = rows64[:, None] * stride_xm
+    mask, xrow, yrow = _tile_rows(
+        tl.program_id(0) * BLOCK_M, cols, cmask, M, stride_xm, stride_ym, BLOCK_M
+    )
     u = _load_pre_activation(x_ptr, b_ptr, xrow, cols, mask, cmask, 0, HAS_BIAS)
     if ACT == 2:
         g = _load_pre_activation(x_ptr, b_ptr, xrow, cols, mask, cmask, N, HAS_BIAS)
         y = u * tl.sigmoid(u) * g
     else:
         y, _ = _gelu_and_grad(u, ACT == 1, False)
-    tl.store(
-        y_ptr + rows64[:, None] * stride_ym + cols[None, :],
-        y.to(y_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    tl.store(y_ptr + yrow + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -133,14 +135,9 @@ def _bias_act_bwd_kernel(
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     row0 = pid_g * rows_per_group
     for r in range(0, rows_per_group, BLOCK_M):
-        rows = row0 + r + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
-        xrow = rows64[:, None] * stride_xm
-        dxrow = rows64[:, None] * stride_dxm
-        dy = tl.load(
-            dy_ptr + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0
-        ).to(tl.float32)
+        mask, xrow, dxrow = _tile_rows(row0 + r, cols, cmask, M, stride_xm, stride_dxm, BLOCK_M)
+        _, dyrow, _ = _tile_rows(row0 + r, cols, cmask, M, stride_dym, 0, BLOCK_M)
+        dy = tl.load(dy_ptr + dyrow + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u = _load_pre_activation(x_ptr, b_ptr, xrow, cols, mask, cmask, 0, HAS_BIAS)
         if ACT == 2:
             g = _load_pre_activation(x_ptr, b_ptr, xrow, cols, mask, cmask, N, HAS_BIAS)

@@ -40,13 +40,23 @@ NUM_STATS = 3
 MAX_BLOCK_V_FWD = 2048
 MAX_BLOCK_V_BWD = 4096
 NUM_WARPS = 8
-#: Rows per program of the combine kernel.
+#: Rows per program of the combine kernel, and its warps.
 COMBINE_BLOCK = 256
+COMBINE_NUM_WARPS = 4
 
 
 @triton.jit
 def _row_offset(row, n_inner, stride_outer, stride_inner):
     return (row // n_inner) * stride_outer + (row % n_inner) * stride_inner
+
+
+@triton.jit
+def _finish(m, s, c, target, ignore_index, z_loss_weight):
+    """``(loss, log S)`` of rows with global max ``m``, rescaled sum ``s`` and linear term ``c``."""
+    log_s = tl.log(s)
+    lse = m + log_s
+    loss = (m - c) + log_s + z_loss_weight * lse * lse
+    return tl.where(target != ignore_index, loss, 0.0), log_s
 
 
 @triton.jit
@@ -93,10 +103,8 @@ def _ce_fwd_kernel(
     if SMOOTHING:
         c += coef_uniform * sum_x
     if FINAL:
-        log_s = tl.log(s)
-        lse = m + log_s
-        loss = (m - c) + log_s + z_loss_weight * lse * lse
-        tl.store(loss_ptr + row, tl.where(target != ignore_index, loss, 0.0))
+        loss, log_s = _finish(m, s, c, target, ignore_index, z_loss_weight)
+        tl.store(loss_ptr + row, loss)
         tl.store(rowstat_ptr + 2 * row, m)
         tl.store(rowstat_ptr + 2 * row + 1, log_s)
     else:
@@ -131,11 +139,9 @@ def _ce_combine_kernel(
         m_r = tl.load(at, mask=mask, other=-float("inf"))
         s += tl.load(at + 1, mask=mask, other=0.0) * tl.exp(m_r - m_ref)
         c += tl.load(at + 2, mask=mask, other=0.0)
-    log_s = tl.log(s)
-    lse = m + log_s
-    loss = (m - c) + log_s + z_loss_weight * lse * lse
     target = tl.load(target_ptr + rows, mask=mask, other=0)
-    tl.store(loss_ptr + rows, tl.where(target != ignore_index, loss, 0.0), mask=mask)
+    loss, log_s = _finish(m, s, c, target, ignore_index, z_loss_weight)
+    tl.store(loss_ptr + rows, loss, mask=mask)
     tl.store(rowstat_ptr + 2 * rows, m, mask=mask)
     tl.store(rowstat_ptr + 2 * rows + 1, log_s, mask=mask)
 
@@ -292,7 +298,7 @@ def cross_entropy_combine(
         ignore_index,
         z_loss_weight,
         BLOCK=COMBINE_BLOCK,
-        num_warps=4,
+        num_warps=COMBINE_NUM_WARPS,
     )
 
 

@@ -29,6 +29,7 @@ from mtp.utils import check_tensor, data_checks_enabled, empty
 
 __all__ = [
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy_reference",
     "TargetOutOfRangeError",
     "REDUCTIONS",
 ]
@@ -440,3 +441,14 @@ def vocab_parallel_cross_entropy(
     if reduction == "mean":
         return loss.sum() / (target != ignore_index).sum()
     return loss
+
+
+def vocab_parallel_cross_entropy_reference(
+    logits: torch.Tensor, target: torch.Tensor, **kwargs
+) -> torch.Tensor:
+    """:func:`vocab_parallel_cross_entropy` computed with plain PyTorch ops in fp32 (the same
+    statistics, collective and formulas, without Triton): the reference tests and benches share.
+    Takes the same arguments except ``backend``."""
+    if "backend" in kwargs:
+        raise TypeError("vocab_parallel_cross_entropy_reference takes no backend argument")
+    return vocab_parallel_cross_entropy(logits, target, backend="reference", **kwargs)
