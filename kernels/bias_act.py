@@ -145,7 +145,8 @@ def _bias_act_bwd_kernel(
             silu = u * sig
             du = tl.where(mask, dy * g * (sig + silu * (1.0 - sig)), 0.0)
             dg = tl.where(mask, dy * silu, 0.0)
-            tl.store(dx_ptr + dxrow + (N + cols)[None, :], dg.to(dx_ptr.dtype.element_ty), mask=mask)
+            dg_out = dg.to(dx_ptr.dtype.element_ty)
+            tl.store(dx_ptr + dxrow + (N + cols)[None, :], dg_out, mask=mask)
             if COMPUTE_DBIAS:
                 acc_g += tl.sum(dg, axis=0)
         else:

@@ -284,7 +284,7 @@ def cross_entropy_combine(
     loss: torch.Tensor,
     rowstat: torch.Tensor,
 ) -> None:
-    """Combine ``gathered`` ``[world, R, 3]`` fp32 statistics into ``loss`` ``[R]`` and ``rowstat``."""
+    """Combine ``gathered`` ``[world, R, 3]`` fp32 statistics into ``loss`` / ``rowstat``."""
     world, rows = gathered.shape[0], gathered.shape[1]
     if rows == 0:
         return

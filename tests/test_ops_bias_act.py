@@ -276,6 +276,20 @@ def test_gpu_large_shapes(act):
     _check(act, x, bias)
 
 
+def capture_graph(step):
+    """Run ``step`` once on a side stream (compiles the kernels), then capture it in a CUDA
+    graph; returns ``(graph, outputs of the captured call)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay():
     torch.manual_seed(7)
@@ -287,14 +301,7 @@ def test_gpu_cuda_graph_replay():
         y = mtp.ops.bias_swiglu(x, bias)
         return (y, *torch.autograd.grad(y, (x, bias), dy))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_graph(step)
     with torch.no_grad():
         x.copy_(torch.randn_like(x))
         dy.copy_(torch.randn_like(dy))

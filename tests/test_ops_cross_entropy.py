@@ -16,7 +16,7 @@ from mtp.ops.cross_entropy import (
     vocab_parallel_cross_entropy_reference,
 )
 from mtp.testing import assert_close, assert_graph_safe, count_host_syncs
-from test_ops_bias_act import ptxas_table
+from test_ops_bias_act import capture_graph, ptxas_table
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -84,7 +84,9 @@ def test_matches_float64(dtype, case, device):
           reduction=reduction)
 
 
-@pytest.mark.parametrize("vocab", [1, 2, 37, kernels.MAX_BLOCK_V_FWD + 1, kernels.MAX_BLOCK_V_BWD + 3])
+@pytest.mark.parametrize(
+    "vocab", [1, 2, 37, kernels.MAX_BLOCK_V_FWD + 1, kernels.MAX_BLOCK_V_BWD + 3]
+)
 def test_vocab_sizes_around_the_block(vocab, device):
     # + 1 / + 3: the forward loops over two chunks, the backward takes two blocks per row.
     logits, target = make_inputs((3,), vocab, torch.float32, device, ignore_every=0, seed=vocab)
@@ -276,7 +278,8 @@ def test_reference_and_auto_backends(backend, device, monkeypatch):
     for inplace in (False, True):
         x = logits.clone().requires_grad_(True)
         y = x * 1
-        vocab_parallel_cross_entropy(y, target, backend=backend, inplace_backward=inplace).sum().backward()
+        loss = vocab_parallel_cross_entropy(y, target, backend=backend, inplace_backward=inplace)
+        loss.sum().backward()
         ref, x64 = reference_loss(logits, target, reduction="sum")
         ref.backward()
         assert_close(x.grad, x64.grad, torch.bfloat16)
@@ -398,14 +401,7 @@ def test_gpu_cuda_graph_replay():
                                             reduction="mean")
         return loss.detach(), torch.autograd.grad(loss, x)[0]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # the target range check is skipped while capturing
-        outs = step()
+    graph, outs = capture_graph(step)  # the target range check is skipped while capturing
     new_logits, new_target = make_inputs((4, 128), 32000, torch.bfloat16, "cuda", seed=1)
     with torch.no_grad():
         x.copy_(new_logits)

@@ -55,7 +55,7 @@ def _act_reference(u: torch.Tensor, act: str) -> torch.Tensor:
 def bias_gelu_reference(
     x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none"
 ) -> torch.Tensor:
-    """Plain-PyTorch ``gelu(x + bias)`` computed in fp32, returned in ``x.dtype`` (differentiable)."""
+    """Plain-PyTorch ``gelu(x + bias)``: fp32 math, ``x.dtype`` result (differentiable)."""
     _check_approximate(approximate)
     return _act_reference(_pre_activation(x, bias), _APPROXIMATE[approximate]).to(x.dtype)
 

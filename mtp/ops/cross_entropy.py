@@ -74,7 +74,8 @@ def _all_gather_stats(stats: torch.Tensor, group_name: str) -> torch.Tensor:
     group = _GROUPS[group_name]
     world = dist.get_world_size(group)
     gathered = torch.empty((world, *stats.shape), dtype=stats.dtype, device=stats.device)
-    dist.all_gather(list(gathered.unbind(0)), stats, group=group)
+    if stats.numel():  # no rows here means no rows on any rank (the targets are replicated)
+        dist.all_gather(list(gathered.unbind(0)), stats, group=group)
     return gathered
 
 
@@ -213,7 +214,9 @@ def _(logits, target, *args):
     )
 
 
-def _backward_into(grad, dloss, logits, target, rowstat, eps, ignore_index, z, start, size, backend):
+def _backward_into(
+    grad, dloss, logits, target, rowstat, eps, ignore_index, z, start, size, backend
+) -> None:
     backend = resolve_backend("vocab_parallel_cross_entropy", backend, logits.device, _BACKENDS)
     if backend == "reference":
         g = _reference_grad(dloss, logits, target, rowstat, eps, ignore_index, z, start, size)
