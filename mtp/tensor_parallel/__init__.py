@@ -7,6 +7,8 @@
   one all-reduce forward and one backward each.
 - :func:`from_linear`, :func:`from_embedding`, :func:`parallelize`: shard an existing model's
   ``nn.Linear`` / ``nn.Embedding`` modules by name pattern.
+- :class:`VocabParallelCrossEntropy` / :func:`vocab_parallel_cross_entropy`: the loss on
+  vocab-parallel logits (fused kernel, one small all-gather), Megatron-Core's argument names.
 - :func:`allreduce_sequence_parallel_grads`: sum the partial gradients of replicated
   parameters under sequence parallelism (call after backward).
 
@@ -33,6 +35,7 @@ from mtp.parallel.random import (
 )
 
 from .attention import ParallelSelfAttention
+from .cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -60,6 +63,7 @@ __all__ = [
     "ParallelSelfAttention",
     "RNGStatesTracker",
     "RowParallelLinear",
+    "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "VocabRangeError",
     "VocabUtility",
@@ -85,4 +89,5 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "set_tensor_model_parallel_attributes",
+    "vocab_parallel_cross_entropy",
 ]
