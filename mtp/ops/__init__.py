@@ -5,3 +5,5 @@ Backends are chosen by argument (``backend="auto"|"triton"|"reference"|...``) or
 argument is ``"auto"``, by the ``MTP_BACKEND`` environment variable; ``auto`` means the fused
 kernel on CUDA and the reference on CPU (see :func:`mtp.ops._backend.resolve_backend`).
 """
+
+from mtp.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference  # noqa: E402,F401
