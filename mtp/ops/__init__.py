@@ -6,4 +6,5 @@ argument is ``"auto"``, by the ``MTP_BACKEND`` environment variable; ``auto`` me
 kernel on CUDA and the reference on CPU (see :func:`mtp.ops._backend.resolve_backend`).
 """
 
+from mtp.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference  # noqa: E402,F401
 from mtp.ops.moe_permute import permute, unpermute  # noqa: E402,F401
