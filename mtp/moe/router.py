@@ -142,7 +142,8 @@ def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
     """Router z-loss (ST-MoE): ``coeff * mean_t(logsumexp(logits[t])**2)``, a 0-D tensor."""
     if logits.shape[0] == 0:
         return logits.sum() * 0.0
-    return torch.mean(torch.square(torch.logsumexp(logits.float(), dim=-1))) * z_loss_coeff
+    math_dtype = torch.promote_types(logits.dtype, torch.float32)
+    return torch.mean(torch.square(torch.logsumexp(logits.to(math_dtype), dim=-1))) * z_loss_coeff
 
 
 def get_capacity(
@@ -246,8 +247,9 @@ def topk_softmax_with_capacity(
     """
     del deterministic_mode
     num_tokens, num_experts = logits.shape
-    if score_function not in _SCORE_FUNCTIONS:
-        raise ValueError(f"score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}")
+    check_routing_config(
+        num_experts, topk, score_function, capacity_factor, drop_policy, num_groups, group_topk
+    )
     bias = None if expert_bias is None else expert_bias.float()
     if score_function == "softmax":
         if use_pre_softmax:
@@ -274,8 +276,6 @@ def topk_softmax_with_capacity(
     tokens_per_expert = routing_map.sum(dim=0)
     if capacity_factor is None:
         return routing_probs, routing_map, tokens_per_expert
-    if drop_policy not in _DROP_POLICIES:
-        raise ValueError(f"drop_policy must be one of {_DROP_POLICIES}, got {drop_policy!r}")
     capacity = min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
     keep = _capacity_mask(routing_probs, routing_map, capacity, drop_policy)
     final_map = keep if pad_to_capacity else routing_map & keep
