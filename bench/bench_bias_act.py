@@ -29,8 +29,19 @@ import torch
 import mtp.ops as ops
 from mtp.ops.bias_act import bias_gelu_reference, bias_swiglu_reference
 
-from .core import FLOAT64, Case, Provider, Run, compiled, import_peer, needs_compile
-from .core import peer_attr, randn, seeded, upcast
+from .core import (
+    FLOAT64,
+    Case,
+    Provider,
+    Run,
+    compiled,
+    import_peer,
+    needs_compile,
+    peer_attr,
+    randn,
+    seeded,
+    upcast,
+)
 
 FAMILY = "bias_act"
 OPS = ("bias_gelu", "bias_swiglu")
@@ -94,8 +105,9 @@ def providers(op: str) -> list[Provider]:
         Provider("reference", "baseline"),
         Provider("torch.compile", "baseline", cpu=False, needs=needs_compile),
         Provider(
-            "megatron", "peer", cpu=False, needs=lambda d: import_peer(f"{_MEGATRON}.{megatron}", impl)
-        ),
+            "megatron", "peer", cpu=False,
+            needs=lambda d: import_peer(f"{_MEGATRON}.{megatron}", impl),
+        ),  # fmt: skip
     ]
     if op == "bias_swiglu":
         found.append(Provider(
@@ -133,8 +145,9 @@ def _forward_fn(op: str, provider: str):
     if provider == "torch.compile":
         return compiled(reference)
     if provider == "megatron":
-        module = f"{_MEGATRON}.fused_bias_gelu" if op == "bias_gelu" else f"{_MEGATRON}.fused_bias_swiglu"
-        impl = peer_attr(module, "bias_gelu_impl" if op == "bias_gelu" else "bias_swiglu_impl")
+        gelu = op == "bias_gelu"
+        module = f"{_MEGATRON}.fused_bias_gelu" if gelu else f"{_MEGATRON}.fused_bias_swiglu"
+        impl = peer_attr(module, "bias_gelu_impl" if gelu else "bias_swiglu_impl")
         return lambda x, b: impl(x, b)
     if provider == "liger":
         silu_mul = peer_attr("liger_kernel.ops.swiglu", "LigerSiLUMulFunction")

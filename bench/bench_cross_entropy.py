@@ -28,8 +28,20 @@ import torch.nn.functional as F
 import mtp.ops as ops
 from mtp.ops.cross_entropy import vocab_parallel_cross_entropy_reference
 
-from .core import FLOAT64, Case, Provider, Run, compiled, import_peer, needs_compile, needs_cuda
-from .core import peer_attr, randn, seeded, upcast
+from .core import (
+    FLOAT64,
+    Case,
+    Provider,
+    Run,
+    compiled,
+    import_peer,
+    needs_compile,
+    needs_cuda,
+    peer_attr,
+    randn,
+    seeded,
+    upcast,
+)
 
 FAMILY = "cross_entropy"
 OPS = ("cross_entropy",)
@@ -120,7 +132,9 @@ def _loss_fn(provider: str):
     if provider == "torch.compile":
         return compiled(pytorch_cross_entropy)
     if provider == "reference":
-        return lambda x, t: vocab_parallel_cross_entropy_reference(x, t, reduction="mean", validate=False)
+        return lambda x, t: vocab_parallel_cross_entropy_reference(
+            x, t, reduction="mean", validate=False
+        )
     if provider == "liger":
         loss = peer_attr("liger_kernel.transformers", "LigerCrossEntropyLoss")()
 
@@ -133,7 +147,9 @@ def _loss_fn(provider: str):
         te_ce = peer_attr("transformer_engine.pytorch.cross_entropy", "parallel_cross_entropy")
         return lambda x, t: te_ce(x.unsqueeze(0), t.unsqueeze(0), 0.0, False, None).float().mean()
     if provider == "megatron":
-        mg_ce = peer_attr("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy")
+        mg_ce = peer_attr(
+            "megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy"
+        )
         return lambda x, t: mg_ce(x, t).mean()
     return lambda x, t: ops.vocab_parallel_cross_entropy(
         x, t, reduction="mean", validate=False, backend=provider
@@ -204,7 +220,8 @@ def structure(size: str) -> dict:
     for world in (2,) if size != "full" else (2, 4):
         per_rank = run_distributed(_collectives_worker, world, rows, v_local, BACKENDS)
         for rec in per_rank[0]:  # every rank sends the same amount; rank 0 speaks for them
-            rec["formula_bytes_per_rank"] = allgather_bytes_per_rank(rows) if rec["pass"] == "fwd" else 0
+            fwd = rec["pass"] == "fwd"
+            rec["formula_bytes_per_rank"] = allgather_bytes_per_rank(rows) if fwd else 0
             rec["same_on_all_ranks"] = all(
                 r["bytes_per_rank"] == rec["bytes_per_rank"]
                 for other in per_rank

@@ -125,15 +125,15 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
     return out
 
 
-def _backend_ready(name: str):
+def backend_ready(name: str):
     def needs(device: torch.device) -> str | None:
         check = GROUPED_GEMM_BACKENDS[name].check
         if name == "cutlass" and device.type != "cuda":
             return "needs a CUDA GPU and the CUTLASS extension"
         if check is not None:
             try:
-                dtype = torch.bfloat16
-                check(torch.empty(0, 1, dtype=dtype, device=device), torch.empty(1, 1, 1, dtype=dtype, device=device))
+                probe = dict(dtype=torch.bfloat16, device=device)
+                check(torch.empty(0, 1, **probe), torch.empty(1, 1, 1, **probe))
             except (TypeError, ValueError) as exc:
                 return str(exc).split(". ")[0]
         return None
@@ -145,13 +145,14 @@ def providers(op: str = "grouped_gemm") -> list[Provider]:
     out = []
     for name in BACKENDS:
         kind = "baseline" if name == "reference" else "mtp"
-        out.append(Provider(name, kind, cpu=name != "cutlass", needs=_backend_ready(name)))
+        out.append(Provider(name, kind, cpu=name != "cutlass", needs=backend_ready(name)))
     out += [
         Provider("torch.compile", "baseline", cpu=False,
                  needs=lambda d: "not timed: the reference's per-expert loop reads the sizes on "
                                  "the host (see the 'torch' backend for PyTorch's grouped GEMM)"),
         Provider("te", "peer", cpu=False,
-                 needs=lambda d: needs_cuda(d) or import_peer("transformer_engine.pytorch", "GroupedLinear")),
+                 needs=lambda d: needs_cuda(d)
+                 or import_peer("transformer_engine.pytorch", "GroupedLinear")),
         Provider("grouped_gemm_pkg", "peer", cpu=False,
                  needs=lambda d: needs_cuda(d) or import_peer("grouped_gemm", "ops.gmm")),
     ]  # fmt: skip

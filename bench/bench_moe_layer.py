@@ -34,8 +34,8 @@ import torch
 from mtp.moe import MoELayer
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
 
+from .bench_grouped_gemm import backend_ready
 from .core import FLOAT64, Case, Provider, Run, needs_cuda, randn, seeded
-from .bench_grouped_gemm import _backend_ready
 
 FAMILY = "moe_layer"
 OPS = ("moe_layer",)
@@ -94,7 +94,7 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
 
 
 def _graph_needs(backend: str):
-    ready = _backend_ready(backend)
+    ready = backend_ready(backend)
     return lambda device: needs_cuda(device) or ready(device)
 
 
@@ -102,7 +102,7 @@ def providers(op: str = "moe_layer") -> list[Provider]:
     out = []
     for name in BACKENDS:
         kind = "baseline" if name == "reference" else "mtp"
-        out.append(Provider(name, kind, cpu=name != "cutlass", needs=_backend_ready(name)))
+        out.append(Provider(name, kind, cpu=name != "cutlass", needs=backend_ready(name)))
     for name in GRAPH_BACKENDS:
         out.append(Provider(name + GRAPH, "mtp", cpu=False, needs=_graph_needs(name)))
     return out

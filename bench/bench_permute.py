@@ -26,8 +26,19 @@ import torch
 import mtp.ops as ops
 from mtp.ops.moe_permute import permute_reference, unpermute_reference
 
-from .core import FLOAT64, Case, Provider, Run, compiled, import_peer, needs_compile
-from .core import peer_attr, randn, seeded, upcast
+from .core import (
+    FLOAT64,
+    Case,
+    Provider,
+    Run,
+    compiled,
+    import_peer,
+    needs_compile,
+    peer_attr,
+    randn,
+    seeded,
+    upcast,
+)
 
 FAMILY = "permute"
 OPS = ("permute", "unpermute")

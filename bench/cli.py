@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the checkout)")
     parser.add_argument("--mode", choices=("auto", "gpu", "cpu"), default="auto",
                         help="auto: GPU timings when CUDA is available, else the CPU pass")
+    parser.add_argument("--replace", action="store_true",
+                        help="drop the other ops' records of an earlier run in the same folder "
+                        "(default: keep them, so the ops can be run in several calls)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up (GPU)")
@@ -68,8 +71,6 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     mode = prepare_runtime(args.mode)
     # Everything that imports triton or mtp.ops comes after prepare_runtime.
-    import torch
-
     from . import report, runner
     from .core import DTYPES
     from .peaks import match_peak
@@ -78,31 +79,17 @@ def main(argv=None) -> int:
     env = environment(mode)
     dtype = DTYPES[args.dtype]
     size = ("quick" if args.quick else "full") if mode == "gpu" else "smoke"
-    formula_size = "quick" if args.quick else "full"
     modules = runner.load_modules()
     planned = runner.plan(modules, args.ops, size, dtype, args.backends, peers=not args.no_peers)
     peak = match_peak(env["device"], env.get("sm_count")) if mode == "gpu" else None
     folder = (args.out or default_out()) / device_folder(env, peak.name if peak else None)
     folder.mkdir(parents=True, exist_ok=True)
 
-    progress = runner.Progress(runner.total_steps(planned, cpu=mode == "cpu"),
-                               enabled=not args.no_progress)  # fmt: skip
     peak_dict = dataclasses.asdict(peak) if peak else None
-    ceilings = None
-    try:
-        if mode == "gpu":
-            from .timing import GpuTimer, measure_ceilings
-
-            torch.backends.cuda.matmul.allow_tf32 = False
-            timer = GpuTimer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-            ceilings = measure_ceilings(timer)
-            body = runner.run_gpu(planned, timer, peak_dict, ceilings, progress)
-        else:
-            torch.manual_seed(0)
-            body = runner.run_cpu(planned, size, progress)
-    finally:
-        progress.close()
-
+    body, ceilings = _measure(args, mode, planned, size, peak_dict)
+    this_run = body["records"]
+    for rec in this_run:
+        rec["run_date"] = env["date"]
     result = {
         "schema": report.SCHEMA,
         "command": "mtp-bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -118,22 +105,60 @@ def main(argv=None) -> int:
         **body,
     }
     if mode != "gpu":
-        gpu_plan = runner.plan(modules, args.ops, formula_size, dtype, args.backends)
+        formula_size = "quick" if args.quick else "full"
         result["formula_size"] = formula_size
-        result["formulas"] = report.formula_table(gpu_plan)
-    plots, note = ([], "plots skipped (--no-plots)") if args.no_plots else report.write_plots(folder, result)
+        result["formulas"] = report.formula_table(
+            runner.plan(modules, args.ops, formula_size, dtype, args.backends)
+        )
+    if not args.replace:
+        result = report.merge_previous(folder / "results.json", result)
+    if args.no_plots:
+        plots, note = [], "plots skipped (--no-plots)"
+    else:
+        plots, note = report.write_plots(folder, result)
     result["plots"], result["plot_note"] = plots, note
     result["wall_s"] = round(time.perf_counter() - started, 1)
     report.write_json(folder / "results.json", result)
     report.write_markdown(folder / "results.md", result)
-    print(report.stdout_table(result))
-    print(f"\nwrote {folder}/results.json, results.md" + (f" and {len(plots)} plot(s)" if plots else "")
+    print(report.stdout_table({**result, "records": this_run}))
+    wrote = f" and {len(plots)} plot(s)" if plots else ""
+    print(f"\nwrote {folder}/results.json, results.md{wrote}"
           + (f" ({note})" if note else "") + f" in {result['wall_s']} s")  # fmt: skip
-    failed = [r for r in result["records"] if r["status"] == "failed"]
+    failed = [r for r in this_run if r["status"] == "failed"]
     for r in failed:
-        print(f"FAILED {r['op']} {r['case']} {r['pass']} {r['provider']}: {r['note']}", file=sys.stderr)
+        where = f"{r['op']} {r['case']} {r['pass']} {r['provider']}"
+        print(f"FAILED {where}: {r['note']}", file=sys.stderr)
     # A peer that fails (another project's API moved) is reported, not fatal.
     return 1 if any(r["kind"] != "peer" for r in failed) else 0
+
+
+def _measure(args, mode: str, planned, size: str, peak: dict | None):
+    """Run the planned cases: ``(body, ceilings)``, body = ``{"records", "structure"}``."""
+    import torch
+
+    from . import runner
+
+    progress = runner.Progress(runner.total_steps(planned, cpu=mode == "cpu"),
+                               enabled=not args.no_progress)  # fmt: skip
+    try:
+        if mode == "gpu":
+            from .timing import GpuTimer, measure_ceilings
+
+            torch.backends.cuda.matmul.allow_tf32 = False
+            timer = GpuTimer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+            ceilings = measure_ceilings(timer)
+            return runner.run_gpu(planned, timer, peak, ceilings, progress), ceilings
+        # Tiny tensors: one intra-op thread (more only spin and fight other processes for
+        # the cores of a small CI machine).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            torch.manual_seed(0)
+            return runner.run_cpu(planned, size, progress), None
+        finally:
+            torch.set_num_threads(threads)
+    finally:
+        progress.close()
 
 
 def _providers_by_op(planned) -> dict[str, list[str]]:

@@ -190,7 +190,7 @@ def rel_err(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) ->
     if len(actual) != len(expected):
         return float("inf")
     worst = 0.0
-    for a, e in zip(actual, expected):
+    for a, e in zip(actual, expected, strict=True):
         if a is None or e is None:
             if (a is None) != (e is None):
                 return float("inf")

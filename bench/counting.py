@@ -160,7 +160,8 @@ def _aliases_input(out, args) -> bool:
 
 def _classify(func, args, out) -> str:
     name = func._schema.name
-    if name in _ALLOC_OPS or name.startswith("aten::sym_") or name in ("aten::size", "aten::stride"):
+    metadata = name.startswith("aten::sym_") or name in ("aten::size", "aten::stride")
+    if name in _ALLOC_OPS or metadata:
         return "alloc" if name.startswith("aten::empty") or "new_empty" in name else "view"
     if getattr(func, "is_view", False):
         return "view"

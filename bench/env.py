@@ -26,7 +26,9 @@ def prepare_runtime(mode: str = "auto") -> str:
     if mode == "auto":
         mode = "gpu" if torch.cuda.is_available() else "cpu"
     if mode == "gpu" and not torch.cuda.is_available():
-        raise SystemExit("mtp-bench: --mode gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
+        raise SystemExit(
+            "mtp-bench: --mode gpu needs a CUDA GPU (torch.cuda.is_available() is False)"
+        )
     if mode == "cpu":
         import sys
 
@@ -65,7 +67,8 @@ def _driver_version() -> str | None:
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    text = out.stdout.strip()
+    return text.splitlines()[0] if out.returncode == 0 and text else None
 
 
 def environment(mode: str) -> dict:

@@ -13,6 +13,7 @@ from .peaks import PEAKS
 
 __all__ = [
     "SCHEMA",
+    "merge_previous",
     "NO_GPU_STATEMENT",
     "formula_table",
     "write_json",
@@ -66,6 +67,39 @@ def _clean(value):
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return value
+
+
+def merge_previous(path: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` plus the records of other ops from an earlier run in the same folder (same
+    device, mode, size and dtype), so a GPU session can run the ops in several calls.
+
+    Records carry their run's date; the structure sections of this run replace earlier ones.
+    """
+    if not path.exists():
+        return result
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return result
+    same = all(old.get(k) == result.get(k) for k in ("schema", "gpu_timing", "size", "dtype")) and (
+        old.get("environment", {}).get("device") == result["environment"]["device"]
+    )
+    if not same:
+        return result
+    ops = set(result["ops"])
+    kept = [r for r in old.get("records", []) if r["op"] not in ops]
+    if not kept:
+        return result
+    merged = dict(result)
+    merged["records"] = kept + result["records"]
+    merged["ops"] = sorted(ops | {r["op"] for r in kept})
+    merged["providers"] = {**old.get("providers", {}), **result["providers"]}
+    merged["structure"] = {**old.get("structure", {}), **result["structure"]}
+    if "formulas" in result:
+        kept_formulas = [f for f in old.get("formulas", []) if f["op"] not in ops]
+        merged["formulas"] = kept_formulas + result["formulas"]
+    merged["merged_from"] = sorted({r.get("run_date") or "?" for r in kept})
+    return merged
 
 
 def write_json(path: Path, result: dict[str, Any]) -> Path:
@@ -130,17 +164,16 @@ def _header(result) -> list[str]:
     else:
         peak, ceil = result.get("peak"), result.get("ceilings")
         if peak:
+            bw, rate = peak["hbm_bytes_per_s"] / 1e12, peak["bf16_flops_per_s"] / 1e12
             lines.append(
-                f"- datasheet floor: {peak['name']}, {peak['hbm_bytes_per_s'] / 1e12:.2f} TB/s HBM, "
-                f"{peak['bf16_flops_per_s'] / 1e12:.0f} dense bf16 TFLOP/s ({peak['source']})"
+                f"- datasheet floor: {peak['name']}, {bw:.2f} TB/s HBM, {rate:.0f} dense bf16 "
+                f"TFLOP/s ({peak['source']})"
             )
         else:
             lines.append("- datasheet floor: device not in the peak table (no floor fractions)")
         if ceil:
-            lines.append(
-                f"- measured ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
-                f"{ceil['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
-            )
+            bw, rate = ceil["copy_bytes_per_s"] / 1e12, ceil["bf16_matmul_flops_per_s"] / 1e12
+            lines.append(f"- measured ceilings: copy {bw:.2f} TB/s, bf16 matmul {rate:.0f} TFLOP/s")
         lines.append("")
     return lines
 
@@ -150,9 +183,9 @@ def _cpu_record_rows(records) -> list[list[str]]:
     for r in records:
         c, chk = r.get("counts", {}), r.get("check")
         err = _fmt(chk["rel_err"], 2) if chk else ""
-        rows.append([r["case"], r["pass"], r["provider"], r["status"], err,
-                     _fmt_int(c.get("device_ops")), _fmt_int(c.get("triton_launches")),
-                     _fmt_int(c.get("aten_ops")), _fmt_int(c.get("host_syncs")), r["note"]])  # fmt: skip
+        counts = [_fmt_int(c.get(k)) for k in ("device_ops", "triton_launches", "aten_ops",
+                                                "host_syncs")]  # fmt: skip
+        rows.append([r["case"], r["pass"], r["provider"], r["status"], err, *counts, r["note"]])
     return rows
 
 
@@ -183,14 +216,18 @@ def _gpu_record_rows(records) -> list[list[str]]:
         med = f"{t['median_ms'] * 1e3:.1f} ({t['p20_ms'] * 1e3:.1f}–{t['p80_ms'] * 1e3:.1f})"
         chk = r.get("check")
         note = r["note"] or (f"err {_fmt(chk['rel_err'], 2)}" if chk else "")
-        frac = lambda k: "" if t.get(k) is None else f"{100 * t[k]:.0f}%"  # noqa: E731
         rows.append([
             r["case"], r["pass"], r["provider"], r["status"], med, _fmt(t.get("gbps"), 4),
-            _fmt(t.get("tflops"), 4), frac("floor_fraction"), frac("ceiling_fraction"),
+            _fmt(t.get("tflops"), 4), _percent(t, "floor_fraction"),
+            _percent(t, "ceiling_fraction"),
             f"{t['host_us']:.0f}", _fmt_int(t.get("kernels")),
             f"{t['peak_mem_bytes'] / 2**20:.0f}", _speedup_text(r) + ("; " + note if note else ""),
         ])  # fmt: skip
     return rows
+
+
+def _percent(figures: dict, key: str) -> str:
+    return "" if figures.get(key) is None else f"{100 * figures[key]:.0f}%"
 
 
 def _structure_lines(structure) -> list[str]:
@@ -247,7 +284,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> Path:
             lines += [f"## Bytes and FLOPs per call at the `{result['formula_size']}` GPU shapes "
                       "(formulas, no measurement)", ""]  # fmt: skip
             rows = [[f["op"], f["case"], f["pass"], _fmt_bytes(f["bytes"]), _fmt(f["flops"], 4),
-                     _fmt(f["flop_per_byte"], 3), *f["bound"].values()] for f in formulas]  # fmt: skip
+                     _fmt(f["flop_per_byte"], 3), *f["bound"].values()]
+                    for f in formulas]  # fmt: skip
             lines += _table(["op", "case", "pass", "bytes", "FLOPs", "FLOP/byte",
                              *[f"bound on {d}" for d in _BOUND_DEVICES]], rows)  # fmt: skip
     plots = result.get("plots") or []
@@ -300,7 +338,8 @@ def _gpu_plots(plt, folder: Path, result) -> list[str]:
             for c in cases:
                 r = next((r for r in timed if r["case"] == c and r["provider"] == prov), None)
                 ys.append((r["timing"]["tflops"] if compute else r["timing"]["gbps"]) if r else 0)
-            ax.bar([j + i * width - 0.4 + width / 2 for j in range(len(cases))], ys, width, label=prov)
+            xs = [j + i * width - 0.4 + width / 2 for j in range(len(cases))]
+            ax.bar(xs, ys, width, label=prov)
         _roofline(ax, timed, cases, compute, peak, ceil)
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels([c.replace(" ", "\n", 2) for c in cases], fontsize=7)
@@ -317,7 +356,8 @@ def _gpu_plots(plt, folder: Path, result) -> list[str]:
 
 def _roofline(ax, timed, cases, compute, peak, ceil) -> None:
     """The roofline per case (``min(rate, intensity * bandwidth)``, or the bandwidth) as a line."""
-    for limits, style, label in ((peak, "-", "datasheet roofline"), (ceil, "--", "measured ceiling")):
+    lines = ((peak, "-", "datasheet roofline"), (ceil, "--", "measured ceiling"))
+    for limits, style, label in lines:
         if not limits:
             continue
         bw = limits.get("hbm_bytes_per_s") or limits.get("copy_bytes_per_s")
@@ -381,7 +421,8 @@ def stdout_table(result: dict[str, Any], limit: int = 60) -> str:
                      "issues (range over the cases):")
         lines.append(f"  {'op':13} {'pass':8} {'provider':12} {'checked':>8} {'max err':>8} "
                      f"{'device ops':>10} {'Triton':>7} {'syncs':>6}")  # fmt: skip
-        for (op, pass_, prov), rows in _group(result["records"], ("op", "pass", "provider")).items():
+        groups = _group(result["records"], ("op", "pass", "provider"))
+        for (op, pass_, prov), rows in groups.items():
             ran = [r for r in rows if r["status"] != "skipped"]
             if not ran:
                 continue

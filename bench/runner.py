@@ -208,7 +208,7 @@ def run_cpu_case(module: ModuleType, case: Case, providers: list[Provider], prog
                 if expected is not None:
                     rec["check"] = _check(out, expected, case, FLOAT64)
                     if not rec["check"]["ok"]:
-                        rec.update(status="failed", note="result differs from the float64 reference")
+                        rec.update(status="failed", note="differs from the float64 reference")
                 del out
                 # Counting needs no kernel results (nothing on the host reads them): the
                 # Triton kernels are recorded, not run again.

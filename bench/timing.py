@@ -19,6 +19,7 @@ device-to-device copy (bytes read + written) and a large bf16 matmul.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any
@@ -44,8 +45,15 @@ class GpuTimer:
         host_calls: calls whose issue time is measured (median reported).
     """
 
-    def __init__(self, warmup_ms: int = 25, rep_ms: int = 100, host_calls: int = 20) -> None:
-        self.warmup_ms, self.rep_ms, self.host_calls = warmup_ms, rep_ms, host_calls
+    def __init__(
+        self,
+        warmup_ms: int = 25,
+        rep_ms: int = 100,
+        host_calls: int = 20,
+        host_budget_s: float = 1.0,
+    ) -> None:
+        self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+        self.host_calls, self.host_budget_s = host_calls, host_budget_s
 
     def device_time(self, run: Run) -> dict[str, float]:
         from triton.testing import do_bench
@@ -60,9 +68,11 @@ class GpuTimer:
         return {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
 
     def host_time(self, run: Run) -> float:
-        """Median seconds to issue one call (the device idle before each call)."""
-        times = []
-        for _ in range(self.host_calls):
+        """Median seconds to issue one call (the device idle before each call); up to
+        ``host_calls`` calls, fewer (at least 3) when they take longer than ``host_budget_s``."""
+        times: list[float] = []
+        deadline = time.perf_counter() + self.host_budget_s
+        while len(times) < self.host_calls and (len(times) < 3 or time.perf_counter() < deadline):
             _sync()
             start = time.perf_counter()
             run.fn()
@@ -117,17 +127,19 @@ def measure_ceilings(timer: GpuTimer | None = None) -> dict[str, float]:
     from triton.testing import do_bench
 
     timer = timer or GpuTimer()
+
+    def median_ms(fn) -> float:
+        return do_bench(fn, warmup=timer.warmup_ms, rep=timer.rep_ms, return_mode="median")
+
     nbytes = 2 << 30  # 2 GiB source: far larger than any L2
     src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), warmup=timer.warmup_ms, rep=timer.rep_ms,
-                       return_mode="median")  # fmt: skip
-    del src, dst
+    copy_ms = median_ms(functools.partial(dst.copy_, src))
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    mm_ms = do_bench(lambda: a @ b, warmup=timer.warmup_ms, rep=timer.rep_ms, return_mode="median")
-    del a, b
+    mm_ms = median_ms(functools.partial(torch.matmul, a, b))
+    src = dst = a = b = None
     torch.cuda.empty_cache()
     return {
         "copy_bytes_per_s": 2 * nbytes / (copy_ms * 1e-3),

@@ -77,7 +77,8 @@ def test_smoke_checks_pass(cpu_run):
     for r in ran:
         assert r["counts"]["device_ops"] >= 1
     triton = [r for r in ran if r["provider"] == "triton"]
-    assert all(r["counts"]["triton_launches"] >= 1 and r["counts"]["host_syncs"] == 0 for r in triton)
+    assert all(r["counts"]["triton_launches"] >= 1 for r in triton)
+    assert all(r["counts"]["host_syncs"] == 0 for r in triton)
     skipped = [r for r in result["records"] if r["status"] == "skipped"]
     assert all(r["note"] for r in skipped)
     assert any(r["provider"] == "torch.compile" for r in skipped)
