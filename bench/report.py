@@ -220,8 +220,9 @@ def _gpu_record_rows(records) -> list[list[str]]:
             r["case"], r["pass"], r["provider"], r["status"], med, _fmt(t.get("gbps"), 4),
             _fmt(t.get("tflops"), 4), _percent(t, "floor_fraction"),
             _percent(t, "ceiling_fraction"),
-            f"{t['host_us']:.0f}", _fmt_int(t.get("kernels")),
-            f"{t['peak_mem_bytes'] / 2**20:.0f}", _speedup_text(r) + ("; " + note if note else ""),
+            _fmt(t.get("host_us"), 4), _fmt_int(t.get("kernels")),
+            "" if t.get("peak_mem_bytes") is None else f"{t['peak_mem_bytes'] / 2**20:.0f}",
+            _speedup_text(r) + ("; " + note if note else ""),
         ])  # fmt: skip
     return rows
 

@@ -183,6 +183,27 @@ def _no_kernels(case: Case):
     return triton_launch_hook(lambda *a: None, execute=False)
 
 
+def _each_provider(module, case, providers, device, progress, body) -> list[dict[str, Any]]:
+    """One record per provider: skipped with the reason when it cannot run on ``device``, else
+    filled by ``body(rec, provider)``; an exception marks only that record failed."""
+    records = []
+    for provider in providers:
+        rec = _record(module, case, provider)
+        records.append(rec)
+        reason = provider.unavailable(device)
+        if reason:
+            rec.update(status="skipped", note=reason)
+        else:
+            try:
+                body(rec, provider)
+            except Exception as exc:  # one broken provider must not stop the run
+                rec.update(status="failed", note=_error_note(exc))
+            _free(device)
+        if progress is not None:
+            progress.step(f"{case.op} {provider.name}")
+    return records
+
+
 def run_cpu_case(module: ModuleType, case: Case, providers: list[Provider], progress=None):
     """Records of one case on CPU: check each provider against float64, count one call."""
     from .counting import count_ops
@@ -193,35 +214,25 @@ def run_cpu_case(module: ModuleType, case: Case, providers: list[Provider], prog
     if case.check:
         with poisoned():
             expected = _detach(setup(case, FLOAT64, device).fn())
-    records = []
-    for provider in providers:
-        rec = _record(module, case, provider)
-        records.append(rec)
-        reason = provider.unavailable(device)
-        if reason:
-            rec.update(status="skipped", note=reason)
-        else:
-            try:
-                run = setup(case, provider.name, device)
-                with poisoned(), _no_kernels(case):
-                    out = run.fn()  # the checked call, also the warm-up of the counted one
-                if expected is not None:
-                    rec["check"] = _check(out, expected, case, FLOAT64)
-                    if not rec["check"]["ok"]:
-                        rec.update(status="failed", note="differs from the float64 reference")
-                del out
-                # Counting needs no kernel results (nothing on the host reads them): the
-                # Triton kernels are recorded, not run again.
-                with poisoned(False), count_ops(execute_kernels=False) as counted:
-                    run.fn()
-                rec["counts"] = counted.summary()
-                if not case.execute:
-                    rec["note"] = "structure only: Triton launches recorded, kernels not executed"
-            except Exception as exc:  # one broken provider must not stop the run
-                rec.update(status="failed", note=_error_note(exc))
-        if progress is not None:
-            progress.step(f"{case.op} {provider.name}")
-    return records
+
+    def check_and_count(rec, provider):
+        run = setup(case, provider.name, device)
+        with poisoned(), _no_kernels(case):
+            out = run.fn()  # the checked call, also the warm-up of the counted one
+        if expected is not None:
+            rec["check"] = _check(out, expected, case, FLOAT64)
+            if not rec["check"]["ok"]:
+                rec.update(status="failed", note="differs from the float64 reference")
+        del out
+        # Counting needs no kernel results (nothing on the host reads them): the Triton
+        # kernels are recorded, not run again.
+        with poisoned(False), count_ops(execute_kernels=False) as counted:
+            run.fn()
+        rec["counts"] = counted.summary()
+        if not case.execute:
+            rec["note"] = "structure only: Triton launches recorded, kernels not executed"
+
+    return _each_provider(module, case, providers, device, progress, check_and_count)
 
 
 def run_cpu(planned, size: str, progress: Progress | None = None) -> dict[str, Any]:
@@ -289,24 +300,14 @@ def run_gpu_case(module, case, providers, timer, peak=None, ceilings=None, progr
             expected = _detach(setup(case, GPU_EXPECTED, device).fn())
     except Exception as exc:  # no reference: time anyway, unchecked
         expected_error = _error_note(exc)
-    records = []
-    for provider in providers:
-        rec = _record(module, case, provider)
-        records.append(rec)
-        reason = provider.unavailable(device)
-        if reason:
-            rec.update(status="skipped", note=reason)
-        else:
-            try:
-                _time_one(rec, setup, case, provider, device, expected, timer, peak, ceilings)
-            except Exception as exc:
-                rec.update(status="failed", note=_error_note(exc))
-            _free(device)
-        if expected is None and rec["status"] == "ok":
+
+    def check_and_time(rec, provider):
+        _time_one(rec, setup, case, provider, device, expected, timer, peak, ceilings)
+        if expected is None:
             rec["note"] = f"unchecked: the reference failed ({expected_error})"
-        if progress is not None:
-            progress.step(f"{case.op} {provider.name}")
-    del expected
+
+    records = _each_provider(module, case, providers, device, progress, check_and_time)
+    expected = None  # free the reference outputs before the next case
     _free(device)
     _speedups(records)
     return records
@@ -328,8 +329,9 @@ def _time_one(rec, setup, case, provider, device, expected, timer, peak, ceiling
 
 
 def _free(device: torch.device) -> None:
-    gc.collect()
+    """Return the last provider's memory before the next one is set up (GPU runs)."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
 
 

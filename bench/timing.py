@@ -109,11 +109,24 @@ class GpuTimer:
         return int(peak)
 
     def measure(self, run: Run) -> dict[str, Any]:
-        """Every figure of one run (the call has been made once already: compiled, warm)."""
+        """Every figure of one run (the call has been made once already: compiled, warm).
+
+        Only the device time is required; a secondary figure that cannot be taken here (e.g.
+        the profiler without CUPTI) is None, with the reason in ``errors``."""
         figures: dict[str, Any] = self.device_time(run)
-        figures["host_us"] = self.host_time(run) * 1e6
-        figures.update(self.launches(run))
-        figures["peak_mem_bytes"] = self.peak_memory(run)
+        errors = {}
+        for key, measure in (
+            ("host_us", lambda: {"host_us": self.host_time(run) * 1e6}),
+            ("kernels", lambda: self.launches(run)),
+            ("peak_mem_bytes", lambda: {"peak_mem_bytes": self.peak_memory(run)}),
+        ):
+            try:
+                figures.update(measure())
+            except Exception as exc:  # keep the timing; say what is missing
+                figures[key] = None
+                errors[key] = f"{type(exc).__name__}: {exc}"[:200]
+        if errors:
+            figures["errors"] = errors
         return figures
 
 
