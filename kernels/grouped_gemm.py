@@ -88,7 +88,7 @@ def _gemm_tile(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -126,7 +126,9 @@ def _forward_tile(
         local = tile - expert_tiles
         rows = routed + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = (local % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_ptrs = (
+            c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
+        )
         zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
         tl.store(c_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
 
@@ -219,8 +221,10 @@ def grouped_wgrad_kernel(
     mask_p = ps < P
     mask_q = qs < Q
     # a is read transposed: its tile is [BLOCK_P, BLOCK_R].
-    a_ptrs = a_ptr + (row0.to(tl.int64) + rs[None, :]) * stride_am + ps[:, None] * stride_ap
-    b_ptrs = b_ptr + (row0.to(tl.int64) + rs[:, None]) * stride_bm + qs[None, :] * stride_bq
+    ps64 = ps.to(tl.int64)
+    qs64 = qs.to(tl.int64)
+    a_ptrs = a_ptr + (row0.to(tl.int64) + rs[None, :]) * stride_am + ps64[:, None] * stride_ap
+    b_ptrs = b_ptr + (row0.to(tl.int64) + rs[:, None]) * stride_bm + qs64[None, :] * stride_bq
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for r in range(0, (rows_e + BLOCK_R - 1) // BLOCK_R):
         r_left = rows_e - r * BLOCK_R
@@ -233,8 +237,8 @@ def grouped_wgrad_kernel(
         a_ptrs += BLOCK_R * stride_am
         b_ptrs += BLOCK_R * stride_bm
     c_ptrs = (
-        c_ptr + expert.to(tl.int64) * stride_ce + ps[:, None].to(tl.int64) * stride_cp
-        + qs[None, :] * stride_cq
+        c_ptr + expert.to(tl.int64) * stride_ce + ps64[:, None] * stride_cp
+        + qs64[None, :] * stride_cq
     )
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
 
@@ -273,27 +277,37 @@ _INTERPRETER_GEMM = GemmConfig(16, 16, 16, group_m=2)
 _INTERPRETER_WGRAD = WgradConfig(16, 16, 16, group_p=2)
 
 
-def forward_config(dtype: torch.dtype, M: int, E: int) -> GemmConfig:
+def _fit(block: int, size: int) -> int:
+    """``block`` shrunk to the problem (a power of two, at least 16: the MMA K/N granule)."""
+    return max(16, min(block, next_power_of_2(size)))
+
+
+def forward_config(dtype: torch.dtype, M: int, N: int, K: int, E: int) -> GemmConfig:
     """Default tiles for the forward / data-gradient kernel on sm_90 / sm_100.
 
-    16-bit inputs use tensor-core tiles with BLOCK_K=64 (128-byte rows: full-width swizzled
-    shared memory for wgmma / tcgen05). A row tile never spans two experts, so each expert wastes
-    up to BLOCK_M - 1 rows: when experts average fewer than 256 rows, 64-row tiles (the native
-    wgmma M) halve that waste; otherwise 128 x 128 tiles with 8 warps. fp32 without TF32 runs on
-    the FMA units: smaller 64 x 64 x 32 tiles keep the register file from spilling.
+    16-bit inputs: tensor-core tiles with BLOCK_K=64 (128-byte rows, the widest shared-memory
+    swizzle for wgmma / tcgen05) and 4 pipeline stages (128 KiB of shared memory at most). A row
+    tile never spans two experts, so each expert wastes up to BLOCK_M - 1 rows: when experts
+    average fewer than 256 rows, 64-row tiles (the native wgmma M) halve that waste, with 4 warps
+    (one warpgroup); otherwise 128 x 128 tiles with 8 warps. fp32 (no tensor cores unless TF32 is
+    allowed): 64 x 64 x 32 tiles, 4 warps. Narrow N or K shrink their block to the problem.
     """
     if dtype == torch.float32:
-        return GemmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)
-    if M < 256 * max(E, 1):
-        return GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
-    return GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
+        block_m, block_n, block_k, warps, stages = 64, 64, 32, 4, 3
+    elif M < 256 * max(E, 1):
+        block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 4
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 4
+    return GemmConfig(block_m, _fit(block_n, N), _fit(block_k, K), group_m=8,
+                      num_warps=warps, num_stages=stages)
 
 
-def wgrad_config(dtype: torch.dtype) -> WgradConfig:
-    """Default tiles for the weight-gradient kernel (one expert's ``[P, Q]`` output per tile)."""
+def wgrad_config(dtype: torch.dtype, P: int, Q: int) -> WgradConfig:
+    """Default tiles for the weight-gradient kernel (a ``[P, Q]`` tile of one expert, reducing
+    over that expert's rows 64 at a time; 3 stages, 96 KiB of shared memory for 16-bit)."""
     if dtype == torch.float32:
-        return WgradConfig(64, 64, 32, group_p=8, num_warps=4, num_stages=3)
-    return WgradConfig(128, 128, 64, group_p=8, num_warps=8, num_stages=3)
+        return WgradConfig(_fit(64, P), _fit(64, Q), 32, group_p=8, num_warps=4, num_stages=3)
+    return WgradConfig(_fit(128, P), _fit(128, Q), 64, group_p=8, num_warps=8, num_stages=3)
 
 
 def num_row_tiles_bound(M: int, E: int, block_m: int) -> int:
@@ -353,7 +367,8 @@ def grouped_gemm(
     E, _, N = b.shape
     _check_counts(counts, E, a.device)
     if config is None:
-        config = _INTERPRETER_GEMM if a.device.type != "cuda" else forward_config(a.dtype, M, E)
+        config = (_INTERPRETER_GEMM if a.device.type != "cuda"
+                  else forward_config(a.dtype, M, N, K, E))
     if M == 0 or N == 0:
         return out
     tiles = num_row_tiles_bound(M, E, config.block_m) * triton.cdiv(N, config.block_n)
@@ -393,7 +408,7 @@ def grouped_wgrad(
     E = out.shape[0]
     _check_counts(counts, E, a.device)
     if config is None:
-        config = _INTERPRETER_WGRAD if a.device.type != "cuda" else wgrad_config(a.dtype)
+        config = _INTERPRETER_WGRAD if a.device.type != "cuda" else wgrad_config(a.dtype, P, Q)
     if E == 0 or P == 0 or Q == 0:
         return out
     grid = (E * triton.cdiv(P, config.block_p) * triton.cdiv(Q, config.block_q),)

@@ -162,16 +162,17 @@ def test_non_contiguous_inputs(device):
         assert_close(y, expected_forward(x, w, sizes, False), msg=backend)
 
 
-def test_auto_is_reference_on_cpu_and_env_steers_it(monkeypatch):
-    x, w, counts, _ = make_inputs([3, 4], 9, 8, 8, torch.float32, False, "cpu")
+def test_auto_and_env_choose_the_backend(monkeypatch, device):
+    """``auto``: the Triton kernel on CUDA, the reference on CPU; ``MTP_BACKEND`` steers it."""
+    x, w, counts, _ = make_inputs([3, 4], 9, 8, 8, torch.float32, False, device)
     monkeypatch.delenv("MTP_BACKEND", raising=False)
     launches = _count_runs(monkeypatch, kernels.grouped_gemm_kernel)
-    ops.grouped_gemm(x, w, counts)
-    assert launches == []
-    monkeypatch.setenv("MTP_BACKEND", "triton")
     y = ops.grouped_gemm(x, w, counts)
-    assert len(launches) == 1
+    assert len(launches) == (1 if device.type == "cuda" else 0)
     assert_close(y, expected_forward(x, w, [3, 4], False))
+    monkeypatch.setenv("MTP_BACKEND", "sequential")
+    assert _count_mm(lambda: ops.grouped_gemm(x, w, counts)) == 2
+    assert len(launches) == (1 if device.type == "cuda" else 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,22 +181,22 @@ def test_auto_is_reference_on_cpu_and_env_steers_it(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_kernels_with_gpu_configs_and_persistent(dtype):
+def test_kernels_with_gpu_configs_and_persistent(dtype, device):
     """The default sm_90/sm_100 tiles (and the persistent schedule) compute the same thing."""
     sizes, M, K, N = [70, 0, 3, 130], 220, 72, 136
-    x, w, counts, dy = make_inputs(sizes, M, K, N, dtype, False, "cpu", seed=5)
+    x, w, counts, dy = make_inputs(sizes, M, K, N, dtype, False, device, seed=5)
     x, w = x.detach(), w.detach()
-    cfg = kernels.forward_config(dtype, M, len(sizes))
+    cfg = kernels.forward_config(dtype, M, N, K, len(sizes))
     for persistent in (False, True):
-        out = torch.full((M, N), float("nan"), dtype=dtype)
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
         kernels.grouped_gemm(x, w, counts, out, config=cfg, persistent=persistent)
         assert_close(out, expected_forward(x, w, sizes, False), msg=f"persistent={persistent}")
-    big = kernels.forward_config(dtype, 1 << 20, 4)
-    out = torch.full((M, N), float("nan"), dtype=dtype)
+    big = kernels.forward_config(dtype, 1 << 20, N, K, 4)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
     kernels.grouped_gemm(x, w, counts, out, config=big, persistent=True)
     assert_close(out, expected_forward(x, w, sizes, False), msg=str(big))
-    dw = torch.full((len(sizes), K, N), float("nan"), dtype=dtype)
-    kernels.grouped_wgrad(x, dy, counts, dw, config=kernels.wgrad_config(dtype))
+    dw = torch.full((len(sizes), K, N), float("nan"), dtype=dtype, device=device)
+    kernels.grouped_wgrad(x, dy, counts, dw, config=kernels.wgrad_config(dtype, K, N))
     assert_close(dw, expected_grads(x, w, sizes, False, dy)[1])
 
 
@@ -271,10 +272,12 @@ def test_loop_backends_issue_one_gemm_per_expert(backend, device):
 
 
 def test_triton_and_torch_paths_are_graph_safe(device):
+    # On CUDA, torch's grouped_mm is sync-free only on its bf16 fast path (sm_90/sm_100).
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sizes, M = [5, 0, 9, 2], 20
-    x, w, counts, _ = make_inputs(sizes, M, 16, 12, torch.float32, False, device)
+    x, w, counts, _ = make_inputs(sizes, M, 16, 12, dtype, False, device)
     x, w = x.detach(), w.detach()
-    out = torch.empty(M, 12, device=device)
+    out = torch.empty(M, 12, dtype=dtype, device=device)
     for backend in ("triton", "torch"):
 
         def step(x, w, counts, out, backend=backend):
@@ -305,6 +308,23 @@ def test_opcheck_custom_ops():
         torch.ops.mtp.grouped_gemm_out.default,
         (x.detach(), w.detach(), counts, out, False, "reference"),
     )
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph(device):
+    """The custom ops trace (fake implementations, autograd) without graph breaks."""
+    sizes = [5, 0, 9]
+    x, w, counts, dy = make_inputs(sizes, 16, 16, 8, torch.float32, True, device)
+
+    def step(x, w, counts):
+        return ops.grouped_gemm(x, w, counts, trans_b=True, backend="triton")
+
+    y = torch.compile(step, backend="aot_eager", fullgraph=True)(x, w, counts)
+    assert_close(y, expected_forward(x, w, sizes, True))
+    y.backward(dy)
+    dx, dw = expected_grads(x, w, sizes, True, dy)
+    assert_close(x.grad, dx)
+    assert_close(w.grad, dw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,9 +503,9 @@ def _check_tensor_core_builds(builds) -> None:
 def test_aot_compiles_with_tensor_cores(which):
     if which.startswith("forward"):
         M = 100 if "small" in which else 1 << 20
-        builds = _forward_build("bf16", kernels.forward_config(torch.bfloat16, M, 8))
+        builds = _forward_build("bf16", kernels.forward_config(torch.bfloat16, M, 4096, 4096, 8))
     else:
-        builds = _wgrad_build("bf16", kernels.wgrad_config(torch.bfloat16))
+        builds = _wgrad_build("bf16", kernels.wgrad_config(torch.bfloat16, 4096, 4096))
     _check_tensor_core_builds(builds)
 
 
@@ -493,14 +513,14 @@ def test_aot_compiles_with_tensor_cores(which):
 @pytest.mark.parametrize("dtype_name, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_aot_compiles_every_variant(dtype_name, dtype):
     for M in (100, 1 << 20):
-        cfg = kernels.forward_config(dtype, M, 8)
+        cfg = kernels.forward_config(dtype, M, 4096, 4096, 8)
         for trans_b in (False, True):
             for persistent in (False, True):
                 _check_tensor_core_builds(_forward_build(dtype_name, cfg, trans_b, persistent))
-    _check_tensor_core_builds(_wgrad_build(dtype_name, kernels.wgrad_config(dtype)))
+    _check_tensor_core_builds(_wgrad_build(dtype_name, kernels.wgrad_config(dtype, 4096, 4096)))
     for builds in (
-        _forward_build("fp32", kernels.forward_config(torch.float32, 100, 8)),
-        _wgrad_build("fp32", kernels.wgrad_config(torch.float32)),
+        _forward_build("fp32", kernels.forward_config(torch.float32, 100, 4096, 4096, 8)),
+        _wgrad_build("fp32", kernels.wgrad_config(torch.float32, 4096, 4096)),
     ):
         assert all(b.fits_shared_memory for b in builds.values())
 
@@ -548,12 +568,18 @@ def test_gpu_kernel_counts():
             torch.cuda.synchronize()
         return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
-    names = kernels_launched(lambda: ops.grouped_gemm(x, w, counts, backend="triton", validate=False))
-    assert len(names) == 1 and "grouped_gemm_kernel" in names[0], names
-    for backend in ("sequential", "multistream"):
-        names = kernels_launched(lambda b=backend: ops.grouped_gemm(x, w, counts, backend=b))
-        gemms = [n for n in names if "memcpy" not in n.lower() and "memset" not in n.lower()]
-        assert len(gemms) == E, (backend, names)
+    out = torch.empty(64 * E, 128, dtype=torch.bfloat16, device="cuda")  # no poison fill
+    with torch.no_grad():
+        names = kernels_launched(
+            lambda: ops.grouped_gemm(x, w, counts, backend="triton", out=out, validate=False)
+        )
+        assert len(names) == 1 and "grouped_gemm_kernel" in names[0], names
+        for backend in ("sequential", "multistream"):
+            names = kernels_launched(
+                lambda b=backend: ops.grouped_gemm(x, w, counts, backend=b, out=out)
+            )
+            gemms = [n for n in names if not any(s in n.lower() for s in ("memcpy", "memset", "fill"))]
+            assert len(gemms) == E, (backend, names)
 
 
 @pytest.mark.gpu
