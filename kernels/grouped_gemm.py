@@ -14,8 +14,9 @@ Kernels
   launch. The tile order is expert-major, and inside an expert grouped by ``GROUP_M`` row tiles
   so that neighbouring programs share both the ``a`` rows and the ``b[e]`` columns in L2.
   The grid is ``cdiv(M, BLOCK_M) + E`` row tiles times the column tiles (``sum_e cdiv(m_e, BM) <=
-  cdiv(M, BM) + E - 1``, plus the zero tail); programs without work exit at once. With
-  ``persistent=True`` the grid is the number of SMs and each program strides over the tiles.
+  cdiv(M, BM) + E - 1``, plus the zero tail); programs without work exit at once. The
+  persistent variant launches one wave of programs that stride over the tiles instead (chosen
+  automatically when the idle programs of the worst-case grid would exceed one wave).
 - :func:`grouped_wgrad_kernel`: ``c[e] = a_e^T @ b_e`` (the weight gradient, ragged reduction
   dimension); grid ``E x tiles of c[e]``, each program loops over its expert's rows, experts
   without rows store exact zeros.
@@ -58,6 +59,30 @@ __all__ = [
 
 
 @triton.jit
+def _mma_loop(
+    acc, a_ptrs, b_ptrs, a_keep, b_keep, a_red, b_red, length, a_step, b_step,
+    BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``acc += a @ b`` over a reduction of ``length``, ``BLOCK`` at a time.
+
+    ``a_ptrs`` is a ``[rows, BLOCK]`` tile and ``b_ptrs`` a ``[BLOCK, cols]`` tile; ``a_red`` /
+    ``b_red`` are the reduction indices broadcast to them, ``a_keep`` / ``b_keep`` the masks of
+    the other dimension; each step advances the pointers by ``a_step`` / ``b_step``.
+    """
+    for i in range(0, (length + BLOCK - 1) // BLOCK):
+        left = length - i * BLOCK
+        a = tl.load(a_ptrs, mask=a_keep & (a_red < left), other=0.0)
+        b = tl.load(b_ptrs, mask=(b_red < left) & b_keep, other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += a_step
+        b_ptrs += b_step
+    return acc
+
+
+@triton.jit
 def _gemm_tile(
     a_ptr, b_ptr, c_ptr, expert, row0, row_end, pid_m, pid_n, N, K,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -77,17 +102,11 @@ def _gemm_tile(
         b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk
         + cols[None, :].to(tl.int64) * stride_bn
     )
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (ks[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(ks[:, None] < k_left) & mask_n[None, :], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = _mma_loop(
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptrs, b_ptrs,
+        mask_m[:, None], mask_n[None, :], ks[None, :], ks[:, None], K,
+        BLOCK_K * stride_ak, BLOCK_K * stride_bk, BLOCK_K, UPCAST_DOT, DOT_PRECISION,
+    )
     c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -225,17 +244,11 @@ def grouped_wgrad_kernel(
     qs64 = qs.to(tl.int64)
     a_ptrs = a_ptr + (row0.to(tl.int64) + rs[None, :]) * stride_am + ps64[:, None] * stride_ap
     b_ptrs = b_ptr + (row0.to(tl.int64) + rs[:, None]) * stride_bm + qs64[None, :] * stride_bq
-    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    for r in range(0, (rows_e + BLOCK_R - 1) // BLOCK_R):
-        r_left = rows_e - r * BLOCK_R
-        a = tl.load(a_ptrs, mask=mask_p[:, None] & (rs[None, :] < r_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(rs[:, None] < r_left) & mask_q[None, :], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_R * stride_am
-        b_ptrs += BLOCK_R * stride_bm
+    acc = _mma_loop(
+        tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32), a_ptrs, b_ptrs,
+        mask_p[:, None], mask_q[None, :], rs[None, :], rs[:, None], rows_e,
+        BLOCK_R * stride_am, BLOCK_R * stride_bm, BLOCK_R, UPCAST_DOT, DOT_PRECISION,
+    )
     c_ptrs = (
         c_ptr + expert.to(tl.int64) * stride_ce + ps64[:, None] * stride_cp
         + qs64[None, :] * stride_cq
@@ -316,10 +329,16 @@ def num_row_tiles_bound(M: int, E: int, block_m: int) -> int:
     return triton.cdiv(M, block_m) + E
 
 
-def _num_sms(device: torch.device) -> int:
+_SHARED_MEMORY_PER_SM = 228 * 1024  # H100 / H200 / B200
+
+
+def _resident_programs(device: torch.device, config: GemmConfig, elem_size: int) -> int:
+    """Programs of the forward kernel that fit on the GPU at once (shared memory bound)."""
     if device.type != "cuda":
         return 4  # interpreter: a few programs, so the persistent loop is exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    stage = (config.block_m + config.block_n) * config.block_k * elem_size
+    per_sm = max(1, _SHARED_MEMORY_PER_SM // (stage * config.num_stages + 1024))
+    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
@@ -349,7 +368,7 @@ def grouped_gemm(
     out: torch.Tensor,
     *,
     config: GemmConfig | None = None,
-    persistent: bool = False,
+    persistent: bool | None = None,
 ) -> torch.Tensor:
     """One launch: ``out[rows of e] = a[rows of e] @ b[e]``, zeros past ``sum(counts)``.
 
@@ -360,8 +379,10 @@ def grouped_gemm(
         counts: ``[E]`` int32/int64 rows per expert, on ``a``'s device (never read on the host).
         out: ``[M, N]`` in ``a``'s dtype; every element is written.
         config: tiles (default: :func:`forward_config`, small tiles under the interpreter).
-        persistent: launch one program per SM that strides over the tiles instead of one
-            program per worst-case tile.
+        persistent: launch one wave of programs (as many as fit on the GPU) that stride over
+            the tiles, instead of one program per worst-case tile. Default (None): persistent
+            on CUDA when the worst case's idle programs (``E * cdiv(N, BLOCK_N)``) exceed one
+            wave, i.e. many experts for the number of rows.
     """
     M, K = a.shape
     E, _, N = b.shape
@@ -372,7 +393,13 @@ def grouped_gemm(
     if M == 0 or N == 0:
         return out
     tiles = num_row_tiles_bound(M, E, config.block_m) * triton.cdiv(N, config.block_n)
-    grid = (min(tiles, _num_sms(a.device)) if persistent else tiles,)
+    resident = _resident_programs(a.device, config, a.element_size())
+    if persistent is None:
+        # The worst-case grid holds up to E * cdiv(N, BN) programs without work; each holds an
+        # SM's shared memory while it starts and exits. When they are more than one wave, stride
+        # over the tiles from one wave of programs instead.
+        persistent = a.device.type == "cuda" and E * triton.cdiv(N, config.block_n) > resident
+    grid = (min(tiles, resident) if persistent else tiles,)
     grouped_gemm_kernel[grid](
         a, b, out, counts,
         M, N, K, E,

@@ -554,6 +554,17 @@ def test_gpu_host_counts_and_persistent():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("trans_b", [False, True], ids=["w_KN", "w_NK"])
+def test_gpu_many_small_experts(trans_b):
+    """Decode-like routing: 64 experts, a few rows each (the automatic persistent schedule)."""
+    g = torch.Generator().manual_seed(7)
+    sizes = torch.randint(0, 9, (64,), generator=g).tolist()
+    check_against_float64(
+        "triton", sizes, sum(sizes) + 3, 256, 512, torch.bfloat16, trans_b, torch.device("cuda")
+    )
+
+
+@pytest.mark.gpu
 def test_gpu_kernel_counts():
     """One CUDA kernel for the triton forward; one GEMM kernel per expert for the loops."""
     E = 8
