@@ -39,12 +39,12 @@ __all__ = [
     "GemmConfig",
     "WgradConfig",
     "forward_config",
-    "wgrad_config",
-    "num_row_tiles_bound",
-    "grouped_gemm_kernel",
-    "grouped_wgrad_kernel",
     "grouped_gemm",
+    "grouped_gemm_kernel",
     "grouped_wgrad",
+    "grouped_wgrad_kernel",
+    "num_row_tiles_bound",
+    "wgrad_config",
 ]
 
 
@@ -69,7 +69,7 @@ def _mma_loop(
     ``b_red`` are the reduction indices broadcast to them, ``a_keep`` / ``b_keep`` the masks of
     the other dimension; each step advances the pointers by ``a_step`` / ``b_step``.
     """
-    for i in range(0, (length + BLOCK - 1) // BLOCK):
+    for i in range((length + BLOCK - 1) // BLOCK):
         left = length - i * BLOCK
         a = tl.load(a_ptrs, mask=a_keep & (a_red < left), other=0.0)
         b = tl.load(b_ptrs, mask=(b_red < left) & b_keep, other=0.0)
@@ -342,10 +342,10 @@ def _resident_programs(device: torch.device, config: GemmConfig, elem_size: int)
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
-    return dict(
-        UPCAST_DOT=dot_upcast(dtype),
-        DOT_PRECISION=fp32_dot_precision() if dtype == torch.float32 else "ieee",
-    )
+    return {
+        "UPCAST_DOT": dot_upcast(dtype),
+        "DOT_PRECISION": fp32_dot_precision() if dtype == torch.float32 else "ieee",
+    }
 
 
 def _check_counts(counts: torch.Tensor, E: int, device: torch.device) -> None:
