@@ -70,7 +70,7 @@ def oracle_drop(probs, chosen, capacity, policy):
     for e in range(E):
         tokens = [t for t, idx in enumerate(chosen) if e in idx]
         if policy == "probs":
-            tokens.sort(key=lambda t: (-float(probs[t, e]), t))
+            tokens.sort(key=lambda t: (-float(probs[t, e].detach()), t))
         kept.update((t, e) for t in tokens[:capacity])
     return kept
 

@@ -67,8 +67,8 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, backend: str) -> torch.Ten
     if backend == "triton":
         return torch.ops.mtp.moe_gather_rows(x, index, None)
     valid = (index >= 0).unsqueeze(1)
-    if x.shape[0] == 0:
-        return x.new_zeros((index.shape[0], x.shape[1]))
+    if x.shape[0] == 0:  # nothing to gather; keep the autograd link (collectives hang on it)
+        x = torch.cat([x, x.new_zeros((1, x.shape[1]))])
     rows = x.index_select(0, index.clamp(min=0))
     return torch.where(valid, rows, rows.new_zeros(()))
 
@@ -120,7 +120,7 @@ def all_to_all(
 def _private_copy(t: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     """``t`` itself, or a copy when it still shares memory with the workspace ``buffer`` (so
     that no autograd graph saves a buffer the next forward overwrites)."""
-    if t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+    if not _is_fake(t) and t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
         return t.clone()
     return t
 
