@@ -80,8 +80,8 @@ def test_workspace_buffers_and_nbytes():
     T, H, E, k = 10, 6, 4, 3
     ws = MoEWorkspace(T, H, E, k, dtype=torch.bfloat16, probs_dtype=torch.float32)
     n = T * k
-    want = E * 8 + n * 8 * 2 + n * 4 + T * H * 2  # counts, row map + index, probs, output
-    assert ws.num_rows == n and ws.nbytes == want
+    want = E * 8 + n * 8 * 2 + n * 4  # counts, row map + index, probs
+    assert ws.num_rows == n and ws.nbytes == want and ws.output is None
     assert MoEWorkspace.estimate_nbytes(T, H, E, k, dtype=torch.bfloat16, probs_dtype=torch.float32) == want
     cap = MoEWorkspace(T, H, E, k, capacity_factor=1.0)
     C = math.ceil(T * k / E)
@@ -90,6 +90,9 @@ def test_workspace_buffers_and_nbytes():
     L, R = E // 2, 2 * T * min(k, E // 2)
     assert ep == want + 2 * 8 + 2 * L * 8 + L * 8 + 2 * R * 8
     assert "nbytes" in repr(ws)
+    out = ws.static_output()  # the captured layer's output, allocated on first use
+    assert out.shape == (T, H) and out.dtype == torch.bfloat16 and ws.static_output() is out
+    assert ws.nbytes == want + T * H * 2
 
 
 def test_workspace_mismatch_and_bad_sizes():

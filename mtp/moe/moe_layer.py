@@ -216,8 +216,8 @@ class MoELayer(nn.Module):
         expert_output = self.experts(dispatched, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.combine(expert_output)
         ws = self.token_dispatcher.workspace
-        if is_capturing() and ws is not None and ws.output.shape == output.shape and not _is_fake(output):
-            return _IntoStatic.apply(output, ws.output, shape)
+        if is_capturing() and ws is not None and ws.num_tokens == tokens.shape[0] and not _is_fake(output):
+            return _IntoStatic.apply(output, ws.static_output(), shape)
         return output.view(shape)
 
     @torch.no_grad()

@@ -77,23 +77,14 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with its adjoint as backward (the reverse exchange)."""
 
     @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits, out):
+    def forward(ctx, x, group, output_splits, input_splits):
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
         ctx.in_rows = x.shape[0]
         rows = x.shape[0] if output_splits is None else sum(output_splits)
-        fresh = out is None or _is_fake(x)
-        if fresh:
-            out = x.new_empty((rows, *x.shape[1:]))
-        elif out.shape[0] != rows or out.shape[1:] != x.shape[1:]:
-            raise ValueError(f"all_to_all: buffer {tuple(out.shape)} for {rows} rows of {tuple(x.shape)}")
-        if not _is_fake(x):
+        out = x.new_empty((rows, *x.shape[1:]))
+        if not _is_fake(x):  # tracing: shapes only
             dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        if fresh:
-            return out
-        # A workspace buffer: tell autograd it changed (the collective does not), and hand out
-        # a new view so that each call's graph gets its own output tensor.
-        torch.autograd.graph.increment_version(out)
-        return out.view_as(out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -102,7 +93,7 @@ class _AllToAll(torch.autograd.Function):
             dist.all_to_all_single(
                 grad_in, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
             )
-        return grad_in, None, None, None, None
+        return grad_in, None, None, None
 
 
 def all_to_all(
@@ -110,19 +101,9 @@ def all_to_all(
     group: dist.ProcessGroup | None,
     output_splits: list[int] | None = None,
     input_splits: list[int] | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Differentiable ``all_to_all_single`` along dim 0 (``out``: optional buffer to receive
-    into, of exactly the received shape)."""
-    return _AllToAll.apply(x, group, output_splits, input_splits, out)
-
-
-def _private_copy(t: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or a copy when it still shares memory with the workspace ``buffer`` (so
-    that no autograd graph saves a buffer the next forward overwrites)."""
-    if not _is_fake(t) and t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-        return t.clone()
-    return t
+    """Differentiable ``all_to_all_single`` along dim 0 (equal splits when None)."""
+    return _AllToAll.apply(x, group, output_splits, input_splits)
 
 
 class AllToAllTokenDispatcher:
@@ -254,10 +235,9 @@ class AllToAllTokenDispatcher:
 
     def _dispatch_static(self, permuted, res: MoEPreprocessResult, ws: MoEWorkspace):
         ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
-        recv = all_to_all(permuted, self.ep_group, out=ws.dispatch_buffer)
+        recv = all_to_all(permuted, self.ep_group)
         recv_probs = all_to_all(res.permuted_probs, self.ep_group)
         tokens = recv.view(ep, local, cap, -1).transpose(0, 1).reshape(local * ep * cap, -1)
-        tokens = _private_copy(tokens, ws.dispatch_buffer)
         probs = recv_probs.view(ep, local, cap).transpose(0, 1).reshape(-1)
         return tokens, res.local_tokens_per_expert, probs
 
@@ -295,7 +275,7 @@ class AllToAllTokenDispatcher:
         if self.ep_size > 1 and ws.capacity is not None:
             ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
             y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
-            y = all_to_all(y, self.ep_group, out=ws.combine_buffer)
+            y = all_to_all(y, self.ep_group)
         elif self.ep_size > 1:
             y = gather_rows(y, res.recv_inverse[: state["received"]], backend)
             y = all_to_all(y, self.ep_group, state["send"], state["recv_sizes"])

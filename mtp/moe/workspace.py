@@ -26,15 +26,18 @@ recv_order           [R]          int64  received row feeding expert-major row `
                                          (P > 1, dropless)
 recv_inverse         [R]          int64  expert-major row of received row ``i`` (P > 1,
                                          dropless)
-dispatch_buffer      [R, H]       dtype  tokens received by the all-to-all (P > 1, capacity)
-combine_buffer       [N, H]       dtype  expert outputs returned by the all-to-all (P > 1,
-                                         capacity)
-output               [T, H]       dtype  the layer output while a graph is captured
+output               [T, H]       dtype  the layer output while a graph is captured (allocated
+                                         by :meth:`MoEWorkspace.static_output` on first use)
 ==================== ============ ====== =======================================================
 
-Dropless with ``P > 1`` receives a data-dependent number of rows: its token buffers are sized
-exactly after the one host sync (not here; the worst case ``R`` would be ``P * min(k, L)`` times
-the average), and only the index buffers above use the worst case.
+Token-sized activations (the permuted rows, what the all-to-alls send and receive, the expert
+inputs and outputs) are not workspace buffers: autograd saves some of them for the backward, so
+they must not be overwritten by the next forward, and holding them per layer would cost
+``2 * N * H`` elements per MoE layer for the whole run (about 900 MiB per layer for a
+DeepSeek-V3-like layer with ``P = 8`` and a capacity). They are allocated per call by PyTorch's
+caching allocator (a captured CUDA graph gives them fixed addresses from its pool). With
+``P > 1`` dropless, the received row count is data-dependent: those rows are sized exactly after
+the one host sync, and only the index buffers above use the worst case ``R``.
 """
 
 from __future__ import annotations
@@ -165,10 +168,9 @@ class MoEWorkspace:
         self.row_id_map = self._buffer("row_id_map", (n,), i64)
         self.probs_index = self._buffer("probs_index", (n,), i64)
         self.permuted_probs = self._buffer("permuted_probs", (n,), self.probs_dtype)
-        self.output = self._buffer("output", (lay.num_tokens, lay.hidden_size), self.dtype)
+        self.output: torch.Tensor | None = None
         self.send_counts = self.recv_counts = self.local_tokens_per_expert = None
         self.recv_order = self.recv_inverse = None
-        self.dispatch_buffer = self.combine_buffer = None
         if ep == 1:
             return
         self.send_counts = self._buffer("send_counts", (ep,), i64)
@@ -179,11 +181,15 @@ class MoEWorkspace:
             self.send_counts.fill_(local * lay.capacity)
             self.recv_counts.fill_(lay.capacity)
             self.local_tokens_per_expert.fill_(ep * lay.capacity)
-            self.dispatch_buffer = self._buffer("dispatch_buffer", (lay.max_recv_rows, lay.hidden_size), self.dtype)
-            self.combine_buffer = self._buffer("combine_buffer", (n, lay.hidden_size), self.dtype)
             return
         self.recv_order = self._buffer("recv_order", (lay.max_recv_rows,), i64)
         self.recv_inverse = self._buffer("recv_inverse", (lay.max_recv_rows,), i64)
+
+    def static_output(self) -> torch.Tensor:
+        """The ``[T, H]`` output buffer of a captured layer, allocated on the first call."""
+        if self.output is None:
+            self.output = self._buffer("output", (self.num_tokens, self.hidden_size), self.dtype)
+        return self.output
 
     # -- description --------------------------------------------------------------------------
 
