@@ -29,17 +29,19 @@ CONFIGS = {
     "dropless-triton": dict(backend="triton", score_function="sigmoid", aux_loss_coeff=0.1),
     "capacity": dict(capacity_factor=1.0, aux_loss_coeff=0.1, bias=True),
     "capacity-tight-position": dict(capacity_factor=0.5, drop_policy="position", block=True),
+    # Rank i of the group routes 10 * i tokens (none on the first rank).
+    "dropless-ragged": dict(ragged=True, aux_loss_coeff=0.1),
 }
 
 
-def _inputs(ranks, num_experts, blocked):
+def _inputs(ranks, blocked, ragged):
     xs, gs = {}, {}
-    for r in ranks:
+    for i, r in enumerate(ranks):
         g = torch.Generator().manual_seed(100 + r)
-        x = torch.randn(*TOKENS, H, generator=g)
+        x = torch.randn(*((2, 5 * i) if ragged else TOKENS), H, generator=g)
         if blocked:
             x[..., 0] = x[..., 0].abs() + 1
-        xs[r], gs[r] = x, torch.randn(*TOKENS, H, generator=g)
+        xs[r], gs[r] = x, torch.randn(x.shape, generator=g)
     return xs, gs
 
 
@@ -63,7 +65,10 @@ def _reference(cfg, num_experts, topk, group_ranks, xs, gs, blocked, solo):
         ref.router.weight.grad = None
         x = xs[r].clone().requires_grad_(True)
         out = ref(x)
-        (out * gs[r]).sum().backward()
+        if out.requires_grad:  # not with 0 tokens (mtp.ops' reference unpermute)
+            (out * gs[r]).sum().backward()
+        else:
+            x.grad, ref.router.weight.grad = torch.zeros_like(x), torch.zeros_like(ref.router.weight)
         per_rank[r] = dict(
             out=out.detach(), x_grad=x.grad, router_grad=ref.router.weight.grad.clone(),
             aux=ref.aux_loss, z=ref.z_loss, routing=ref.router(xs[r])[1],
@@ -75,6 +80,7 @@ def _check_config(name, ep_group, solo, topk=2, num_experts=None):
     cfg = dict(CONFIGS[name])
     backend = cfg.pop("backend", "torch")
     block = cfg.pop("block", False)
+    ragged = cfg.pop("ragged", False)
     ep = dist.get_world_size(ep_group)
     me = dist.get_rank()
     group_ranks = dist.get_process_group_ranks(ep_group)
@@ -84,7 +90,7 @@ def _check_config(name, ep_group, solo, topk=2, num_experts=None):
     # nothing at all in dropless mode).
     blocked = [1] + (list(range(num_experts - local, num_experts)) if ep == 4 else [])
     blocked = blocked if block else []
-    xs, gs = _inputs(group_ranks, num_experts, bool(blocked))
+    xs, gs = _inputs(group_ranks, bool(blocked), ragged)
 
     torch.manual_seed(0)
     moe = MoELayer(H, FFN, num_experts, topk, backend=backend, ep_group=ep_group, **cfg)
@@ -184,7 +190,9 @@ def _ep_subgroup_and_bad_configs(rank, world, solo):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_single_process(world):
-    names = list(CONFIGS) if world == 2 else ["dropless-swiglu-bias-idle", "capacity-tight-position"]
+    names = list(CONFIGS) if world == 2 else [
+        "dropless-swiglu-bias-idle", "capacity-tight-position", "dropless-ragged"
+    ]
     results = run_distributed(_ep_worker, world, names, timeout=300)
     for name in names:
         assert results[0][name]["fwd_a2a"] == (4 if CONFIGS[name].get("capacity_factor") is None else 3)

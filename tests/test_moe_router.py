@@ -55,8 +55,8 @@ def oracle_route(logits, topk, score_function="softmax", pre_softmax=False, bias
                 p = p / p.sum()
         if scaling:
             p = p * scaling
-        row = torch.zeros(E, dtype=logits.dtype)
-        row = row.index_put((torch.tensor(idx),), p)
+        row = torch.zeros(E, dtype=logits.dtype, device=logits.device)
+        row = row.index_put((torch.tensor(idx, device=logits.device),), p)
         rows.append(row)
         chosen.append(idx)
     return torch.stack(rows), chosen

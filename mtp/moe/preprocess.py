@@ -13,8 +13,11 @@
   rows received per (source rank, local expert) ``recv_counts [P, L]`` (exchanged by a device
   all-to-all of the counts: no host sync), their sum per local expert, and the index pair that
   reorders the received rows from source-major to expert-major (``recv_order``,
-  ``recv_inverse``, worst-case length). With a capacity the split is static (``L * C`` rows per
-  rank) and no count is exchanged.
+  ``recv_inverse``, of static length ``R = P * T * min(k, L)``: the worst case when no rank
+  routes more than ``T`` tokens; with ragged token counts over the ranks, only the first ``R``
+  received rows are covered and the dispatcher recomputes the pair for the actual count after
+  its host sync). With a capacity the split is static (``L * C`` rows per rank) and no count is
+  exchanged.
 
 Every shape is static (``N = T * k`` dropless, ``E * C`` with a capacity) and nothing is read on
 the host, so :func:`preprocess` passes :func:`mtp.testing.assert_graph_safe`; its outputs are

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from mtp.moe.preprocess import (
     MoEPreprocessResult,
     _is_fake,
+    _recv_reorder,
     check_routing,
     compute_preprocess,
     store_preprocess,
@@ -249,8 +250,12 @@ class AllToAllTokenDispatcher:
         received = sum(recv_sizes)
         recv = all_to_all(permuted, self.ep_group, recv_sizes, send)
         recv_probs = all_to_all(res.permuted_probs, self.ep_group, recv_sizes, send)
-        order = res.recv_order[:received]
-        self._state.update(send=send, recv_sizes=recv_sizes, received=received)
+        order, inverse = res.recv_order[:received], res.recv_inverse[:received]
+        if received > res.recv_order.shape[0]:
+            # Another rank routed more tokens than this one (the workspace's worst case assumes
+            # at most T per rank): reorder for the actual count, now known on the host.
+            order, inverse = _recv_reorder(res.recv_counts, received)
+        self._state.update(send=send, recv_sizes=recv_sizes, received=received, inverse=inverse)
         tokens = gather_rows(recv, order, backend)
         probs = recv_probs.index_select(0, order)
         return tokens, res.local_tokens_per_expert, probs
@@ -277,10 +282,15 @@ class AllToAllTokenDispatcher:
             y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
             y = all_to_all(y, self.ep_group)
         elif self.ep_size > 1:
-            y = gather_rows(y, res.recv_inverse[: state["received"]], backend)
+            y = gather_rows(y, state["inverse"], backend)
             y = all_to_all(y, self.ep_group, state["send"], state["recv_sizes"])
         self._state = None
-        return unpermute(y, res.row_id_map, shape, backend=backend, validate=False)
+        out = unpermute(y, res.row_id_map, shape, backend=backend, validate=False)
+        if shape[0] == 0 and y.requires_grad and not out.requires_grad:
+            # No token here: keep the autograd link anyway, so that this rank's backward still
+            # joins the all-to-alls the other ranks run.
+            out = out + y.sum() * 0
+        return out
 
     # -- Megatron-Core names ------------------------------------------------------------------
 
