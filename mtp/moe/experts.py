@@ -21,6 +21,7 @@ from torch import nn
 
 import mtp.ops as ops
 from mtp.ops.grouped_gemm import grouped_gemm
+from mtp.ops.moe_permute import _check_int
 
 __all__ = ["GroupedMLP"]
 
@@ -92,8 +93,7 @@ class GroupedMLP(nn.Module):
             ("hidden_size", hidden_size),
             ("ffn_hidden_size", ffn_hidden_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            _check_int(name, value, 1)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
         self.num_local_experts, self.hidden_size = num_local_experts, hidden_size

@@ -48,6 +48,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.ops.moe_permute import _check_int
+
 __all__ = [
     "MoEAuxLossAutoScaler",
     "TopKRouter",
@@ -306,14 +308,6 @@ def compute_routing_scores_for_aux_loss(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def check_routing_config(
     num_experts: int,
     topk: int,
@@ -324,8 +318,8 @@ def check_routing_config(
     group_topk: int | None = None,
 ) -> None:
     """Raise ``ValueError``/``TypeError`` naming the bad routing argument."""
-    _check_positive_int("num_experts", num_experts)
-    _check_positive_int("topk", topk)
+    _check_int("num_experts", num_experts, 1)
+    _check_int("topk", topk, 1)
     if topk > num_experts:
         raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
     if score_function not in _SCORE_FUNCTIONS:
@@ -342,8 +336,8 @@ def check_routing_config(
     if (num_groups is None) != (group_topk is None):
         raise ValueError("num_groups and group_topk must be given together (group-limited routing)")
     if num_groups is not None:
-        _check_positive_int("num_groups", num_groups)
-        _check_positive_int("group_topk", group_topk)
+        _check_int("num_groups", num_groups, 1)
+        _check_int("group_topk", group_topk, 1)
         if num_experts % num_groups:
             raise ValueError(f"num_experts={num_experts} must be divisible by num_groups={num_groups}")
         if group_topk > num_groups or topk % group_topk or topk // group_topk > num_experts // num_groups:
@@ -407,7 +401,7 @@ class TopKRouter(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        _check_positive_int("hidden_size", hidden_size)
+        _check_int("hidden_size", hidden_size, 1)
         check_routing_config(
             num_experts, topk, score_function, capacity_factor, drop_policy, num_groups, group_topk
         )

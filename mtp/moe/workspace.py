@@ -47,20 +47,13 @@ import dataclasses
 import torch
 
 from mtp.moe.router import get_capacity
+from mtp.ops.moe_permute import _check_int
 
 __all__ = ["MoEWorkspace", "WorkspaceMismatchError"]
 
 
 class WorkspaceMismatchError(ValueError):
     """A workspace used with sizes, dtypes or devices other than it was built for."""
-
-
-def _int_at_least(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,11 +122,10 @@ class MoEWorkspace:
         probs_dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        _int_at_least("num_tokens", num_tokens, 0)
-        _int_at_least("hidden_size", hidden_size)
-        _int_at_least("num_experts", num_experts)
-        _int_at_least("topk", topk)
-        _int_at_least("ep_size", ep_size)
+        _check_int("num_tokens", num_tokens, 0)
+        for name, value in (("hidden_size", hidden_size), ("num_experts", num_experts),
+                            ("topk", topk), ("ep_size", ep_size)):
+            _check_int(name, value, 1)
         if topk > num_experts:
             raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
         if num_experts % ep_size:
@@ -193,41 +185,15 @@ class MoEWorkspace:
 
     # -- description --------------------------------------------------------------------------
 
-    @property
-    def num_tokens(self) -> int:
-        return self.layout.num_tokens
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layout.hidden_size
-
-    @property
-    def num_experts(self) -> int:
-        return self.layout.num_experts
-
-    @property
-    def topk(self) -> int:
-        return self.layout.topk
-
-    @property
-    def ep_size(self) -> int:
-        return self.layout.ep_size
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.layout.num_local_experts
-
-    @property
-    def capacity(self) -> int | None:
-        return self.layout.capacity
-
-    @property
-    def num_rows(self) -> int:
-        return self.layout.num_rows
-
-    @property
-    def max_recv_rows(self) -> int:
-        return self.layout.max_recv_rows
+    num_tokens = property(lambda self: self.layout.num_tokens, doc="``T``")
+    hidden_size = property(lambda self: self.layout.hidden_size, doc="``H``")
+    num_experts = property(lambda self: self.layout.num_experts, doc="``E``")
+    topk = property(lambda self: self.layout.topk, doc="experts per token")
+    ep_size = property(lambda self: self.layout.ep_size, doc="``P``")
+    num_local_experts = property(lambda self: self.layout.num_local_experts, doc="``L``")
+    capacity = property(lambda self: self.layout.capacity, doc="``C`` (None: dropless)")
+    num_rows = property(lambda self: self.layout.num_rows, doc="``N``, permuted rows")
+    max_recv_rows = property(lambda self: self.layout.max_recv_rows, doc="``R``")
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -254,6 +220,19 @@ class MoEWorkspace:
 
     # -- checks -------------------------------------------------------------------------------
 
+    def _problems(self, num_tokens, num_experts, hidden_size, dtype, device) -> list[str]:
+        lay, problems = self.layout, []
+        for what, got, have in (
+            ("tokens", num_tokens, lay.num_tokens),
+            ("experts", num_experts, lay.num_experts),
+            ("hidden size", hidden_size, lay.hidden_size),
+            ("dtype", dtype, self.dtype),
+            ("device", None if device is None else torch.device(device), self.device),
+        ):
+            if got is not None and got != have:
+                problems.append(f"{what} {got} (workspace: {have})")
+        return problems
+
     def matches(
         self,
         num_tokens: int,
@@ -263,14 +242,7 @@ class MoEWorkspace:
         device: torch.device | None = None,
     ) -> bool:
         """Whether the workspace fits these sizes (None: not compared)."""
-        lay = self.layout
-        return (
-            num_tokens == lay.num_tokens
-            and num_experts in (None, lay.num_experts)
-            and hidden_size in (None, lay.hidden_size)
-            and dtype in (None, self.dtype)
-            and (device is None or torch.device(device) == self.device)
-        )
+        return not self._problems(num_tokens, num_experts, hidden_size, dtype, device)
 
     def check(
         self,
@@ -283,18 +255,7 @@ class MoEWorkspace:
     ) -> None:
         """Raise :class:`WorkspaceMismatchError` unless the workspace fits (``what`` names the
         caller's tensor in the message)."""
-        lay = self.layout
-        problems = []
-        if num_tokens != lay.num_tokens:
-            problems.append(f"{num_tokens} tokens (workspace: {lay.num_tokens})")
-        if num_experts is not None and num_experts != lay.num_experts:
-            problems.append(f"{num_experts} experts (workspace: {lay.num_experts})")
-        if hidden_size is not None and hidden_size != lay.hidden_size:
-            problems.append(f"hidden size {hidden_size} (workspace: {lay.hidden_size})")
-        if dtype is not None and dtype != self.dtype:
-            problems.append(f"dtype {dtype} (workspace: {self.dtype})")
-        if device is not None and torch.device(device) != self.device:
-            problems.append(f"device {device} (workspace: {self.device})")
+        problems = self._problems(num_tokens, num_experts, hidden_size, dtype, device)
         if problems:
             raise WorkspaceMismatchError(
                 f"{what} does not fit the MoEWorkspace: " + ", ".join(problems) + ". Build a "
@@ -302,21 +263,9 @@ class MoEWorkspace:
                 "topk, ...)); MoELayer rebuilds its own when the token count changes."
             )
 
-    @staticmethod
-    def estimate_nbytes(
-        num_tokens: int,
-        hidden_size: int,
-        num_experts: int,
-        topk: int,
-        *,
-        ep_size: int = 1,
-        capacity_factor: float | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        probs_dtype: torch.dtype | None = None,
-    ) -> int:
-        """``nbytes`` of such a workspace, without allocating it (uses the meta device)."""
-        ws = MoEWorkspace(
-            num_tokens, hidden_size, num_experts, topk, ep_size=ep_size,
-            capacity_factor=capacity_factor, dtype=dtype, probs_dtype=probs_dtype, device="meta",
-        )
-        return ws.nbytes
+    @classmethod
+    def estimate_nbytes(cls, *args, **kwargs) -> int:
+        """``nbytes`` of ``MoEWorkspace(*args, **kwargs)`` without allocating it (built on the
+        meta device)."""
+        kwargs["device"] = "meta"
+        return cls(*args, **kwargs).nbytes
