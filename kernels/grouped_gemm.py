@@ -14,8 +14,9 @@ Kernels
   launch. The tile order is expert-major, and inside an expert grouped by ``GROUP_M`` row tiles
   so that neighbouring programs share both the ``a`` rows and the ``b[e]`` columns in L2.
   The grid is ``cdiv(M, BLOCK_M) + E`` row tiles times the column tiles (``sum_e cdiv(m_e, BM) <=
-  cdiv(M, BM) + E - 1``, plus the zero tail); programs without work exit at once. With
-  ``persistent=True`` the grid is the number of SMs and each program strides over the tiles.
+  cdiv(M, BM) + E - 1``, plus the zero tail); programs without work exit at once. The
+  persistent variant launches one wave of programs that stride over the tiles instead (chosen
+  automatically when the idle programs of the worst-case grid would exceed one wave).
 - :func:`grouped_wgrad_kernel`: ``c[e] = a_e^T @ b_e`` (the weight gradient, ragged reduction
   dimension); grid ``E x tiles of c[e]``, each program loops over its expert's rows, experts
   without rows store exact zeros.
@@ -38,12 +39,12 @@ __all__ = [
     "GemmConfig",
     "WgradConfig",
     "forward_config",
-    "wgrad_config",
-    "num_row_tiles_bound",
-    "grouped_gemm_kernel",
-    "grouped_wgrad_kernel",
     "grouped_gemm",
+    "grouped_gemm_kernel",
     "grouped_wgrad",
+    "grouped_wgrad_kernel",
+    "num_row_tiles_bound",
+    "wgrad_config",
 ]
 
 
@@ -55,6 +56,30 @@ __all__ = [
 # The interpreter re-patches triton.language on every call of a @triton.jit function (tl.sum and
 # tl.cumsum included), which dominates its run time: the kernels below keep such calls per
 # program to a handful, and do the integer ceil-divisions inline.
+
+
+@triton.jit
+def _mma_loop(
+    acc, a_ptrs, b_ptrs, a_keep, b_keep, a_red, b_red, length, a_step, b_step,
+    BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``acc += a @ b`` over a reduction of ``length``, ``BLOCK`` at a time.
+
+    ``a_ptrs`` is a ``[rows, BLOCK]`` tile and ``b_ptrs`` a ``[BLOCK, cols]`` tile; ``a_red`` /
+    ``b_red`` are the reduction indices broadcast to them, ``a_keep`` / ``b_keep`` the masks of
+    the other dimension; each step advances the pointers by ``a_step`` / ``b_step``.
+    """
+    for i in range((length + BLOCK - 1) // BLOCK):
+        left = length - i * BLOCK
+        a = tl.load(a_ptrs, mask=a_keep & (a_red < left), other=0.0)
+        b = tl.load(b_ptrs, mask=(b_red < left) & b_keep, other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += a_step
+        b_ptrs += b_step
+    return acc
 
 
 @triton.jit
@@ -77,18 +102,12 @@ def _gemm_tile(
         b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk
         + cols[None, :].to(tl.int64) * stride_bn
     )
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (ks[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(ks[:, None] < k_left) & mask_n[None, :], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+    acc = _mma_loop(
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptrs, b_ptrs,
+        mask_m[:, None], mask_n[None, :], ks[None, :], ks[:, None], K,
+        BLOCK_K * stride_ak, BLOCK_K * stride_bk, BLOCK_K, UPCAST_DOT, DOT_PRECISION,
+    )
+    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -126,7 +145,9 @@ def _forward_tile(
         local = tile - expert_tiles
         rows = routed + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = (local % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_ptrs = (
+            c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
+        )
         zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
         tl.store(c_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
 
@@ -219,22 +240,18 @@ def grouped_wgrad_kernel(
     mask_p = ps < P
     mask_q = qs < Q
     # a is read transposed: its tile is [BLOCK_P, BLOCK_R].
-    a_ptrs = a_ptr + (row0.to(tl.int64) + rs[None, :]) * stride_am + ps[:, None] * stride_ap
-    b_ptrs = b_ptr + (row0.to(tl.int64) + rs[:, None]) * stride_bm + qs[None, :] * stride_bq
-    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    for r in range(0, (rows_e + BLOCK_R - 1) // BLOCK_R):
-        r_left = rows_e - r * BLOCK_R
-        a = tl.load(a_ptrs, mask=mask_p[:, None] & (rs[None, :] < r_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(rs[:, None] < r_left) & mask_q[None, :], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_R * stride_am
-        b_ptrs += BLOCK_R * stride_bm
+    ps64 = ps.to(tl.int64)
+    qs64 = qs.to(tl.int64)
+    a_ptrs = a_ptr + (row0.to(tl.int64) + rs[None, :]) * stride_am + ps64[:, None] * stride_ap
+    b_ptrs = b_ptr + (row0.to(tl.int64) + rs[:, None]) * stride_bm + qs64[None, :] * stride_bq
+    acc = _mma_loop(
+        tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32), a_ptrs, b_ptrs,
+        mask_p[:, None], mask_q[None, :], rs[None, :], rs[:, None], rows_e,
+        BLOCK_R * stride_am, BLOCK_R * stride_bm, BLOCK_R, UPCAST_DOT, DOT_PRECISION,
+    )
     c_ptrs = (
-        c_ptr + expert.to(tl.int64) * stride_ce + ps[:, None].to(tl.int64) * stride_cp
-        + qs[None, :] * stride_cq
+        c_ptr + expert.to(tl.int64) * stride_ce + ps64[:, None] * stride_cp
+        + qs64[None, :] * stride_cq
     )
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
 
@@ -273,27 +290,37 @@ _INTERPRETER_GEMM = GemmConfig(16, 16, 16, group_m=2)
 _INTERPRETER_WGRAD = WgradConfig(16, 16, 16, group_p=2)
 
 
-def forward_config(dtype: torch.dtype, M: int, E: int) -> GemmConfig:
+def _fit(block: int, size: int) -> int:
+    """``block`` shrunk to the problem (a power of two, at least 16: the MMA K/N granule)."""
+    return max(16, min(block, next_power_of_2(size)))
+
+
+def forward_config(dtype: torch.dtype, M: int, N: int, K: int, E: int) -> GemmConfig:
     """Default tiles for the forward / data-gradient kernel on sm_90 / sm_100.
 
-    16-bit inputs use tensor-core tiles with BLOCK_K=64 (128-byte rows: full-width swizzled
-    shared memory for wgmma / tcgen05). A row tile never spans two experts, so each expert wastes
-    up to BLOCK_M - 1 rows: when experts average fewer than 256 rows, 64-row tiles (the native
-    wgmma M) halve that waste; otherwise 128 x 128 tiles with 8 warps. fp32 without TF32 runs on
-    the FMA units: smaller 64 x 64 x 32 tiles keep the register file from spilling.
+    16-bit inputs: tensor-core tiles with BLOCK_K=64 (128-byte rows, the widest shared-memory
+    swizzle for wgmma / tcgen05) and 4 pipeline stages (128 KiB of shared memory at most). A row
+    tile never spans two experts, so each expert wastes up to BLOCK_M - 1 rows: when experts
+    average fewer than 256 rows, 64-row tiles (the native wgmma M) halve that waste, with 4 warps
+    (one warpgroup); otherwise 128 x 128 tiles with 8 warps. fp32 (no tensor cores unless TF32 is
+    allowed): 64 x 64 x 32 tiles, 4 warps. Narrow N or K shrink their block to the problem.
     """
     if dtype == torch.float32:
-        return GemmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3)
-    if M < 256 * max(E, 1):
-        return GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
-    return GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
+        block_m, block_n, block_k, warps, stages = 64, 64, 32, 4, 3
+    elif M < 256 * max(E, 1):
+        block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 4
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 4
+    return GemmConfig(block_m, _fit(block_n, N), _fit(block_k, K), group_m=8,
+                      num_warps=warps, num_stages=stages)
 
 
-def wgrad_config(dtype: torch.dtype) -> WgradConfig:
-    """Default tiles for the weight-gradient kernel (one expert's ``[P, Q]`` output per tile)."""
+def wgrad_config(dtype: torch.dtype, P: int, Q: int) -> WgradConfig:
+    """Default tiles for the weight-gradient kernel (a ``[P, Q]`` tile of one expert, reducing
+    over that expert's rows 64 at a time; 3 stages, 96 KiB of shared memory for 16-bit)."""
     if dtype == torch.float32:
-        return WgradConfig(64, 64, 32, group_p=8, num_warps=4, num_stages=3)
-    return WgradConfig(128, 128, 64, group_p=8, num_warps=8, num_stages=3)
+        return WgradConfig(_fit(64, P), _fit(64, Q), 32, group_p=8, num_warps=4, num_stages=3)
+    return WgradConfig(_fit(128, P), _fit(128, Q), 64, group_p=8, num_warps=8, num_stages=3)
 
 
 def num_row_tiles_bound(M: int, E: int, block_m: int) -> int:
@@ -302,17 +329,23 @@ def num_row_tiles_bound(M: int, E: int, block_m: int) -> int:
     return triton.cdiv(M, block_m) + E
 
 
-def _num_sms(device: torch.device) -> int:
+_SHARED_MEMORY_PER_SM = 228 * 1024  # H100 / H200 / B200
+
+
+def _resident_programs(device: torch.device, config: GemmConfig, elem_size: int) -> int:
+    """Programs of the forward kernel that fit on the GPU at once (shared memory bound)."""
     if device.type != "cuda":
         return 4  # interpreter: a few programs, so the persistent loop is exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    stage = (config.block_m + config.block_n) * config.block_k * elem_size
+    per_sm = max(1, _SHARED_MEMORY_PER_SM // (stage * config.num_stages + 1024))
+    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
-    return dict(
-        UPCAST_DOT=dot_upcast(dtype),
-        DOT_PRECISION=fp32_dot_precision() if dtype == torch.float32 else "ieee",
-    )
+    return {
+        "UPCAST_DOT": dot_upcast(dtype),
+        "DOT_PRECISION": fp32_dot_precision() if dtype == torch.float32 else "ieee",
+    }
 
 
 def _check_counts(counts: torch.Tensor, E: int, device: torch.device) -> None:
@@ -335,7 +368,7 @@ def grouped_gemm(
     out: torch.Tensor,
     *,
     config: GemmConfig | None = None,
-    persistent: bool = False,
+    persistent: bool | None = None,
 ) -> torch.Tensor:
     """One launch: ``out[rows of e] = a[rows of e] @ b[e]``, zeros past ``sum(counts)``.
 
@@ -346,18 +379,27 @@ def grouped_gemm(
         counts: ``[E]`` int32/int64 rows per expert, on ``a``'s device (never read on the host).
         out: ``[M, N]`` in ``a``'s dtype; every element is written.
         config: tiles (default: :func:`forward_config`, small tiles under the interpreter).
-        persistent: launch one program per SM that strides over the tiles instead of one
-            program per worst-case tile.
+        persistent: launch one wave of programs (as many as fit on the GPU) that stride over
+            the tiles, instead of one program per worst-case tile. Default (None): persistent
+            on CUDA when the worst case's idle programs (``E * cdiv(N, BLOCK_N)``) exceed one
+            wave, i.e. many experts for the number of rows.
     """
     M, K = a.shape
     E, _, N = b.shape
     _check_counts(counts, E, a.device)
     if config is None:
-        config = _INTERPRETER_GEMM if a.device.type != "cuda" else forward_config(a.dtype, M, E)
+        config = (_INTERPRETER_GEMM if a.device.type != "cuda"
+                  else forward_config(a.dtype, M, N, K, E))
     if M == 0 or N == 0:
         return out
     tiles = num_row_tiles_bound(M, E, config.block_m) * triton.cdiv(N, config.block_n)
-    grid = (min(tiles, _num_sms(a.device)) if persistent else tiles,)
+    resident = _resident_programs(a.device, config, a.element_size())
+    if persistent is None:
+        # The worst-case grid holds up to E * cdiv(N, BN) programs without work; each holds an
+        # SM's shared memory while it starts and exits. When they are more than one wave, stride
+        # over the tiles from one wave of programs instead.
+        persistent = a.device.type == "cuda" and E * triton.cdiv(N, config.block_n) > resident
+    grid = (min(tiles, resident) if persistent else tiles,)
     grouped_gemm_kernel[grid](
         a, b, out, counts,
         M, N, K, E,
@@ -393,7 +435,7 @@ def grouped_wgrad(
     E = out.shape[0]
     _check_counts(counts, E, a.device)
     if config is None:
-        config = _INTERPRETER_WGRAD if a.device.type != "cuda" else wgrad_config(a.dtype)
+        config = _INTERPRETER_WGRAD if a.device.type != "cuda" else wgrad_config(a.dtype, P, Q)
     if E == 0 or P == 0 or Q == 0:
         return out
     grid = (E * triton.cdiv(P, config.block_p) * triton.cdiv(Q, config.block_q),)

@@ -78,7 +78,11 @@ def _all_reduce_rank(rank, world_size, scale):
     t = torch.tensor([float(rank) * scale])
     with count_collectives() as log:
         dist.all_reduce(t)
-    return t.item(), log.count("all_reduce"), log.nbytes(), os.environ["WORLD_SIZE"]
+        gathered = torch.empty(world_size * 3)
+        name = "all_gather_into_tensor"
+        getattr(dist, name)(gathered, torch.full((3,), float(rank)))
+    counts = (log.count("all_reduce"), log.count(name), log.count())
+    return t.item(), counts, log.nbytes(), os.environ["WORLD_SIZE"], gathered.tolist()
 
 
 def _rank_one_raises(rank, world_size):
@@ -98,7 +102,9 @@ def _rank_zero_hangs(rank, world_size):
 
 def test_run_distributed_returns_per_rank_values():
     out = run_distributed(_all_reduce_rank, 2, 10.0)
-    assert out == [(10.0, 1, 4, "2"), (10.0, 1, 4, "2")]
+    # all_gather_into_tensor counts once even where torch implements it with all_gather_single
+    expected = (10.0, (1, 1, 2), 4 + 12, "2", [0.0] * 3 + [1.0] * 3)
+    assert out == [expected, expected]
 
 
 def test_run_distributed_reraises_child_failure():

@@ -6,5 +6,7 @@ argument is ``"auto"``, by the ``MTP_BACKEND`` environment variable; ``auto`` me
 kernel on CUDA and the reference on CPU (see :func:`mtp.ops._backend.resolve_backend`).
 """
 
-from mtp.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference  # noqa: E402,F401
-from mtp.ops.moe_permute import permute, unpermute  # noqa: E402,F401
+from .bias_act import bias_gelu, bias_swiglu  # noqa: E402,F401
+from .cross_entropy import vocab_parallel_cross_entropy  # noqa: E402,F401
+from .moe_permute import permute, unpermute  # noqa: E402,F401
+from .grouped_gemm import grouped_gemm, grouped_gemm_reference  # noqa: E402,F401

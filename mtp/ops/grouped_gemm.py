@@ -10,16 +10,16 @@ Public API
 
 Backends (``backend=``, or ``MTP_BACKEND`` when ``"auto"``):
 
-============== =========================================================== ==================
-name           what runs                                                    host syncs
-============== =========================================================== ==================
-``triton``     one launch per GEMM, counts read on the device               none
-``cutlass``    the CUTLASS extension (``mtp.ops._cutlass``, sm_90/sm_100)   none
-``torch``      ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``   none for bf16 [1]_
-``multistream`` one ``torch.mm`` per expert over 4 CUDA streams (TE style)  one (sizes)
-``sequential`` one ``torch.mm`` per expert on the current stream            one (sizes)
-``reference``  per-expert loop in fp32 math (plain PyTorch)                 one (sizes)
-============== =========================================================== ==================
+=============== ========================================================== ==================
+name            what runs                                                  host syncs
+=============== ========================================================== ==================
+``triton``      one launch per GEMM, counts read on the device             none
+``cutlass``     the CUTLASS extension (``mtp.ops._cutlass``, sm_90/sm_100) none
+``torch``       ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` none for bf16 [1]_
+``multistream`` one ``torch.mm`` per expert over 4 CUDA streams (TE style) one (sizes)
+``sequential``  one ``torch.mm`` per expert on the current stream          one (sizes)
+``reference``   per-expert loop in fp32 math (plain PyTorch)               one (sizes)
+=============== ========================================================== ==================
 
 .. [1] PyTorch's grouped_mm runs its CUTLASS kernel for bf16 on sm_90/sm_100; for other dtypes
    and GPUs it falls back to a loop that reads the offsets on the host. Rows it leaves
@@ -164,7 +164,7 @@ class _RoundRobin:
         with torch.cuda.stream(stream):
             fn()
 
-    def __enter__(self) -> _RoundRobin:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -184,7 +184,8 @@ def _loop_forward(x, w, counts, trans_b, out, *, streams: bool):
             if m == 0:
                 continue
             rows = slice(row, row + m)
-            pool.run(e, lambda rows=rows, e=e: torch.mm(x[rows], _weight(w, e, trans_b), out=out[rows]))
+            w_e = _weight(w, e, trans_b)
+            pool.run(e, lambda rows=rows, w_e=w_e: torch.mm(x[rows], w_e, out=out[rows]))
             row += m
         if row < M:
             out[row:].zero_()
@@ -249,6 +250,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     )
     if ok_layout and t.data_ptr() % 16 == 0:
         return t
+    logger.debug("grouped_gemm(backend='torch'): copying a %s operand to a 16-byte aligned "
+                 "layout (strides %s)", tuple(t.shape), t.stride())
     cols = t.shape[-1]
     padded = -(-cols // align) * align
     buf = torch.empty((*t.shape[:-1], padded), dtype=t.dtype, device=t.device)[..., :cols]
@@ -366,7 +369,9 @@ GROUPED_GEMM_BACKENDS: dict[str, GroupedGemmBackend] = {
     "cutlass": GroupedGemmBackend(
         _cutlass_forward, _cutlass_wgrad, device_counts=True, check=_check_cutlass
     ),
-    "torch": GroupedGemmBackend(_torch_forward, _torch_wgrad, device_counts=True, check=_check_torch),
+    "torch": GroupedGemmBackend(
+        _torch_forward, _torch_wgrad, device_counts=True, check=_check_torch
+    ),
     "multistream": GroupedGemmBackend(
         lambda x, w, c, t, o: _loop_forward(x, w, c, t, o, streams=True),
         lambda a, b, c, o: _loop_wgrad(a, b, c, o, streams=True),
@@ -544,8 +549,9 @@ def grouped_gemm(
             ``M`` may exceed ``sum(tokens_per_expert)`` (a buffer sized for the worst case).
         w: ``[E, K, N]``, or ``[E, N, K]`` with ``trans_b=True`` (``nn.Linear`` layout), same
             dtype and device as ``x``.
-        tokens_per_expert: ``[E]`` int32/int64 rows per expert, on ``x``'s device or the CPU.
-            Experts with zero tokens are fine (their weight gradient is exactly zero).
+        tokens_per_expert: ``[E]`` int32/int64 rows per expert, on ``x``'s device or the CPU
+            (or a list of ints). Experts with zero tokens are fine (their weight gradient is
+            exactly zero). Keep it on the device for CUDA graphs and sync-free backends.
         trans_b: read ``w[e]`` as ``[N, K]`` and multiply by its transpose.
         backend: ``"auto"`` (``triton`` on CUDA, ``reference`` on CPU, or ``MTP_BACKEND``),
             ``"triton"``, ``"cutlass"``, ``"torch"``, ``"multistream"``, ``"sequential"``,
@@ -563,16 +569,19 @@ def grouped_gemm(
         TypeError, ValueError: bad shapes, dtypes or devices (naming the argument), counts
             summing past ``M``, or a backend that cannot run here (e.g. ``cutlass`` not built).
     """
+    if isinstance(tokens_per_expert, (list, tuple)):
+        tokens_per_expert = torch.tensor(tokens_per_expert, dtype=torch.int64)
     _check_inputs(x, w, tokens_per_expert, trans_b, out)
     name = resolve_backend("grouped_gemm", backend, x.device, tuple(GROUPED_GEMM_BACKENDS))
     impl = GROUPED_GEMM_BACKENDS[name]
     if impl.check is not None:
         impl.check(x, w)
-    # Loop backends read the sizes on the host: copy once here (the only sync), and let the
-    # validation and the backward read that copy. Single-launch backends keep them on the device.
-    counts = tokens_per_expert.to(x.device if impl.device_counts else "cpu")
+    # Loop backends read the sizes on the host: copy them once here (their only sync); the
+    # validation and the backward read that copy. Single-launch backends read them on the device.
+    counts = tokens_per_expert if impl.device_counts else tokens_per_expert.to("cpu")
     if data_checks_enabled(validate, counts):
         _check_count_values(counts, x.shape[0])
+    counts = counts.to(x.device) if impl.device_counts else counts
     if out is None:
         return torch.ops.mtp.grouped_gemm(x, w, counts, trans_b, name)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):

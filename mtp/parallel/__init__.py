@@ -13,3 +13,11 @@ from .rank_generator import *  # noqa: F401,F403
 from .rank_generator import __all__ as _rank_all
 
 __all__ = list(_rank_all) + list(_state_all)
+
+# Tensor/sequence-parallel communication mappings and the model-parallel RNG.
+from .mappings import *  # noqa: F401,F403,E402
+from .mappings import __all__ as _mappings_all  # noqa: E402
+from .random import *  # noqa: F401,F403,E402
+from .random import __all__ as _random_all  # noqa: E402
+
+__all__ += list(_mappings_all) + list(_random_all)

@@ -1,0 +1,296 @@
+"""Fused bias + activation ops: ``bias_gelu`` (erf or tanh GeLU) and ``bias_swiglu``.
+
+Custom ops (``torch.ops.mtp.*``), each with a fake implementation and autograd:
+
+- ``mtp::bias_gelu(x, bias, approximate, backend)``
+- ``mtp::bias_swiglu(x, bias, backend)``
+- ``mtp::bias_act_backward(dy, x, bias, act, need_dbias, backend) -> (dx, dbias)``
+
+Autograd saves only ``x`` and ``bias`` (never ``y`` or ``x + bias``); the backward recomputes
+the pre-activation and reduces ``dbias`` over rows in fp32 in two deterministic stages.
+
+``bias`` may be None (a ``bias=False`` layer): the op is then the plain activation. Math is fp32
+for every input dtype (fp32, fp16, bf16); the output has ``x``'s dtype and ``dbias`` the bias
+dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mtp.ops._backend import resolve_backend
+from mtp.utils import check_tensor, empty
+
+__all__ = [
+    "bias_gelu",
+    "bias_swiglu",
+    "bias_gelu_reference",
+    "bias_swiglu_reference",
+]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BACKENDS = ("triton", "reference")
+_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (plain PyTorch, fp32 math)
+# --------------------------------------------------------------------------------------------
+
+
+def _pre_activation(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    u = x.float()
+    return u if bias is None else u + bias.float()
+
+
+def _act_reference(u: torch.Tensor, act: str) -> torch.Tensor:
+    """The activation of fp32 ``u`` with PyTorch's own functions."""
+    if act == "swiglu":
+        a, g = torch.chunk(u, 2, dim=-1)
+        return F.silu(a) * g
+    return F.gelu(u, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def bias_gelu_reference(
+    x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "none"
+) -> torch.Tensor:
+    """Plain-PyTorch ``gelu(x + bias)``: fp32 math, ``x.dtype`` result (differentiable)."""
+    _check_approximate(approximate)
+    return _act_reference(_pre_activation(x, bias), _APPROXIMATE[approximate]).to(x.dtype)
+
+
+def bias_swiglu_reference(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-PyTorch ``silu(a) * g`` with ``a, g = chunk(x + bias, 2, -1)``, fp32 math."""
+    return _act_reference(_pre_activation(x, bias), "swiglu").to(x.dtype)
+
+
+def _backward_reference(dy, x, bias, act, need_dbias):
+    """PyTorch's own backward formulas (aten ``gelu_backward`` / ``silu_backward``) in fp32."""
+    u = _pre_activation(x, bias)
+    dy = dy.float()
+    if act == "swiglu":
+        a, g = torch.chunk(u, 2, dim=-1)
+        du = torch.cat([torch.ops.aten.silu_backward(dy * g, a), dy * F.silu(a)], dim=-1)
+    else:
+        approximate = "tanh" if act == "gelu_tanh" else "none"
+        du = torch.ops.aten.gelu_backward(dy, u, approximate=approximate)
+    dx = du.to(x.dtype)
+    if not need_dbias:
+        return dx, x.new_empty((0,))
+    return dx, du.reshape(-1, du.shape[-1]).sum(0).to(bias.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` as ``[rows, width]`` with a contiguous last dim (a view when possible)."""
+    t2 = t.reshape(-1, width)
+    if width > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _out_width(x: torch.Tensor, act: str) -> int:
+    return x.shape[-1] // 2 if act == "swiglu" else x.shape[-1]
+
+
+def _forward_impl(x, bias, act, backend):
+    backend = resolve_backend(f"bias_{act}", backend, x.device, _BACKENDS)
+    if backend == "reference":
+        return _act_reference(_pre_activation(x, bias), act).to(x.dtype)
+    from mtp.kernels.bias_act import bias_act_forward
+
+    n = _out_width(x, act)
+    y = empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    bias_c = None if bias is None else bias.contiguous()
+    bias_act_forward(_rows(x, x.shape[-1]), bias_c, y.view(-1, n), act)
+    return y
+
+
+def _forward_fake(x, bias, act):
+    return x.new_empty((*x.shape[:-1], _out_width(x, act)))
+
+
+@torch.library.custom_op("mtp::bias_gelu", mutates_args=())
+def _bias_gelu_op(
+    x: torch.Tensor, bias: torch.Tensor | None, approximate: str, backend: str
+) -> torch.Tensor:
+    return _forward_impl(x, bias, _APPROXIMATE[approximate], backend)
+
+
+@_bias_gelu_op.register_fake
+def _(x, bias, approximate, backend):
+    return _forward_fake(x, bias, "gelu")
+
+
+@torch.library.custom_op("mtp::bias_swiglu", mutates_args=())
+def _bias_swiglu_op(x: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
+    return _forward_impl(x, bias, "swiglu", backend)
+
+
+@_bias_swiglu_op.register_fake
+def _(x, bias, backend):
+    return _forward_fake(x, bias, "swiglu")
+
+
+@torch.library.custom_op("mtp::bias_act_backward", mutates_args=())
+def _bias_act_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    act: str,
+    need_dbias: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    need_dbias = need_dbias and bias is not None
+    backend = resolve_backend(f"bias_{act}", backend, x.device, _BACKENDS)
+    if backend == "reference":
+        return _backward_reference(dy, x, bias, act, need_dbias)
+    from mtp.kernels.bias_act import bias_act_backward
+
+    width = x.shape[-1]
+    dx = empty(x.shape, dtype=x.dtype, device=x.device)
+    dbias = empty((width,) if need_dbias else (0,), dtype=_dbias_dtype(x, bias), device=x.device)
+    bias_act_backward(
+        _rows(dy, _out_width(x, act)),
+        _rows(x, width),
+        None if bias is None else bias.contiguous(),
+        dx.view(-1, width),
+        dbias if need_dbias else None,
+        act,
+    )
+    return dx, dbias
+
+
+def _dbias_dtype(x: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    return x.dtype if bias is None else bias.dtype
+
+
+@_bias_act_backward_op.register_fake
+def _(dy, x, bias, act, need_dbias, backend):
+    n = x.shape[-1] if (need_dbias and bias is not None) else 0
+    return x.new_empty(x.shape), x.new_empty((n,), dtype=_dbias_dtype(x, bias))
+
+
+def _setup_context(ctx, inputs, output, act: str) -> None:
+    x, bias = inputs[0], inputs[1]
+    ctx.save_for_backward(x, bias)
+    ctx.act = act
+    ctx.backend = inputs[-1]
+
+
+def _backward(ctx, dy):
+    x, bias = ctx.saved_tensors
+    need_dbias = bias is not None and ctx.needs_input_grad[1]
+    dx, dbias = torch.ops.mtp.bias_act_backward(dy, x, bias, ctx.act, need_dbias, ctx.backend)
+    return dx, (dbias if need_dbias else None)
+
+
+_bias_gelu_op.register_autograd(
+    lambda ctx, dy: (*_backward(ctx, dy), None, None),
+    setup_context=lambda ctx, inputs, output: _setup_context(
+        ctx, inputs, output, _APPROXIMATE[inputs[2]]
+    ),
+)
+_bias_swiglu_op.register_autograd(
+    lambda ctx, dy: (*_backward(ctx, dy), None),
+    setup_context=lambda ctx, inputs, output: _setup_context(ctx, inputs, output, "swiglu"),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def _check_approximate(approximate: str) -> None:
+    if approximate not in _APPROXIMATE:
+        raise ValueError(
+            f"approximate must be one of {list(_APPROXIMATE)} (as in torch.nn.functional.gelu), "
+            f"got {approximate!r}"
+        )
+
+
+def _check_inputs(op: str, x, bias, backend: str, gated: bool) -> str:
+    check_tensor("x", x, dtypes=_DTYPES)
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension (the hidden size), got 0-D")
+    if gated and x.shape[-1] % 2:
+        raise ValueError(
+            f"{op}: the last dim of x holds the two SwiGLU halves and must be even, got "
+            f"{x.shape[-1]} (shape {tuple(x.shape)})"
+        )
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=_DTYPES, device=x.device)
+        if bias.shape[0] != x.shape[-1]:
+            raise ValueError(
+                f"{op}: bias must have shape ({x.shape[-1]},) to match the last dim of x "
+                f"{tuple(x.shape)}, got {tuple(bias.shape)}"
+            )
+    return resolve_backend(op, backend, x.device, _BACKENDS)
+
+
+def bias_gelu(
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    approximate: str = "none",
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``gelu(x + bias)`` fused: one read of ``x``, one write of ``y``.
+
+    Args:
+        x: ``[..., H]``, float32 / float16 / bfloat16, any leading dims (a copy is made only
+            when the rows cannot be viewed with a contiguous last dim).
+        bias: ``[H]`` (float32 / float16 / bfloat16), or None for a bias-free layer.
+        approximate: ``"none"`` (exact erf GeLU, PyTorch's default) or ``"tanh"`` (the tanh
+            approximation Megatron-LM fuses), as in :func:`torch.nn.functional.gelu`.
+        backend: ``"auto"`` | ``"triton"`` | ``"reference"`` (see :mod:`mtp.ops`).
+
+    Returns:
+        ``[..., H]`` in ``x.dtype``; math in fp32.
+
+    Autograd saves ``x`` and ``bias`` only; backward recomputes ``x + bias``, writes ``dx``
+    (``x.dtype``) and ``dbias`` (``bias.dtype``, fp32 two-stage row reduction, deterministic).
+
+    Bytes (``s`` = element size of ``x``, ``sb`` of ``bias``, ``M`` rows):
+    forward reads ``M*H*s + H*sb`` and writes ``M*H*s``; backward reads ``dy``, ``x``, ``bias``
+    (``2*M*H*s + H*sb``) and writes ``dx`` and ``dbias`` (``M*H*s + H*sb``), plus an fp32
+    partial-sum workspace of ``G*H*4`` bytes written and read once (``G <= 1024`` row groups,
+    ``G*H <= 2**20 + H``, about 4 MiB; none without bias).
+    """
+    _check_approximate(approximate)
+    backend = _check_inputs("bias_gelu", x, bias, backend, gated=False)
+    return torch.ops.mtp.bias_gelu(x, bias, approximate, backend)
+
+
+def bias_swiglu(
+    x: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
+    """``silu(a) * g`` where ``a, g = torch.chunk(x + bias, 2, dim=-1)``, fused.
+
+    The first half of the last dim goes through SiLU and gates the second half (Megatron-LM's
+    ``bias_swiglu`` convention, the activation of gated MoE experts).
+
+    Args:
+        x: ``[..., 2*H]``, float32 / float16 / bfloat16, any leading dims.
+        bias: ``[2*H]`` or None.
+        backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
+
+    Returns:
+        ``[..., H]`` in ``x.dtype``; math in fp32.
+
+    Autograd saves ``x`` and ``bias``; backward writes ``dx`` ``[..., 2*H]`` and ``dbias``
+    ``[2*H]`` (fp32 two-stage reduction, deterministic).
+
+    Bytes (``s`` = element size of ``x``, ``sb`` of ``bias``, ``M`` rows): forward reads
+    ``2*M*H*s + 2*H*sb`` and writes ``M*H*s``; backward reads ``dy`` and ``x`` and ``bias``
+    (``3*M*H*s + 2*H*sb``) and writes ``dx`` and ``dbias`` (``2*M*H*s + 2*H*sb``), plus the
+    fp32 partial-sum workspace (``G*2*H*4`` bytes, ``G*H <= 2**20 + H``; none without bias).
+    """
+    backend = _check_inputs("bias_swiglu", x, bias, backend, gated=True)
+    return torch.ops.mtp.bias_swiglu(x, bias, backend)

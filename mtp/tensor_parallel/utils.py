@@ -1,0 +1,185 @@
+"""Helpers shared by the tensor-parallel layers: sizes, weight sharding, parameter attributes,
+and the reduction of sequence-parallel gradients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtp.parallel.mappings import all_reduce_, resolve_tensor_parallel_group
+
+__all__ = [
+    "VocabUtility",
+    "allreduce_sequence_parallel_grads",
+    "divide",
+    "mark_sequence_parallel_parameters",
+    "pad_vocab_size",
+    "param_is_tensor_parallel",
+    "set_tensor_model_parallel_attributes",
+]
+
+#: ``init_method(tensor)`` fills a tensor in place (Megatron-Core's convention).
+InitMethod = Callable[[torch.Tensor], object]
+#: Output-dim blocks of a fused weight: an int (that many equal blocks) or the block sizes.
+Stride = int | Sequence[int]
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    """``numerator // denominator``; ``ValueError`` naming ``what`` when it does not divide."""
+    if denominator <= 0 or numerator % denominator:
+        raise ValueError(
+            f"{what} ({numerator}) must be divisible by the tensor parallel size ({denominator})"
+        )
+    return numerator // denominator
+
+
+def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Smallest size >= ``vocab_size`` divisible by ``multiple * tp`` (seed 002: 128 per rank).
+
+    Megatron pads the vocabulary so that every rank's shard is a multiple of ``multiple`` rows
+    (good GEMM shapes) and the shards are equal.
+    """
+    if vocab_size <= 0 or tp <= 0 or multiple <= 0:
+        raise ValueError(
+            f"pad_vocab_size needs positive sizes, got vocab_size={vocab_size}, tp={tp}, "
+            f"multiple={multiple}"
+        )
+    step = multiple * tp
+    return math.ceil(vocab_size / step) * step
+
+
+class VocabUtility:
+    """Vocabulary range ``[first, last)`` owned by a rank (Megatron-Core helper)."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(
+        per_partition_vocab_size: int, rank: int, world_size: int
+    ) -> tuple[int, int]:
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(
+        global_vocab_size: int, rank: int, world_size: int
+    ) -> tuple[int, int]:
+        per = divide(global_vocab_size, world_size, "vocabulary size")
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(per, rank, world_size)
+
+
+def group_rank_and_size(group) -> tuple[dist.ProcessGroup, int, int]:
+    """Resolve ``group`` (None: the tensor-parallel group) and return it with rank and size."""
+    group = resolve_tensor_parallel_group(group)
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def block_sizes(size: int, stride: Stride, world: int, what: str) -> list[int]:
+    """The blocks of a fused dimension, each checked to divide by ``world``."""
+    if isinstance(stride, int):
+        if stride < 1 or size % stride:
+            raise ValueError(f"{what} ({size}) must divide into stride={stride} equal blocks")
+        blocks = [size // stride] * stride
+    else:
+        blocks = [int(b) for b in stride]
+        if sum(blocks) != size or any(b < 0 for b in blocks):
+            raise ValueError(
+                f"{what}: the block sizes {blocks} (stride) must be non-negative and sum to {size}"
+            )
+    if len(blocks) == 1:
+        divide(size, world, what)
+    for b in blocks:
+        if b % world:
+            raise ValueError(
+                f"{what} ({size}) is fused from blocks {blocks}; each block must be divisible "
+                f"by the tensor parallel size ({world}), {b} is not"
+            )
+    return blocks
+
+
+def shard(
+    full: torch.Tensor, dim: int, blocks: Sequence[int], rank: int, world: int
+) -> torch.Tensor:
+    """This rank's shard of ``full`` along ``dim``: chunk ``rank`` of every block, concatenated."""
+    pieces = []
+    for block in full.split(list(blocks), dim):
+        n = block.size(dim) // world
+        pieces.append(block.narrow(dim, rank * n, n))
+    return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone()
+
+
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, is_parallel: bool, dim: int, stride: Stride = 1
+) -> None:
+    """Mark ``param`` as a shard (Megatron-Core's ``tensor_model_parallel``, ``partition_dim``,
+    ``partition_stride`` attributes)."""
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = dim
+    param.partition_stride = stride
+
+
+def param_is_tensor_parallel(param: torch.Tensor) -> bool:
+    """True for a tensor-parallel shard (different on every rank of the group)."""
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def mark_sequence_parallel_parameters(params: Iterable[torch.Tensor] | nn.Module) -> int:
+    """Set ``sequence_parallel = True`` on every replicated (not sharded) parameter.
+
+    Use it for the parameters that act on sequence shards under sequence parallelism
+    (LayerNorm weights and biases, biases added after a reduce-scatter); their gradients are
+    then summed over the group by :func:`allreduce_sequence_parallel_grads`. Returns how many
+    parameters were marked.
+    """
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    count = 0
+    for p in params:
+        if not param_is_tensor_parallel(p):
+            p.sequence_parallel = True
+            count += 1
+    return count
+
+
+def allreduce_sequence_parallel_grads(
+    module: nn.Module | Iterable[torch.Tensor], group=None
+) -> int:
+    """Sum, over the tensor-parallel group, the gradients of the ``sequence_parallel`` params.
+
+    Under sequence parallelism a replicated parameter (LayerNorm weight, the bias of a
+    row-parallel layer) sees only this rank's sequence chunk, so each rank holds a partial
+    gradient. Call this after ``backward()`` and before the optimizer step (Megatron-Core does
+    it in ``finalize_model_grads``), on every rank of the group: one all-reduce per dtype, over
+    a flat buffer. Returns the number of gradients reduced.
+    """
+    group = resolve_tensor_parallel_group(group)
+    params = module.parameters() if isinstance(module, nn.Module) else module
+    grads = [
+        p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None
+    ]
+    if not grads or dist.get_world_size(group) == 1:
+        return len(grads)
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        all_reduce_(flat, group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+    return len(grads)
+
+
+def default_linear_init(weight: torch.Tensor) -> None:
+    """``nn.Linear``'s weight init (Kaiming-uniform, a=sqrt(5)) on the full (master) weight."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def default_linear_bias_init(bias: torch.Tensor, fan_in: int) -> None:
+    """``nn.Linear``'s bias init: uniform in ``±1/sqrt(fan_in)``."""
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    nn.init.uniform_(bias, -bound, bound)

@@ -1,0 +1,411 @@
+"""mtp.ops.vocab_parallel_cross_entropy on one process (group=None): Triton kernels under the
+interpreter against ``F.cross_entropy`` in float64. The multi-rank cases are in
+test_tp_cross_entropy.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mtp.tensor_parallel
+from mtp.kernels import cross_entropy as kernels
+from mtp.ops.cross_entropy import (
+    TargetOutOfRangeError,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_reference,
+)
+from mtp.testing import assert_close, assert_graph_safe, count_host_syncs
+from test_ops_bias_act import capture_graph, ptxas_table
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def reference_loss(logits, target, *, label_smoothing=0.0, ignore_index=-100, reduction="none",
+                   z_loss_weight=0.0):
+    """float64 ``F.cross_entropy`` (+ z-loss) on ``logits`` (a float64 autograd leaf is made)."""
+    x = logits.detach().double().requires_grad_(True)
+    v = x.shape[-1]
+    flat, t = x.reshape(-1, v), target.reshape(-1).long()
+    loss = F.cross_entropy(flat, t, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           reduction="none")
+    valid = t != ignore_index
+    if z_loss_weight:
+        lse = torch.logsumexp(flat, dim=-1)
+        loss = loss + z_loss_weight * torch.where(valid, lse * lse, torch.zeros_like(lse))
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.sum() / valid.sum()
+    else:
+        loss = loss.reshape(target.shape)
+    return loss, x
+
+
+def check(logits, target, backend="triton", dloss=None, **kwargs):
+    """Loss and logits gradient of the op against the float64 reference."""
+    x = logits.detach().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(x, target, backend=backend, **kwargs)
+    ref, x64 = reference_loss(logits, target, **kwargs)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    assert_close(loss, ref, torch.float32, msg="loss")
+    if dloss is None:
+        dloss = torch.randn(loss.shape, device=loss.device)
+    loss.backward(dloss)
+    ref.backward(dloss.double())
+    assert x.grad.dtype == logits.dtype and x.grad.shape == logits.shape
+    assert_close(x.grad, x64.grad, logits.dtype, msg="grad")
+    return loss, x.grad
+
+
+def make_inputs(shape, vocab, dtype, device, scale=3.0, ignore_every=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*shape, vocab, generator=gen) * scale).to(dtype).to(device)
+    target = torch.randint(0, vocab, shape, generator=gen).to(device)
+    if ignore_every:
+        target.view(-1)[::ignore_every] = -100
+    return logits, target
+
+
+CASES = [  # (label_smoothing, z_loss_weight, reduction)
+    (0.0, 0.0, "none"),
+    (0.1, 0.0, "mean"),
+    (0.0, 1e-2, "sum"),
+    (0.3, 1e-3, "none"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"ls{c[0]}-z{c[1]}-{c[2]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64(dtype, case, device):
+    label_smoothing, z_loss_weight, reduction = case
+    logits, target = make_inputs((3, 4), 300, dtype, device)
+    check(logits, target, label_smoothing=label_smoothing, z_loss_weight=z_loss_weight,
+          reduction=reduction)
+
+
+@pytest.mark.parametrize(
+    "vocab", [1, 2, 37, kernels.MAX_BLOCK_V_FWD + 1, kernels.MAX_BLOCK_V_BWD + 3]
+)
+def test_vocab_sizes_around_the_block(vocab, device):
+    # + 1 / + 3: the forward loops over two chunks, the backward takes two blocks per row.
+    logits, target = make_inputs((3,), vocab, torch.float32, device, ignore_every=0, seed=vocab)
+    check(logits, target, label_smoothing=0.1, z_loss_weight=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in the interpreter: inf - inf
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_of_minus_inf_except_the_target(dtype, device):
+    logits, target = make_inputs((6,), 50, dtype, device, ignore_every=0)
+    rows = torch.arange(6, device=device)
+    masked = torch.full_like(logits, float("-inf"))
+    masked[rows, target] = logits[rows, target]
+    masked[3:, 7] = 1.0  # rows 3..5: one more finite logit
+    masked[5] = logits[5]  # an ordinary row
+    loss, grad = check(masked, target)
+    assert torch.equal(loss[:3], torch.zeros(3, device=device))
+    assert torch.equal(grad[:3], torch.zeros_like(grad[:3]))
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_huge_fp16_logits(label_smoothing, device):
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(4, 3, 130, generator=gen) * 3e4).clamp(-65000, 65000).half().to(device)
+    target = torch.randint(0, 130, (4, 3), generator=gen).to(device)
+    target[0, 0] = logits[0, 0].float().argmax()  # a row whose target is the max: loss ~ 0
+    check(logits, target, label_smoothing=label_smoothing)
+
+
+def test_int32_targets_and_custom_ignore_index(device):
+    logits, target = make_inputs((2, 5), 40, torch.float32, device, ignore_every=0)
+    target = target.int()
+    target[0, :2] = 3  # ignore_index inside the vocab: those rows are ignored, not scored
+    check(logits, target, ignore_index=3, reduction="mean")
+
+
+def test_strided_leading_dims(device):
+    big, target_big = make_inputs((6, 8), 70, torch.bfloat16, device, ignore_every=3)
+    # rows with two leading strides, read in place
+    for logits, target in [
+        (big[:, ::2], target_big[:, ::2]),
+        (big.transpose(0, 1), target_big.transpose(0, 1)),
+        (big[1:5, 2:7], target_big[1:5, 2:7]),
+    ]:
+        assert kernels.row_layout(logits) is not None
+        check(logits, target, label_smoothing=0.1)
+    # three non-mergeable leading strides and a strided vocab dim: copied first
+    big4, target4 = make_inputs((4, 3, 4), 20, torch.float16, device)
+    assert kernels.row_layout(big4[::2, ::2, ::2]) is None
+    check(big4[::2, ::2, ::2], target4[::2, ::2, ::2])
+    check(big4[..., ::2], target4 % 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_inplace_backward_writes_the_gradient_into_the_logits(dtype, device):
+    logits, target = make_inputs((4, 5), 33, dtype, device)
+    ref, x64 = reference_loss(logits, target, label_smoothing=0.1, reduction="mean")
+    ref.backward()
+    # contiguous logits produced by an op that does not save its output
+    leaf = logits.detach().requires_grad_(True)
+    produced = leaf + 0
+    loss = vocab_parallel_cross_entropy(produced, target, label_smoothing=0.1, reduction="mean",
+                                        inplace_backward=True, backend="triton")
+    loss.backward()
+    assert_close(loss, ref, torch.float32)
+    assert_close(leaf.grad, x64.grad, dtype)
+    assert_close(produced.detach(), x64.grad, dtype)  # the logits buffer now holds the gradient
+    # strided logits: a view of every other row of a larger buffer, written with its strides
+    big_leaf = torch.zeros(4, 10, 33, dtype=dtype, device=device)
+    big_leaf[:, ::2] = logits
+    big_leaf.requires_grad_(True)
+    big = big_leaf + 0
+    loss = vocab_parallel_cross_entropy(big[:, ::2], target, label_smoothing=0.1,
+                                        reduction="mean", inplace_backward=True, backend="triton")
+    loss.backward()
+    assert_close(big_leaf.grad[:, ::2], x64.grad, dtype)
+    assert not big_leaf.grad[:, 1::2].any()
+    assert_close(big.detach()[:, ::2], x64.grad, dtype)
+    assert torch.equal(big.detach()[:, 1::2], torch.zeros_like(big[:, 1::2]))
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_autograd_saves_the_logits_and_o_rows(reduction, device):
+    logits, target = make_inputs((4, 6), 1000, torch.bfloat16, device)
+    x = logits.clone().requires_grad_(True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = vocab_parallel_cross_entropy(x, target, reduction=reduction, label_smoothing=0.1,
+                                            z_loss_weight=1e-3, backend="triton")
+    big = [t for t in saved if t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()]
+    rest = [t for t in saved if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()]
+    assert len(big) == 1 and big[0].shape == x.shape and big[0].dtype == x.dtype
+    rows = target.numel()
+    rest_bytes = sum(t.numel() * t.element_size() for t in rest)
+    assert rest_bytes <= 16 * rows + 64, [(t.shape, t.dtype) for t in rest]
+    assert all(t.numel() <= 2 * rows for t in rest)
+    loss.sum().backward()
+    assert x.grad is not None
+
+
+def test_target_validation(device):
+    logits, target = make_inputs((2, 3), 10, torch.float32, device)
+    for bad_value in (10, -1, 12345):
+        bad = target.clone()
+        bad[1, 2] = bad_value
+        with pytest.raises(TargetOutOfRangeError, match=rf"outside \[0, 10\).*e\.g\. {bad_value}"):
+            vocab_parallel_cross_entropy(logits, bad, backend="triton")
+        with pytest.raises(ValueError):
+            vocab_parallel_cross_entropy(logits, bad, backend="reference")
+        with pytest.raises(IndexError):  # what F.cross_entropy raises for the same mistake
+            vocab_parallel_cross_entropy(logits, bad, backend="reference")
+    with count_host_syncs() as syncs:
+        vocab_parallel_cross_entropy(logits, bad, validate=False, backend="reference")
+    assert syncs.count == 0, syncs.events
+    with count_host_syncs() as syncs:
+        vocab_parallel_cross_entropy(logits, target, backend="reference", reduction="mean")
+    assert syncs.count >= 1  # the range check reads the targets
+
+
+def test_bad_inputs(device):
+    logits, target = make_inputs((2, 3), 10, torch.float32, device)
+    ce = vocab_parallel_cross_entropy
+    with pytest.raises(ValueError, match=r"target must have shape \(2, 3\)"):
+        ce(logits, target[:, :2])
+    with pytest.raises(ValueError, match=r"target must have shape \(2, 3\)"):
+        ce(logits, target.reshape(-1))
+    with pytest.raises(TypeError, match="class indices"):
+        ce(logits, target.float())
+    with pytest.raises(TypeError, match="target must have dtype"):
+        ce(logits, target.to(torch.int16))
+    with pytest.raises(TypeError, match="logits must have dtype"):
+        ce(logits.double(), target)
+    with pytest.raises(ValueError, match="logits must be"):
+        ce(torch.tensor(1.0, device=device), torch.tensor(0, device=device))
+    with pytest.raises(ValueError, match="non-empty last"):
+        ce(logits[..., :0], target)
+    with pytest.raises(ValueError, match="target must be on"):
+        ce(logits, target.to("meta"))
+    with pytest.raises(TypeError, match="logits must be a torch.Tensor"):
+        ce(logits.tolist(), target)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        ce(logits, target, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="z_loss_weight"):
+        ce(logits, target, z_loss_weight=-1.0)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        ce(logits, target, reduction="avg")
+    with pytest.raises(TypeError, match="group must be"):
+        ce(logits, target, group="tp")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ce(logits, target, backend="cuda")
+
+
+def test_one_row_and_empty(device):
+    logits, target = make_inputs((), 29, torch.float32, device, ignore_every=0)
+    check(logits, target, reduction="none", dloss=torch.tensor(2.0, device=device))
+    empty_logits = torch.randn(0, 4, 29, device=device, requires_grad=True)
+    empty_target = torch.zeros(0, 4, dtype=torch.long, device=device)
+    loss = vocab_parallel_cross_entropy(empty_logits, empty_target, backend="triton")
+    assert loss.shape == (0, 4)
+    loss.sum().backward()
+    assert empty_logits.grad.shape == empty_logits.shape
+    mean = vocab_parallel_cross_entropy(empty_logits, empty_target, reduction="mean",
+                                        backend="triton")
+    assert torch.isnan(mean)  # as F.cross_entropy: 0 / 0
+
+
+def test_all_rows_ignored(device):
+    logits, target = make_inputs((3,), 12, torch.float32, device, ignore_every=0)
+    target[:] = -100
+    loss, grad = check(logits, target, reduction="sum")
+    assert loss.item() == 0.0 and not grad.any()
+    assert torch.isnan(vocab_parallel_cross_entropy(logits, target, reduction="mean"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_reference_and_auto_backends(backend, device, monkeypatch):
+    monkeypatch.delenv("MTP_BACKEND", raising=False)
+    logits, target = make_inputs((2, 3), 77, torch.bfloat16, device)
+    check(logits, target, backend=backend, label_smoothing=0.2, z_loss_weight=1e-2)
+    assert torch.equal(
+        vocab_parallel_cross_entropy_reference(logits, target, label_smoothing=0.2),
+        vocab_parallel_cross_entropy(logits, target, label_smoothing=0.2, backend="reference"),
+    )
+    for inplace in (False, True):
+        x = logits.clone().requires_grad_(True)
+        y = x * 1
+        loss = vocab_parallel_cross_entropy(y, target, backend=backend, inplace_backward=inplace)
+        loss.sum().backward()
+        ref, x64 = reference_loss(logits, target, reduction="sum")
+        ref.backward()
+        assert_close(x.grad, x64.grad, torch.bfloat16)
+
+
+def test_megatron_names(device):
+    logits, target = make_inputs((3, 2), 64, torch.float32, device)
+    target[target == -100] = 0  # Megatron has no ignore_index
+    expected, x64 = reference_loss(logits, target, label_smoothing=0.1)
+    loss = mtp.tensor_parallel.vocab_parallel_cross_entropy(logits, target, 0.1)
+    assert loss.shape == target.shape and loss.dtype == torch.float32
+    assert_close(loss, expected, torch.float32)
+    module = mtp.tensor_parallel.VocabParallelCrossEntropy(label_smoothing=0.1, backend="triton")
+    x = logits.clone().requires_grad_(True)
+    module(x, target).sum().backward()
+    expected.sum().backward()
+    assert_close(x.grad, x64.grad)
+    mean = mtp.tensor_parallel.VocabParallelCrossEntropy(0.1, reduction="mean")(logits, target)
+    assert_close(mean, expected.mean(), torch.float32)
+
+
+def test_opcheck_and_compile(device):
+    logits, target = make_inputs((2, 3), 40, torch.float32, device)
+    x = logits.clone().requires_grad_(True)
+    torch.library.opcheck(
+        torch.ops.mtp.vocab_parallel_cross_entropy.default,
+        (x, target, 0.1, -100, 1e-3, 0, 40, "", False, "triton"),
+    )
+    _, rowstat = torch.ops.mtp.vocab_parallel_cross_entropy(
+        logits, target, 0.1, -100, 1e-3, 0, 40, "", False, "triton"
+    )
+    dloss = torch.randn(2, 3, device=device)
+    torch.library.opcheck(
+        torch.ops.mtp.vocab_parallel_cross_entropy_backward.default,
+        (dloss, logits, target, rowstat, 0.1, -100, 1e-3, 0, 40, "triton"),
+    )
+
+    def fn(x, target):
+        return vocab_parallel_cross_entropy(x, target, label_smoothing=0.1, reduction="mean",
+                                            backend="triton")
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    (grad,) = torch.autograd.grad(compiled(x, target), (x,))
+    ref, x64 = reference_loss(logits, target, label_smoothing=0.1, reduction="mean")
+    ref.backward()
+    assert_close(grad, x64.grad)
+
+
+def test_graph_safe(device):
+    logits, target = make_inputs((2, 4), 24, torch.float32, device, ignore_every=3)
+    out = torch.empty((), device=device)
+
+    def step(logits, target):
+        out.copy_(vocab_parallel_cross_entropy(logits, target, reduction="mean", backend="triton"))
+        return out
+
+    assert_graph_safe(step, logits, target)
+
+
+def aot_cases(dtype: str = "bf16"):
+    """``(name, kernel, signature, constexprs, num_warps)`` of every kernel variant at the
+    default blocks (logits of ``dtype``, int64 targets)."""
+    rows = dict(n_inner="i64", stride_outer="i64", stride_inner="i64")
+    vocab = dict(V_local="i32", vocab_start="i32", ignore_index="i32", coef_target="fp32",
+                 coef_uniform="fp32", z_loss_weight="fp32")
+    cases = [
+        (f"ce_fwd[final={final},smoothing={smoothing}]",
+         kernels._ce_fwd_kernel,
+         dict(logits_ptr=f"*{dtype}", target_ptr="*i64", loss_ptr="*fp32", rowstat_ptr="*fp32",
+              stats_ptr="*fp32", **rows, **vocab),
+         dict(SMOOTHING=smoothing, FINAL=final, BLOCK_V=kernels.block_v(1 << 17)),
+         kernels.NUM_WARPS)
+        for final in (True, False) for smoothing in (False, True)
+    ]
+    cases.append((
+        "ce_combine",
+        kernels._ce_combine_kernel,
+        dict(stats_ptr="*fp32", target_ptr="*i64", loss_ptr="*fp32", rowstat_ptr="*fp32",
+             n_rows="i32", world_size="i32", ignore_index="i32", z_loss_weight="fp32"),
+        dict(BLOCK=kernels.COMBINE_BLOCK),
+        kernels.COMBINE_NUM_WARPS,
+    ))
+    cases.append((
+        "ce_bwd",
+        kernels._ce_bwd_kernel,
+        dict(logits_ptr=f"*{dtype}", grad_ptr=f"*{dtype}", target_ptr="*i64", rowstat_ptr="*fp32",
+             dloss_ptr="*fp32", dloss_stride="i64", g_n_inner="i64", g_stride_outer="i64",
+             g_stride_inner="i64", **rows, **vocab),
+        dict(BLOCK_V=kernels.block_v(1 << 17, backward=True)),
+        kernels.NUM_WARPS,
+    ))
+    return cases
+
+
+def test_compiles_for_sm90_and_sm100_without_spills():
+    """bf16 logits, for sm_90a and sm_100a."""
+    for name, arch, registers, stores, loads in ptxas_table(aot_cases()):
+        assert stores == loads == 0, f"{name} spills on {arch}: {stores} B stored, {loads} B loaded"
+
+
+# --- on a GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_large_vocab(dtype):
+    logits, target = make_inputs((2, 256), 50257, dtype, "cuda", ignore_every=7)
+    check(logits, target, label_smoothing=0.1, z_loss_weight=1e-4, reduction="mean")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    logits, target = make_inputs((4, 128), 32000, torch.bfloat16, "cuda", ignore_every=5)
+    x = logits.clone().requires_grad_(True)
+    static_target = target.clone()
+
+    def step():
+        loss = vocab_parallel_cross_entropy(x, static_target, label_smoothing=0.1,
+                                            reduction="mean")
+        return loss.detach(), torch.autograd.grad(loss, x)[0]
+
+    graph, outs = capture_graph(step)  # the target range check is skipped while capturing
+    new_logits, new_target = make_inputs((4, 128), 32000, torch.bfloat16, "cuda", seed=1)
+    with torch.no_grad():
+        x.copy_(new_logits)
+        static_target.copy_(new_target)
+    graph.replay()
+    for got, expected in zip(outs, step()):
+        assert torch.equal(got, expected)
