@@ -78,7 +78,7 @@ def _reference(cfg, num_experts, topk, group_ranks, xs, gs, blocked, solo):
 
 def _check_config(name, ep_group, solo, topk=2, num_experts=None):
     cfg = dict(CONFIGS[name])
-    backend = cfg.pop("backend", "torch")
+    backend = cfg.pop("backend", "auto")
     block = cfg.pop("block", False)
     ragged = cfg.pop("ragged", False)
     ep = dist.get_world_size(ep_group)

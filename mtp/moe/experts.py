@@ -11,16 +11,23 @@ Every step reads ``tokens_per_expert`` on the device: with a single-launch group
 for any number of experts and never synchronises with the host (graph-safe). The loop backends
 (``"sequential"``, ``"multistream"``, ``"reference"``) launch one GEMM per expert and read the
 counts on the host once per GEMM call.
+
+``backend="auto"`` is the grouped GEMM's ``auto`` (``MTP_BACKEND``, else ``"triton"`` on CUDA),
+except on the CPU, where it is ``"torch"`` (``torch.nn.functional.grouped_mm``, which reads the
+counts where they are) instead of the host-reading reference loop, so that the layer keeps its
+no-sync, graph-safe structure on the CPU too.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import mtp.ops as ops
-from mtp.ops.grouped_gemm import grouped_gemm
+from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, _torch_grouped_mm, grouped_gemm
 from mtp.ops.moe_permute import _check_int
 
 __all__ = ["GroupedMLP"]
@@ -173,8 +180,20 @@ class GroupedMLP(nn.Module):
                 raise ValueError(f"pair {local}: bias presence must match bias={self.add_bias}")
             self._load_pair(local, fc1, fc2)
 
+    def gemm_backend(self, device: torch.device) -> str:
+        """The grouped GEMM backend used on ``device`` (see the module docstring)."""
+        if (
+            self.backend == "auto"
+            and device.type == "cpu"
+            and os.environ.get("MTP_BACKEND", "").strip() not in GROUPED_GEMM_BACKENDS
+            and _torch_grouped_mm() is not None
+        ):
+            return "torch"
+        return self.backend
+
     def _gemm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return grouped_gemm(x, w.to(x.dtype), counts, backend=self.backend, validate=False)
+        backend = self.gemm_backend(x.device)
+        return grouped_gemm(x, w.to(x.dtype), counts, backend=backend, validate=False)
 
     def forward(
         self,

@@ -244,6 +244,12 @@ class AllToAllTokenDispatcher:
 
     def _dispatch_dropless(self, permuted, res: MoEPreprocessResult, backend: str):
         ep = self.ep_size
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "dropless expert parallelism reads the all-to-all split sizes on the host (one "
+                "sync per layer) and cannot be captured in a CUDA graph; set capacity_factor "
+                "for a static, capturable dispatch (or capture only up to the dispatch)"
+            )
         # The one device-to-host sync of the layer: split sizes for the token all-to-all.
         splits = torch.cat([res.send_counts, res.recv_counts.sum(dim=1)]).tolist()
         send, recv_sizes = splits[:ep], splits[ep:]
