@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import mtp.parallel as mp
-from mtp.moe import MoELayer
+from mtp.moe import MoELayer, MoEWorkspace, preprocess
 from mtp.testing import (
     assert_close,
     assert_graph_safe,
@@ -151,9 +151,35 @@ def _check_config(name, ep_group, solo, topk=2, num_experts=None):
     return got
 
 
+def _ep_preprocess_graph_safe(rank, world):
+    """The EP preprocess (counts all-to-all on the device) is graph-safe and its receive counts
+    are the other ranks' send counts."""
+    E, k, T = 2 * world, 2, 9
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)
+    probs = torch.rand(T, E, generator=g) * routing_map
+    ws = MoEWorkspace(T, 4, E, k, ep_size=world)
+    with count_host_syncs() as syncs:
+        res = preprocess(routing_map, probs, ws, ep_group=dist.group.WORLD, validate=False)
+    assert syncs.count == 0
+    sent = [torch.zeros(world, 2, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sent, routing_map.sum(0).view(world, 2))
+    assert torch.equal(res.recv_counts, torch.stack([s[rank] for s in sent]))
+    assert torch.equal(res.send_counts, routing_map.sum(0).view(world, 2).sum(1))
+    # recv_order/recv_inverse are inverse permutations of the received rows.
+    received = int(res.recv_counts.sum())
+    order, inverse = res.recv_order[:received], res.recv_inverse[:received]
+    assert torch.equal(inverse[order], torch.arange(received))
+    assert (res.recv_order[received:] == -1).all()
+    assert_graph_safe(preprocess, routing_map, probs, ws, ep_group=dist.group.WORLD)
+
+
 def _ep_worker(rank, world, names):
     solo = [dist.new_group([r]) for r in range(world)][rank]
     results = {}
+    if world == 2:
+        _ep_preprocess_graph_safe(rank, world)
     for name in names:
         results[name] = _check_config(name, dist.group.WORLD, solo)
     if world == 4:
