@@ -26,7 +26,9 @@ class Block(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.norm(x))
@@ -50,9 +52,15 @@ def swap_in_moe(model: TinyLM, args, ep_group=None) -> None:
     """Replace every block's MLP by an expert-parallel MoE layer (same hidden size)."""
     for block in model.blocks:
         block.mlp = MoELayer(
-            args.hidden, 2 * args.hidden, args.experts, args.topk, ep_group=ep_group,
-            capacity_factor=args.capacity_factor, activation="swiglu",
-            aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
+            args.hidden,
+            2 * args.hidden,
+            args.experts,
+            args.topk,
+            ep_group=ep_group,
+            capacity_factor=args.capacity_factor,
+            activation="swiglu",
+            aux_loss_coeff=1e-2,
+            z_loss_coeff=1e-3,
         )
 
 
@@ -97,7 +105,10 @@ def check_first_step(args, model: TinyLM, rank: int) -> None:
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(model.embed.weight.grad, ref.embed.weight.grad)
     model.zero_grad()
-    print(f"rank {rank}: check ok (loss {loss.item():.5f} = single-process {ref_loss.item():.5f})", flush=True)
+    print(
+        f"rank {rank}: check ok (loss {loss.item():.5f} = single-process {ref_loss.item():.5f})",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -120,7 +131,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args)  # MoELayer picks up the expert-parallel group of mtp.parallel
     moe = model.blocks[0].mlp
-    print(f"rank {rank}: experts {moe.local_expert_indices} of {args.experts}, ep={moe.ep_size}", flush=True)
+    print(
+        f"rank {rank}: experts {moe.local_expert_indices} of {args.experts}, ep={moe.ep_size}",
+        flush=True,
+    )
     if args.check:
         check_first_step(args, model, rank)
 

@@ -68,10 +68,17 @@ def _reference(cfg, num_experts, topk, group_ranks, xs, gs, blocked, solo):
         if out.requires_grad:  # not with 0 tokens (mtp.ops' reference unpermute)
             (out * gs[r]).sum().backward()
         else:
-            x.grad, ref.router.weight.grad = torch.zeros_like(x), torch.zeros_like(ref.router.weight)
+            x.grad, ref.router.weight.grad = (
+                torch.zeros_like(x),
+                torch.zeros_like(ref.router.weight),
+            )
         per_rank[r] = dict(
-            out=out.detach(), x_grad=x.grad, router_grad=ref.router.weight.grad.clone(),
-            aux=ref.aux_loss, z=ref.z_loss, routing=ref.router(xs[r])[1],
+            out=out.detach(),
+            x_grad=x.grad,
+            router_grad=ref.router.weight.grad.clone(),
+            aux=ref.aux_loss,
+            z=ref.z_loss,
+            routing=ref.router(xs[r])[1],
         )
     return ref, per_rank
 
@@ -100,7 +107,9 @@ def _check_config(name, ep_group, solo, topk=2, num_experts=None):
     first = rank_in_group * local
     # Same seed -> this rank holds the slice of the single-process layer's experts.
     for pname in ("weight1", "weight2"):
-        assert torch.equal(getattr(moe.experts, pname), getattr(ref.experts, pname)[first : first + local])
+        assert torch.equal(
+            getattr(moe.experts, pname), getattr(ref.experts, pname)[first : first + local]
+        )
 
     x = xs[me].clone().requires_grad_(True)
     with count_host_syncs() as fwd_syncs, count_collectives() as fwd_coll:
@@ -111,7 +120,13 @@ def _check_config(name, ep_group, solo, topk=2, num_experts=None):
     w = want[me]
     assert_close(out, w["out"], torch.float32, atol=2e-5, msg=f"{name} output")
     assert_close(x.grad, w["x_grad"], torch.float32, atol=2e-5, msg=f"{name} input grad")
-    assert_close(moe.router.weight.grad, w["router_grad"], torch.float32, atol=2e-5, msg=f"{name} router grad")
+    assert_close(
+        moe.router.weight.grad,
+        w["router_grad"],
+        torch.float32,
+        atol=2e-5,
+        msg=f"{name} router grad",
+    )
     for pname, p in moe.experts.named_parameters():
         full = getattr(ref.experts, pname).grad[first : first + local]
         assert_close(p.grad, full, torch.float32, atol=2e-5, msg=f"{name} expert {pname} grad")
@@ -127,7 +142,9 @@ def _check_config(name, ep_group, solo, topk=2, num_experts=None):
     ws = moe.workspace
     if cfg.get("capacity_factor") is None:
         # Counts received per (source rank, local expert), from the reference routing.
-        want_recv = torch.stack([want[r]["routing"][:, first : first + local].sum(0) for r in group_ranks])
+        want_recv = torch.stack(
+            [want[r]["routing"][:, first : first + local].sum(0) for r in group_ranks]
+        )
         assert torch.equal(ws.recv_counts, want_recv)
         assert torch.equal(ws.local_tokens_per_expert, want_recv.sum(0))
         expect = dict(fwd_syncs=1, fwd_a2a=4, bwd_a2a=3)
@@ -135,8 +152,11 @@ def _check_config(name, ep_group, solo, topk=2, num_experts=None):
         expect = dict(fwd_syncs=0, fwd_a2a=3, bwd_a2a=3)
     if backend == "reference":
         expect.pop("fwd_syncs")
-    got = dict(fwd_syncs=fwd_syncs.count, fwd_a2a=fwd_coll.count("all_to_all_single"),
-               bwd_a2a=bwd_coll.count("all_to_all_single"))
+    got = dict(
+        fwd_syncs=fwd_syncs.count,
+        fwd_a2a=fwd_coll.count("all_to_all_single"),
+        bwd_a2a=bwd_coll.count("all_to_all_single"),
+    )
     assert bwd_syncs.count == 0, bwd_syncs
     assert all(got[k] == v for k, v in expect.items()), (name, got, fwd_syncs, fwd_coll)
     assert fwd_coll.count() == got["fwd_a2a"]
@@ -206,8 +226,12 @@ def _ep_subgroup_and_bad_configs(rank, world, solo):
     finally:
         mp.destroy_model_parallel()
     with pytest.raises(ValueError, match="expert tensor parallel"):
-        MoELayer(H, FFN, 4, 2, ep_group=dist.group.WORLD, expert_tensor_parallel_group=dist.group.WORLD)
-    with pytest.raises(ValueError, match="num_experts=6 must be divisible by the expert-parallel size 4"):
+        MoELayer(
+            H, FFN, 4, 2, ep_group=dist.group.WORLD, expert_tensor_parallel_group=dist.group.WORLD
+        )
+    with pytest.raises(
+        ValueError, match="num_experts=6 must be divisible by the expert-parallel size 4"
+    ):
         MoELayer(H, FFN, 6, 2, ep_group=dist.group.WORLD)
     with pytest.raises(ValueError, match="topk=9 must be <= num_experts=8"):
         MoELayer(H, FFN, 8, 9, ep_group=dist.group.WORLD)
@@ -216,9 +240,13 @@ def _ep_subgroup_and_bad_configs(rank, world, solo):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_single_process(world):
-    names = list(CONFIGS) if world == 2 else [
-        "dropless-swiglu-bias-idle", "capacity-tight-position", "dropless-ragged"
-    ]
+    names = (
+        list(CONFIGS)
+        if world == 2
+        else ["dropless-swiglu-bias-idle", "capacity-tight-position", "dropless-ragged"]
+    )
     results = run_distributed(_ep_worker, world, names, timeout=300)
     for name in names:
-        assert results[0][name]["fwd_a2a"] == (4 if CONFIGS[name].get("capacity_factor") is None else 3)
+        assert results[0][name]["fwd_a2a"] == (
+            4 if CONFIGS[name].get("capacity_factor") is None else 3
+        )

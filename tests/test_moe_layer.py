@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_moe_router import oracle_aux_loss, oracle_drop, oracle_route, oracle_z_loss
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtp.moe import GroupedMLP, MoELayer
 from mtp.testing import assert_close, assert_graph_safe, count_host_syncs
-from test_moe_router import oracle_aux_loss, oracle_drop, oracle_route, oracle_z_loss
 
 # --- float64 oracle of the whole layer --------------------------------------------------------
 
@@ -30,7 +30,9 @@ def oracle_moe(layer, x, *, capacity_factor=None, drop_policy="probs"):
     probs, chosen = oracle_route(logits, k, router.score_function, router.pre_softmax)
     kept = {(t, e) for t, idx in enumerate(chosen) for e in idx}
     if capacity_factor is not None:
-        kept = oracle_drop(probs, chosen, min(math.ceil(T * k / E * capacity_factor), T), drop_policy)
+        kept = oracle_drop(
+            probs, chosen, min(math.ceil(T * k / E * capacity_factor), T), drop_policy
+        )
     w1, w2 = params["experts.weight1"], params["experts.weight2"]
     b1, b2 = params.get("experts.bias1"), params.get("experts.bias2")
     rows = []
@@ -83,7 +85,13 @@ def _block_expert(layer, x, expert):
 CONFIGS = [
     dict(activation="gelu"),
     dict(activation="swiglu", bias=True),
-    dict(activation="gelu", bias=True, score_function="sigmoid", aux_loss_coeff=0.1, z_loss_coeff=0.01),
+    dict(
+        activation="gelu",
+        bias=True,
+        score_function="sigmoid",
+        aux_loss_coeff=0.1,
+        z_loss_coeff=0.01,
+    ),
     dict(activation="swiglu", pre_softmax=True, aux_loss_coeff=0.05),
 ]
 
@@ -100,8 +108,17 @@ def test_dropless_layer_matches_oracle(cfg):
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.25])
 def test_capacity_layer_matches_oracle(capacity_factor, drop_policy):
     torch.manual_seed(11)
-    layer = MoELayer(8, 12, 4, 2, backend="reference", capacity_factor=capacity_factor,
-                     drop_policy=drop_policy, aux_loss_coeff=0.1, bias=True)
+    layer = MoELayer(
+        8,
+        12,
+        4,
+        2,
+        backend="reference",
+        capacity_factor=capacity_factor,
+        drop_policy=drop_policy,
+        aux_loss_coeff=0.1,
+        bias=True,
+    )
     x = torch.randn(16, 8)
     check_layer_against_oracle(layer, x, capacity_factor=capacity_factor, drop_policy=drop_policy)
     ws = layer.workspace
@@ -136,7 +153,7 @@ def test_bf16_layer_close_to_fp32():
     assert_close(got[same].float(), want[same].detach(), torch.bfloat16, atol=3e-2)
 
 
-# --- GroupedMLP ------------------------------------------------------------------------------------
+# --- GroupedMLP ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("activation,bias", [("gelu", False), ("swiglu", True)])
@@ -169,7 +186,9 @@ def test_grouped_mlp_init_equals_linear_pairs(activation, bias):
     part.reset_parameters(expert_offset=2, num_experts=6)
     torch.manual_seed(14)
     six = GroupedMLP(6, H, F_, activation=activation, bias=bias)
-    assert torch.equal(part.weight1, six.weight1[2:5]) and torch.equal(part.weight2, six.weight2[2:5])
+    assert torch.equal(part.weight1, six.weight1[2:5]) and torch.equal(
+        part.weight2, six.weight2[2:5]
+    )
     loaded = GroupedMLP(L, H, F_, activation=activation, bias=bias, perform_initialization=False)
     loaded.load_linears(pairs)
     assert torch.equal(loaded.weight1, mlp.weight1)
@@ -196,8 +215,17 @@ def test_grouped_mlp_bad_inputs():
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_layer_forward_is_graph_safe(capacity_factor):
     torch.manual_seed(15)
-    layer = MoELayer(8, 8, 4, 2, backend="triton", capacity_factor=capacity_factor,
-                     aux_loss_coeff=0.01, z_loss_coeff=0.01, expert_bias=True)
+    layer = MoELayer(
+        8,
+        8,
+        4,
+        2,
+        backend="triton",
+        capacity_factor=capacity_factor,
+        aux_loss_coeff=0.01,
+        z_loss_coeff=0.01,
+        expert_bias=True,
+    )
     x = torch.randn(2, 6, 8)
     out = assert_graph_safe(layer, x)
     assert out.data_ptr() == layer.workspace.output.data_ptr()
@@ -260,8 +288,9 @@ class _CountOps(TorchDispatchMode):
 
 def aten_ops_per_forward(num_experts, backend, capacity_factor=None):
     torch.manual_seed(18)
-    layer = MoELayer(8, 8, num_experts, 2, backend=backend, capacity_factor=capacity_factor,
-                     aux_loss_coeff=0.01)
+    layer = MoELayer(
+        8, 8, num_experts, 2, backend=backend, capacity_factor=capacity_factor, aux_loss_coeff=0.01
+    )
     x = torch.randn(16, 8, requires_grad=True)
     layer.token_dispatcher.get_workspace(16, 8, x.dtype, x.dtype, x.device)  # built beforehand
     with _CountOps() as mode:
@@ -331,15 +360,26 @@ def test_gpu_triton_layer_matches_oracle(dtype, capacity_factor):
     (want * g).sum().backward()
     assert_close(out.float(), want.double(), dtype, atol=2e-2)
     assert_close(xb.grad.float(), xr.grad.double(), dtype, atol=2e-2)
-    assert_close(layer.experts.weight1.grad.float(), ref.experts.weight1.grad.double(), dtype, atol=5e-2)
+    assert_close(
+        layer.experts.weight1.grad.float(), ref.experts.weight1.grad.double(), dtype, atol=5e-2
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_gpu_cuda_graph_replay_and_no_sync(capacity_factor):
     torch.manual_seed(21)
-    layer = MoELayer(64, 128, 8, 2, backend="triton", capacity_factor=capacity_factor,
-                     aux_loss_coeff=0.01, device="cuda", params_dtype=torch.bfloat16)
+    layer = MoELayer(
+        64,
+        128,
+        8,
+        2,
+        backend="triton",
+        capacity_factor=capacity_factor,
+        aux_loss_coeff=0.01,
+        device="cuda",
+        params_dtype=torch.bfloat16,
+    )
     x_static = torch.randn(4, 32, 64, device="cuda", dtype=torch.bfloat16)
     # No host sync in a training forward + backward (CUDA's own sync detector).
     torch.cuda.set_sync_debug_mode("error")

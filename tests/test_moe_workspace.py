@@ -56,7 +56,9 @@ def test_preprocess_matches_oracle_and_keeps_addresses(capacity_factor):
         routing_map, probs = topk_routing(T, E, k, seed=call)
         if call == 3:  # expert 2 receives no token
             routing_map, probs = topk_routing(T, E - 1, k, seed=call)
-            routing_map = torch.cat([routing_map[:, :2], routing_map.new_zeros(T, 1), routing_map[:, 2:]], 1)
+            routing_map = torch.cat(
+                [routing_map[:, :2], routing_map.new_zeros(T, 1), routing_map[:, 2:]], 1
+            )
             probs = torch.cat([probs[:, :2], probs.new_zeros(T, 1), probs[:, 2:]], 1)
         with count_host_syncs() as syncs:
             res = preprocess(routing_map, probs, ws, validate=False)
@@ -82,11 +84,16 @@ def test_workspace_buffers_and_nbytes():
     n = T * k
     want = E * 8 + n * 8 * 2 + n * 4  # counts, row map + index, probs
     assert ws.num_rows == n and ws.nbytes == want and ws.output is None
-    assert MoEWorkspace.estimate_nbytes(T, H, E, k, dtype=torch.bfloat16, probs_dtype=torch.float32) == want
+    assert (
+        MoEWorkspace.estimate_nbytes(T, H, E, k, dtype=torch.bfloat16, probs_dtype=torch.float32)
+        == want
+    )
     cap = MoEWorkspace(T, H, E, k, capacity_factor=1.0)
     C = math.ceil(T * k / E)
     assert cap.capacity == C and cap.num_rows == E * C
-    ep = MoEWorkspace.estimate_nbytes(T, H, E, k, ep_size=2, dtype=torch.bfloat16, probs_dtype=torch.float32)
+    ep = MoEWorkspace.estimate_nbytes(
+        T, H, E, k, ep_size=2, dtype=torch.bfloat16, probs_dtype=torch.float32
+    )
     L, R = E // 2, 2 * T * min(k, E // 2)
     assert ep == want + 2 * 8 + 2 * L * 8 + L * 8 + 2 * R * 8
     assert "nbytes" in repr(ws)

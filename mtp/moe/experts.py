@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mtp.ops as ops
+from mtp import ops
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, _torch_grouped_mm, grouped_gemm
 from mtp.ops.moe_permute import _check_int
 
@@ -110,7 +110,9 @@ class GroupedMLP(nn.Module):
         self.fc1_output_size = fc1_out
         kw = dict(dtype=params_dtype, device=device)
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, hidden_size, fc1_out, **kw))
-        self.weight2 = nn.Parameter(torch.empty(num_local_experts, ffn_hidden_size, hidden_size, **kw))
+        self.weight2 = nn.Parameter(
+            torch.empty(num_local_experts, ffn_hidden_size, hidden_size, **kw)
+        )
         if self.add_bias:
             self.bias1 = nn.Parameter(torch.empty(num_local_experts, fc1_out, **kw))
             self.bias2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, **kw))
@@ -208,7 +210,8 @@ class GroupedMLP(nn.Module):
         x = permuted_local_hidden_states
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(
-                f"permuted_local_hidden_states must be [M, {self.hidden_size}], got {tuple(x.shape)}"
+                f"permuted_local_hidden_states must be [M, {self.hidden_size}], got "
+                f"{tuple(x.shape)}"
             )
         if tokens_per_expert.dim() != 1 or tokens_per_expert.shape[0] != self.num_local_experts:
             raise ValueError(

@@ -30,6 +30,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree
 
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops.moe_permute import _select_probs, moe_permute_row_map
@@ -56,12 +57,10 @@ class MoEPreprocessResult:
     recv_inverse: torch.Tensor | None = None
 
 
-try:  # let torch.utils._pytree (assert_graph_safe, torch.compile) see the tensors inside
-    from torch.utils._pytree import register_dataclass as _register_dataclass
-
+# Let torch.utils._pytree (assert_graph_safe, torch.compile) see the tensors inside.
+_register_dataclass = getattr(torch.utils._pytree, "register_dataclass", None)
+if _register_dataclass is not None:
     _register_dataclass(MoEPreprocessResult)
-except Exception:  # pragma: no cover - older torch: fields stay opaque to pytree
-    pass
 
 
 def _recv_reorder(recv_counts: torch.Tensor, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,9 +108,7 @@ def compute_preprocess(
     row_id_map, pair = moe_permute_row_map(
         routing_map, lay.num_rows, drop_and_pad=capacity is not None, capacity=capacity
     )
-    result = MoEPreprocessResult(
-        tokens_per_expert, row_id_map, _select_probs(probs, pair), pair
-    )
+    result = MoEPreprocessResult(tokens_per_expert, row_id_map, _select_probs(probs, pair), pair)
     if lay.ep_size == 1:
         return result
     if capacity is not None:
@@ -159,8 +156,7 @@ def resolve_ep_group(workspace: MoEWorkspace, ep_group: dist.ProcessGroup | None
     size = dist.get_world_size(ep_group)
     if size != workspace.ep_size:
         raise ValueError(
-            f"ep_group has {size} ranks but the workspace was built for ep_size="
-            f"{workspace.ep_size}"
+            f"ep_group has {size} ranks but the workspace was built for ep_size={workspace.ep_size}"
         )
     return ep_group
 
@@ -177,7 +173,9 @@ def check_routing(
             f"{tuple(probs.shape)}"
         )
     workspace.check(
-        "routing_map", routing_map.shape[0], num_experts=routing_map.shape[1],
+        "routing_map",
+        routing_map.shape[0],
+        num_experts=routing_map.shape[1],
         device=routing_map.device,
     )
     if probs.dtype != workspace.probs_dtype:
@@ -185,7 +183,11 @@ def check_routing(
             f"probs has dtype {probs.dtype} but the workspace was built for probs_dtype="
             f"{workspace.probs_dtype}"
         )
-    if workspace.capacity is None and routing_map.numel() and data_checks_enabled(validate, routing_map):
+    if (
+        workspace.capacity is None
+        and routing_map.numel()
+        and data_checks_enabled(validate, routing_map)
+    ):
         per_token = routing_map.sum(dim=1)
         lo, hi = torch.stack([per_token.min(), per_token.max()]).tolist()
         if lo != workspace.topk or hi != workspace.topk:

@@ -159,7 +159,11 @@ class AllToAllTokenDispatcher:
     # -- workspace ----------------------------------------------------------------------------
 
     def get_workspace(
-        self, num_tokens: int, hidden_size: int, dtype: torch.dtype, probs_dtype: torch.dtype,
+        self,
+        num_tokens: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        probs_dtype: torch.dtype,
         device: torch.device,
     ) -> MoEWorkspace:
         """The workspace for these sizes: the current one, or a new one (logged)."""
@@ -171,14 +175,22 @@ class AllToAllTokenDispatcher:
         ):
             return ws
         new = MoEWorkspace(
-            num_tokens, hidden_size, self.num_experts, self.topk, ep_size=self.ep_size,
-            capacity_factor=self.capacity_factor, dtype=dtype, probs_dtype=probs_dtype,
+            num_tokens,
+            hidden_size,
+            self.num_experts,
+            self.topk,
+            ep_size=self.ep_size,
+            capacity_factor=self.capacity_factor,
+            dtype=dtype,
+            probs_dtype=probs_dtype,
             device=device,
         )
         if ws is not None:
             logger.info(
                 "MoE dispatcher: rebuilding the workspace for %d tokens (was %d): %s",
-                num_tokens, ws.num_tokens, new,
+                num_tokens,
+                ws.num_tokens,
+                new,
             )
         self.workspace = new
         return new
@@ -188,8 +200,14 @@ class AllToAllTokenDispatcher:
         if _is_fake(hidden_states):
             # Tracing with fake tensors: a throwaway workspace (never keep fake buffers).
             return MoEWorkspace(
-                args[0], args[1], self.num_experts, self.topk, ep_size=self.ep_size,
-                capacity_factor=self.capacity_factor, dtype=args[2], probs_dtype=args[3],
+                args[0],
+                args[1],
+                self.num_experts,
+                self.topk,
+                ep_size=self.ep_size,
+                capacity_factor=self.capacity_factor,
+                dtype=args[2],
+                probs_dtype=args[3],
                 device=hidden_states.device,
             )
         return self.get_workspace(*args, device=hidden_states.device)
@@ -225,7 +243,10 @@ class AllToAllTokenDispatcher:
         backend = permute_backend(self.backend, hidden_states.device)
         permuted = gather_rows(hidden_states, res.row_id_map, backend)
         self._state = dict(
-            ws=ws, res=res, backend=backend, num_tokens=hidden_states.shape[0],
+            ws=ws,
+            res=res,
+            backend=backend,
+            num_tokens=hidden_states.shape[0],
             hidden=hidden_states.shape[1],
         )
         if self.ep_size == 1:

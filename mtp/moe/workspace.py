@@ -123,8 +123,12 @@ class MoEWorkspace:
         device: torch.device | str = "cpu",
     ) -> None:
         _check_int("num_tokens", num_tokens, 0)
-        for name, value in (("hidden_size", hidden_size), ("num_experts", num_experts),
-                            ("topk", topk), ("ep_size", ep_size)):
+        for name, value in (
+            ("hidden_size", hidden_size),
+            ("num_experts", num_experts),
+            ("topk", topk),
+            ("ep_size", ep_size),
+        ):
             _check_int(name, value, 1)
         if topk > num_experts:
             raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
@@ -137,7 +141,9 @@ class MoEWorkspace:
         if capacity_factor is not None:
             if not capacity_factor > 0:
                 raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
-            capacity = min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
+            capacity = min(
+                get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens
+            )
         self.layout = _Layout(num_tokens, hidden_size, num_experts, topk, ep_size, capacity)
         self.capacity_factor = capacity_factor
         self.dtype = dtype
