@@ -4,7 +4,8 @@
 Graph safety: with one expert-parallel rank, or with a ``capacity_factor`` (any number of
 ranks), the whole forward (routing, auxiliary losses, preprocess, permutation, the all-to-alls,
 the grouped GEMMs, the combine) has static shapes and no host synchronisation when the grouped
-GEMM reads its counts on the device (``backend="triton"``, and ``"auto"`` on CUDA): one CUDA
+GEMM reads its counts on the device (``backend="auto"``: triton on CUDA, torch's grouped_mm on
+the CPU; ``"triton"``; ``"torch"``; not the per-expert loop backends): one CUDA
 graph can capture the layer, where Megatron-Core's partial capture has to stop before the
 dispatch (``moe_preprocess``) and run the rest eagerly. While a graph is captured (real, or
 simulated by :func:`mtp.testing.assert_graph_safe`) the output is written into the workspace's
