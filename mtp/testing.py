@@ -404,15 +404,31 @@ def _full_signature(kernel, signature: dict[str, str], constexprs: dict[str, Any
     return full
 
 
-def _compile_here(kernel, signature, constexprs, targets, num_warps, num_stages) -> list[dict]:
+def _divisibility_attrs(full: dict[str, str], aligned: bool, divisible: Sequence[str]) -> dict:
+    """``tt.divisibility`` hints as a real launch would specialise them: 16-byte aligned
+    pointers (torch allocations are) and the integer arguments named in ``divisible``."""
+    unknown = set(divisible) - set(full)
+    if unknown:
+        raise ValueError(f"divisible_by_16 names unknown parameters {sorted(unknown)}")
+    attrs = {}
+    for i, (name, ty) in enumerate(full.items()):
+        if (aligned and ty.startswith("*")) or name in divisible:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def _compile_here(
+    kernel, signature, constexprs, targets, num_warps, num_stages, aligned, divisible
+) -> list[dict]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     full = _full_signature(kernel, signature, constexprs)
+    attrs = _divisibility_attrs(full, aligned, divisible)
     builds = []
     for cc in targets:
-        src = ASTSource(fn=kernel, signature=full, constexprs=dict(constexprs))
+        src = ASTSource(fn=kernel, signature=full, constexprs=dict(constexprs), attrs=attrs)
         try:
             compiled = triton.compile(
                 src,
@@ -536,6 +552,8 @@ def compile_for_targets(
     *,
     num_warps: int = 4,
     num_stages: int = 3,
+    aligned: bool = True,
+    divisible_by_16: Sequence[str] = (),
 ) -> dict[int, KernelBuild]:
     """Compile a ``@triton.jit`` kernel ahead of time for each target, without a GPU.
 
@@ -547,6 +565,11 @@ def compile_for_targets(
         constexprs: value of each ``tl.constexpr`` argument, e.g. ``{"BLOCK": 1024}``.
         targets: compute capabilities (90 = Hopper sm_90a, 100 = Blackwell sm_100a).
         num_warps, num_stages: launch options, as at a real launch.
+        aligned: tell the compiler every pointer is 16-byte aligned, as Triton specialises a
+            launch on torch tensors. Without it loads stay scalar and software pipelining is
+            off, so registers, spills and shared memory would not be those of a real launch.
+        divisible_by_16: integer arguments (strides, sizes) that are multiples of 16 at the
+            launch being modelled; Triton specialises those too.
 
     Returns:
         ``{target: KernelBuild}`` with the PTX, cubin size and shared memory of each build.
@@ -555,7 +578,10 @@ def compile_for_targets(
         KernelCompileError: the kernel does not compile for some target.
     """
     constexprs = dict(constexprs or {})
-    args = (signature, constexprs, tuple(targets), num_warps, num_stages)
+    args = (
+        signature, constexprs, tuple(targets), num_warps, num_stages, aligned,
+        tuple(divisible_by_16),
+    )
     fn = getattr(kernel, "fn", None)
     import triton
 

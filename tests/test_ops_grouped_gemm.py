@@ -467,9 +467,11 @@ def _forward_build(dtype_name: str, cfg: kernels.GemmConfig, trans_b=False, pers
         "BLOCK_E": 64, "GROUP_M": cfg.group_m, "PERSISTENT": persistent,
         "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
     }
+    strides = [k for k in signature if k.startswith("stride")]
     return compile_for_targets(
         kernels.grouped_gemm_kernel, signature, constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        divisible_by_16=strides + ["N", "K"],  # as a launch on 4096-wide aligned operands
     )
 
 
@@ -484,9 +486,11 @@ def _wgrad_build(dtype_name: str, cfg: kernels.WgradConfig):
         "BLOCK_P": cfg.block_p, "BLOCK_Q": cfg.block_q, "BLOCK_R": cfg.block_r,
         "BLOCK_E": 64, "GROUP_P": cfg.group_p, "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
     }
+    strides = [k for k in signature if k.startswith("stride")]
     return compile_for_targets(
         kernels.grouped_wgrad_kernel, signature, constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        divisible_by_16=strides + ["P", "Q"],
     )
 
 
@@ -497,7 +501,7 @@ def _check_tensor_core_builds(builds) -> None:
         assert build.arch == f"sm_{cc}a"
         assert build.fits_shared_memory, f"sm_{cc}: {build.shared} bytes of shared memory"
         info = build.ptxas()
-        assert info is None or info.registers <= 255
+        assert info is None or not info.spills, f"sm_{cc} spills:\n{info.output}"
 
 
 @pytest.mark.parametrize(

@@ -11,16 +11,24 @@ Every step reads ``tokens_per_expert`` on the device: with a single-launch group
 for any number of experts and never synchronises with the host (graph-safe). The loop backends
 (``"sequential"``, ``"multistream"``, ``"reference"``) launch one GEMM per expert and read the
 counts on the host once per GEMM call.
+
+``backend="auto"`` is the grouped GEMM's ``auto`` (``MTP_BACKEND``, else ``"triton"`` on CUDA),
+except on the CPU, where it is ``"torch"`` (``torch.nn.functional.grouped_mm``, which reads the
+counts where they are) instead of the host-reading reference loop, so that the layer keeps its
+no-sync, graph-safe structure on the CPU too.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mtp.ops as ops
-from mtp.ops.grouped_gemm import grouped_gemm
+from mtp import ops
+from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, _torch_grouped_mm, grouped_gemm
+from mtp.ops.moe_permute import _check_int
 
 __all__ = ["GroupedMLP"]
 
@@ -92,8 +100,7 @@ class GroupedMLP(nn.Module):
             ("hidden_size", hidden_size),
             ("ffn_hidden_size", ffn_hidden_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            _check_int(name, value, 1)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
         self.num_local_experts, self.hidden_size = num_local_experts, hidden_size
@@ -103,7 +110,9 @@ class GroupedMLP(nn.Module):
         self.fc1_output_size = fc1_out
         kw = dict(dtype=params_dtype, device=device)
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, hidden_size, fc1_out, **kw))
-        self.weight2 = nn.Parameter(torch.empty(num_local_experts, ffn_hidden_size, hidden_size, **kw))
+        self.weight2 = nn.Parameter(
+            torch.empty(num_local_experts, ffn_hidden_size, hidden_size, **kw)
+        )
         if self.add_bias:
             self.bias1 = nn.Parameter(torch.empty(num_local_experts, fc1_out, **kw))
             self.bias2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, **kw))
@@ -173,8 +182,20 @@ class GroupedMLP(nn.Module):
                 raise ValueError(f"pair {local}: bias presence must match bias={self.add_bias}")
             self._load_pair(local, fc1, fc2)
 
+    def gemm_backend(self, device: torch.device) -> str:
+        """The grouped GEMM backend used on ``device`` (see the module docstring)."""
+        if (
+            self.backend == "auto"
+            and device.type == "cpu"
+            and os.environ.get("MTP_BACKEND", "").strip() not in GROUPED_GEMM_BACKENDS
+            and _torch_grouped_mm() is not None
+        ):
+            return "torch"
+        return self.backend
+
     def _gemm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return grouped_gemm(x, w.to(x.dtype), counts, backend=self.backend, validate=False)
+        backend = self.gemm_backend(x.device)
+        return grouped_gemm(x, w.to(x.dtype), counts, backend=backend, validate=False)
 
     def forward(
         self,
@@ -189,7 +210,8 @@ class GroupedMLP(nn.Module):
         x = permuted_local_hidden_states
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(
-                f"permuted_local_hidden_states must be [M, {self.hidden_size}], got {tuple(x.shape)}"
+                f"permuted_local_hidden_states must be [M, {self.hidden_size}], got "
+                f"{tuple(x.shape)}"
             )
         if tokens_per_expert.dim() != 1 or tokens_per_expert.shape[0] != self.num_local_experts:
             raise ValueError(

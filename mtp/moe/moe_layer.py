@@ -4,7 +4,8 @@
 Graph safety: with one expert-parallel rank, or with a ``capacity_factor`` (any number of
 ranks), the whole forward (routing, auxiliary losses, preprocess, permutation, the all-to-alls,
 the grouped GEMMs, the combine) has static shapes and no host synchronisation when the grouped
-GEMM reads its counts on the device (``backend="triton"``, and ``"auto"`` on CUDA): one CUDA
+GEMM reads its counts on the device (``backend="auto"``: triton on CUDA, torch's grouped_mm on
+the CPU; ``"triton"``; ``"torch"``; not the per-expert loop backends): one CUDA
 graph can capture the layer, where Megatron-Core's partial capture has to stop before the
 dispatch (``moe_preprocess``) and run the rest eagerly. While a graph is captured (real, or
 simulated by :func:`mtp.testing.assert_graph_safe`) the output is written into the workspace's
@@ -155,11 +156,22 @@ class MoELayer(nn.Module):
         self.capacity_factor, self.backend = capacity_factor, backend
         self.ep_group, self.ep_size = ep_group, ep_size
         self.router = TopKRouter(
-            hidden_size, num_experts, topk, score_function=score_function,
-            pre_softmax=pre_softmax, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-            expert_bias=expert_bias, capacity_factor=capacity_factor, drop_policy=drop_policy,
-            num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
-            router_dtype=router_dtype, params_dtype=params_dtype, device=device,
+            hidden_size,
+            num_experts,
+            topk,
+            score_function=score_function,
+            pre_softmax=pre_softmax,
+            aux_loss_coeff=aux_loss_coeff,
+            z_loss_coeff=z_loss_coeff,
+            expert_bias=expert_bias,
+            capacity_factor=capacity_factor,
+            drop_policy=drop_policy,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            scaling_factor=scaling_factor,
+            router_dtype=router_dtype,
+            params_dtype=params_dtype,
+            device=device,
         )
         self.token_dispatcher = AllToAllTokenDispatcher(
             ep_group, num_experts, topk, capacity_factor=capacity_factor, backend=backend
@@ -167,15 +179,25 @@ class MoELayer(nn.Module):
         self.num_local_experts = num_experts // ep_size
         self.local_expert_indices = self.token_dispatcher.local_expert_indices
         self.experts = GroupedMLP(
-            self.num_local_experts, hidden_size, ffn_hidden_size, activation=activation,
-            bias=bias, backend=backend, params_dtype=params_dtype, device=device,
+            self.num_local_experts,
+            hidden_size,
+            ffn_hidden_size,
+            activation=activation,
+            bias=bias,
+            backend=backend,
+            params_dtype=params_dtype,
+            device=device,
             perform_initialization=False,
         )
         if perform_initialization:
             self.experts.reset_parameters(self.local_expert_indices[0], num_experts)
 
     def extra_repr(self) -> str:
-        mode = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
+        mode = (
+            "dropless"
+            if self.capacity_factor is None
+            else f"capacity_factor={self.capacity_factor}"
+        )
         return (
             f"num_experts={self.num_experts}, topk={self.topk}, ep_size={self.ep_size}, "
             f"local_experts={self.local_expert_indices[0]}..{self.local_expert_indices[-1]}, "
@@ -216,8 +238,13 @@ class MoELayer(nn.Module):
         expert_output = self.experts(dispatched, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.combine(expert_output)
         ws = self.token_dispatcher.workspace
-        if is_capturing() and ws is not None and ws.output.shape == output.shape and not _is_fake(output):
-            return _IntoStatic.apply(output, ws.output, shape)
+        if (
+            is_capturing()
+            and ws is not None
+            and ws.num_tokens == tokens.shape[0]
+            and not _is_fake(output)
+        ):
+            return _IntoStatic.apply(output, ws.static_output(), shape)
         return output.view(shape)
 
     @torch.no_grad()
@@ -230,7 +257,8 @@ class MoELayer(nn.Module):
             if key.startswith("experts."):
                 if value.shape[0] != self.num_experts:
                     raise ValueError(
-                        f"{key}: expected {self.num_experts} experts in dim 0, got {tuple(value.shape)}"
+                        f"{key}: expected {self.num_experts} experts in dim 0, got "
+                        f"{tuple(value.shape)}"
                     )
                 value = value[first : first + local]
             own[key] = value

@@ -13,8 +13,11 @@
   rows received per (source rank, local expert) ``recv_counts [P, L]`` (exchanged by a device
   all-to-all of the counts: no host sync), their sum per local expert, and the index pair that
   reorders the received rows from source-major to expert-major (``recv_order``,
-  ``recv_inverse``, worst-case length). With a capacity the split is static (``L * C`` rows per
-  rank) and no count is exchanged.
+  ``recv_inverse``, of static length ``R = P * T * min(k, L)``: the worst case when no rank
+  routes more than ``T`` tokens; with ragged token counts over the ranks, only the first ``R``
+  received rows are covered and the dispatcher recomputes the pair for the actual count after
+  its host sync). With a capacity the split is static (``L * C`` rows per rank) and no count is
+  exchanged.
 
 Every shape is static (``N = T * k`` dropless, ``E * C`` with a capacity) and nothing is read on
 the host, so :func:`preprocess` passes :func:`mtp.testing.assert_graph_safe`; its outputs are
@@ -27,6 +30,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree
 
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops.moe_permute import _select_probs, moe_permute_row_map
@@ -53,12 +57,10 @@ class MoEPreprocessResult:
     recv_inverse: torch.Tensor | None = None
 
 
-try:  # let torch.utils._pytree (assert_graph_safe, torch.compile) see the tensors inside
-    from torch.utils._pytree import register_dataclass as _register_dataclass
-
+# Let torch.utils._pytree (assert_graph_safe, torch.compile) see the tensors inside.
+_register_dataclass = getattr(torch.utils._pytree, "register_dataclass", None)
+if _register_dataclass is not None:
     _register_dataclass(MoEPreprocessResult)
-except Exception:  # pragma: no cover - older torch: fields stay opaque to pytree
-    pass
 
 
 def _recv_reorder(recv_counts: torch.Tensor, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,9 +108,7 @@ def compute_preprocess(
     row_id_map, pair = moe_permute_row_map(
         routing_map, lay.num_rows, drop_and_pad=capacity is not None, capacity=capacity
     )
-    result = MoEPreprocessResult(
-        tokens_per_expert, row_id_map, _select_probs(probs, pair), pair
-    )
+    result = MoEPreprocessResult(tokens_per_expert, row_id_map, _select_probs(probs, pair), pair)
     if lay.ep_size == 1:
         return result
     if capacity is not None:
@@ -156,8 +156,7 @@ def resolve_ep_group(workspace: MoEWorkspace, ep_group: dist.ProcessGroup | None
     size = dist.get_world_size(ep_group)
     if size != workspace.ep_size:
         raise ValueError(
-            f"ep_group has {size} ranks but the workspace was built for ep_size="
-            f"{workspace.ep_size}"
+            f"ep_group has {size} ranks but the workspace was built for ep_size={workspace.ep_size}"
         )
     return ep_group
 
@@ -174,7 +173,9 @@ def check_routing(
             f"{tuple(probs.shape)}"
         )
     workspace.check(
-        "routing_map", routing_map.shape[0], num_experts=routing_map.shape[1],
+        "routing_map",
+        routing_map.shape[0],
+        num_experts=routing_map.shape[1],
         device=routing_map.device,
     )
     if probs.dtype != workspace.probs_dtype:
@@ -182,7 +183,11 @@ def check_routing(
             f"probs has dtype {probs.dtype} but the workspace was built for probs_dtype="
             f"{workspace.probs_dtype}"
         )
-    if workspace.capacity is None and routing_map.numel() and data_checks_enabled(validate, routing_map):
+    if (
+        workspace.capacity is None
+        and routing_map.numel()
+        and data_checks_enabled(validate, routing_map)
+    ):
         per_token = routing_map.sum(dim=1)
         lo, hi = torch.stack([per_token.min(), per_token.max()]).tolist()
         if lo != workspace.topk or hi != workspace.topk:

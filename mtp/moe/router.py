@@ -48,6 +48,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.ops.moe_permute import _check_int
+
 __all__ = [
     "MoEAuxLossAutoScaler",
     "TopKRouter",
@@ -295,7 +297,9 @@ def compute_routing_scores_for_aux_loss(
         scores = torch.sigmoid(logits.float())
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        raise ValueError(f"score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}")
+        raise ValueError(
+            f"score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}"
+        )
     top_indices = torch.topk(scores, k=topk, dim=1).indices
     routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_indices, True)
     return routing_map, scores
@@ -304,14 +308,6 @@ def compute_routing_scores_for_aux_loss(
 # --------------------------------------------------------------------------------------------
 # The module
 # --------------------------------------------------------------------------------------------
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 def check_routing_config(
@@ -324,12 +320,14 @@ def check_routing_config(
     group_topk: int | None = None,
 ) -> None:
     """Raise ``ValueError``/``TypeError`` naming the bad routing argument."""
-    _check_positive_int("num_experts", num_experts)
-    _check_positive_int("topk", topk)
+    _check_int("num_experts", num_experts, 1)
+    _check_int("topk", topk, 1)
     if topk > num_experts:
         raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
     if score_function not in _SCORE_FUNCTIONS:
-        raise ValueError(f"score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}")
+        raise ValueError(
+            f"score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}"
+        )
     if drop_policy not in _DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {_DROP_POLICIES}, got {drop_policy!r}")
     if capacity_factor is not None:
@@ -342,11 +340,17 @@ def check_routing_config(
     if (num_groups is None) != (group_topk is None):
         raise ValueError("num_groups and group_topk must be given together (group-limited routing)")
     if num_groups is not None:
-        _check_positive_int("num_groups", num_groups)
-        _check_positive_int("group_topk", group_topk)
+        _check_int("num_groups", num_groups, 1)
+        _check_int("group_topk", group_topk, 1)
         if num_experts % num_groups:
-            raise ValueError(f"num_experts={num_experts} must be divisible by num_groups={num_groups}")
-        if group_topk > num_groups or topk % group_topk or topk // group_topk > num_experts // num_groups:
+            raise ValueError(
+                f"num_experts={num_experts} must be divisible by num_groups={num_groups}"
+            )
+        if (
+            group_topk > num_groups
+            or topk % group_topk
+            or topk // group_topk > num_experts // num_groups
+        ):
             raise ValueError(
                 f"group_topk={group_topk} must divide topk={topk}, be <= num_groups={num_groups}, "
                 "and topk // group_topk must fit in one group"
@@ -407,12 +411,14 @@ class TopKRouter(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        _check_positive_int("hidden_size", hidden_size)
+        _check_int("hidden_size", hidden_size, 1)
         check_routing_config(
             num_experts, topk, score_function, capacity_factor, drop_policy, num_groups, group_topk
         )
         if router_dtype not in (None, torch.float32, torch.float64):
-            raise ValueError(f"router_dtype must be None, torch.float32 or torch.float64, got {router_dtype}")
+            raise ValueError(
+                f"router_dtype must be None, torch.float32 or torch.float64, got {router_dtype}"
+            )
         for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
@@ -422,11 +428,15 @@ class TopKRouter(nn.Module):
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.num_groups, self.group_topk = num_groups, group_topk
         self.scaling_factor, self.router_dtype = scaling_factor, router_dtype
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device)
+        )
         self.init_std = init_std
         self.enable_expert_bias = bool(expert_bias)
         if self.enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+            self.register_buffer(
+                "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+            )
             self.register_buffer(
                 "local_tokens_per_expert",
                 torch.zeros(num_experts, dtype=torch.float32, device=device),
@@ -453,7 +463,9 @@ class TopKRouter(nn.Module):
         """Slots per expert for ``num_tokens`` tokens (None when dropless)."""
         if self.capacity_factor is None:
             return None
-        return min(get_capacity(num_tokens * self.topk, self.num_experts, self.capacity_factor), num_tokens)
+        return min(
+            get_capacity(num_tokens * self.topk, self.num_experts, self.capacity_factor), num_tokens
+        )
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         """``[T, E]`` logits in ``router_dtype`` (default: the input dtype)."""
@@ -485,9 +497,16 @@ class TopKRouter(nn.Module):
             expert_bias=self.expert_bias,
         )
         if self.aux_loss_coeff > 0 and self._losses_enabled():
-            aux_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk, self.score_function)
+            aux_map, scores = compute_routing_scores_for_aux_loss(
+                logits, self.topk, self.score_function
+            )
             aux_loss = switch_load_balancing_loss_func(
-                scores, aux_map.sum(dim=0), num_tokens, self.topk, self.num_experts, self.aux_loss_coeff
+                scores,
+                aux_map.sum(dim=0),
+                num_tokens,
+                self.topk,
+                self.num_experts,
+                self.aux_loss_coeff,
             )
             probs = MoEAuxLossAutoScaler.apply(probs, aux_loss)
             self.aux_loss = aux_loss.detach()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from mtp.moe.preprocess import (
     MoEPreprocessResult,
     _is_fake,
+    _recv_reorder,
     check_routing,
     compute_preprocess,
     store_preprocess,
@@ -67,8 +68,8 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, backend: str) -> torch.Ten
     if backend == "triton":
         return torch.ops.mtp.moe_gather_rows(x, index, None)
     valid = (index >= 0).unsqueeze(1)
-    if x.shape[0] == 0:
-        return x.new_zeros((index.shape[0], x.shape[1]))
+    if x.shape[0] == 0:  # nothing to gather; keep the autograd link (collectives hang on it)
+        x = torch.cat([x, x.new_zeros((1, x.shape[1]))])
     rows = x.index_select(0, index.clamp(min=0))
     return torch.where(valid, rows, rows.new_zeros(()))
 
@@ -77,23 +78,14 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with its adjoint as backward (the reverse exchange)."""
 
     @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits, out):
+    def forward(ctx, x, group, output_splits, input_splits):
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
         ctx.in_rows = x.shape[0]
         rows = x.shape[0] if output_splits is None else sum(output_splits)
-        fresh = out is None or _is_fake(x)
-        if fresh:
-            out = x.new_empty((rows, *x.shape[1:]))
-        elif out.shape[0] != rows or out.shape[1:] != x.shape[1:]:
-            raise ValueError(f"all_to_all: buffer {tuple(out.shape)} for {rows} rows of {tuple(x.shape)}")
-        if not _is_fake(x):
+        out = x.new_empty((rows, *x.shape[1:]))
+        if not _is_fake(x):  # tracing: shapes only
             dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        if fresh:
-            return out
-        # A workspace buffer: tell autograd it changed (the collective does not), and hand out
-        # a new view so that each call's graph gets its own output tensor.
-        torch.autograd.graph.increment_version(out)
-        return out.view_as(out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -102,7 +94,7 @@ class _AllToAll(torch.autograd.Function):
             dist.all_to_all_single(
                 grad_in, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
             )
-        return grad_in, None, None, None, None
+        return grad_in, None, None, None
 
 
 def all_to_all(
@@ -110,19 +102,9 @@ def all_to_all(
     group: dist.ProcessGroup | None,
     output_splits: list[int] | None = None,
     input_splits: list[int] | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Differentiable ``all_to_all_single`` along dim 0 (``out``: optional buffer to receive
-    into, of exactly the received shape)."""
-    return _AllToAll.apply(x, group, output_splits, input_splits, out)
-
-
-def _private_copy(t: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or a copy when it still shares memory with the workspace ``buffer`` (so
-    that no autograd graph saves a buffer the next forward overwrites)."""
-    if t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-        return t.clone()
-    return t
+    """Differentiable ``all_to_all_single`` along dim 0 (equal splits when None)."""
+    return _AllToAll.apply(x, group, output_splits, input_splits)
 
 
 class AllToAllTokenDispatcher:
@@ -177,7 +159,11 @@ class AllToAllTokenDispatcher:
     # -- workspace ----------------------------------------------------------------------------
 
     def get_workspace(
-        self, num_tokens: int, hidden_size: int, dtype: torch.dtype, probs_dtype: torch.dtype,
+        self,
+        num_tokens: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        probs_dtype: torch.dtype,
         device: torch.device,
     ) -> MoEWorkspace:
         """The workspace for these sizes: the current one, or a new one (logged)."""
@@ -189,14 +175,22 @@ class AllToAllTokenDispatcher:
         ):
             return ws
         new = MoEWorkspace(
-            num_tokens, hidden_size, self.num_experts, self.topk, ep_size=self.ep_size,
-            capacity_factor=self.capacity_factor, dtype=dtype, probs_dtype=probs_dtype,
+            num_tokens,
+            hidden_size,
+            self.num_experts,
+            self.topk,
+            ep_size=self.ep_size,
+            capacity_factor=self.capacity_factor,
+            dtype=dtype,
+            probs_dtype=probs_dtype,
             device=device,
         )
         if ws is not None:
             logger.info(
                 "MoE dispatcher: rebuilding the workspace for %d tokens (was %d): %s",
-                num_tokens, ws.num_tokens, new,
+                num_tokens,
+                ws.num_tokens,
+                new,
             )
         self.workspace = new
         return new
@@ -206,8 +200,14 @@ class AllToAllTokenDispatcher:
         if _is_fake(hidden_states):
             # Tracing with fake tensors: a throwaway workspace (never keep fake buffers).
             return MoEWorkspace(
-                args[0], args[1], self.num_experts, self.topk, ep_size=self.ep_size,
-                capacity_factor=self.capacity_factor, dtype=args[2], probs_dtype=args[3],
+                args[0],
+                args[1],
+                self.num_experts,
+                self.topk,
+                ep_size=self.ep_size,
+                capacity_factor=self.capacity_factor,
+                dtype=args[2],
+                probs_dtype=args[3],
                 device=hidden_states.device,
             )
         return self.get_workspace(*args, device=hidden_states.device)
@@ -243,7 +243,10 @@ class AllToAllTokenDispatcher:
         backend = permute_backend(self.backend, hidden_states.device)
         permuted = gather_rows(hidden_states, res.row_id_map, backend)
         self._state = dict(
-            ws=ws, res=res, backend=backend, num_tokens=hidden_states.shape[0],
+            ws=ws,
+            res=res,
+            backend=backend,
+            num_tokens=hidden_states.shape[0],
             hidden=hidden_states.shape[1],
         )
         if self.ep_size == 1:
@@ -254,23 +257,32 @@ class AllToAllTokenDispatcher:
 
     def _dispatch_static(self, permuted, res: MoEPreprocessResult, ws: MoEWorkspace):
         ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
-        recv = all_to_all(permuted, self.ep_group, out=ws.dispatch_buffer)
+        recv = all_to_all(permuted, self.ep_group)
         recv_probs = all_to_all(res.permuted_probs, self.ep_group)
         tokens = recv.view(ep, local, cap, -1).transpose(0, 1).reshape(local * ep * cap, -1)
-        tokens = _private_copy(tokens, ws.dispatch_buffer)
         probs = recv_probs.view(ep, local, cap).transpose(0, 1).reshape(-1)
         return tokens, res.local_tokens_per_expert, probs
 
     def _dispatch_dropless(self, permuted, res: MoEPreprocessResult, backend: str):
         ep = self.ep_size
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "dropless expert parallelism reads the all-to-all split sizes on the host (one "
+                "sync per layer) and cannot be captured in a CUDA graph; set capacity_factor "
+                "for a static, capturable dispatch (or capture only up to the dispatch)"
+            )
         # The one device-to-host sync of the layer: split sizes for the token all-to-all.
         splits = torch.cat([res.send_counts, res.recv_counts.sum(dim=1)]).tolist()
         send, recv_sizes = splits[:ep], splits[ep:]
         received = sum(recv_sizes)
         recv = all_to_all(permuted, self.ep_group, recv_sizes, send)
         recv_probs = all_to_all(res.permuted_probs, self.ep_group, recv_sizes, send)
-        order = res.recv_order[:received]
-        self._state.update(send=send, recv_sizes=recv_sizes, received=received)
+        order, inverse = res.recv_order[:received], res.recv_inverse[:received]
+        if received > res.recv_order.shape[0]:
+            # Another rank routed more tokens than this one (the workspace's worst case assumes
+            # at most T per rank): reorder for the actual count, now known on the host.
+            order, inverse = _recv_reorder(res.recv_counts, received)
+        self._state.update(send=send, recv_sizes=recv_sizes, received=received, inverse=inverse)
         tokens = gather_rows(recv, order, backend)
         probs = recv_probs.index_select(0, order)
         return tokens, res.local_tokens_per_expert, probs
@@ -295,12 +307,17 @@ class AllToAllTokenDispatcher:
         if self.ep_size > 1 and ws.capacity is not None:
             ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
             y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
-            y = all_to_all(y, self.ep_group, out=ws.combine_buffer)
+            y = all_to_all(y, self.ep_group)
         elif self.ep_size > 1:
-            y = gather_rows(y, res.recv_inverse[: state["received"]], backend)
+            y = gather_rows(y, state["inverse"], backend)
             y = all_to_all(y, self.ep_group, state["send"], state["recv_sizes"])
         self._state = None
-        return unpermute(y, res.row_id_map, shape, backend=backend, validate=False)
+        out = unpermute(y, res.row_id_map, shape, backend=backend, validate=False)
+        if shape[0] == 0 and y.requires_grad and not out.requires_grad:
+            # No token here: keep the autograd link anyway, so that this rank's backward still
+            # joins the all-to-alls the other ranks run.
+            out = out + y.sum() * 0
+        return out
 
     # -- Megatron-Core names ------------------------------------------------------------------
 

@@ -26,15 +26,18 @@ recv_order           [R]          int64  received row feeding expert-major row `
                                          (P > 1, dropless)
 recv_inverse         [R]          int64  expert-major row of received row ``i`` (P > 1,
                                          dropless)
-dispatch_buffer      [R, H]       dtype  tokens received by the all-to-all (P > 1, capacity)
-combine_buffer       [N, H]       dtype  expert outputs returned by the all-to-all (P > 1,
-                                         capacity)
-output               [T, H]       dtype  the layer output while a graph is captured
+output               [T, H]       dtype  the layer output while a graph is captured (allocated
+                                         by :meth:`MoEWorkspace.static_output` on first use)
 ==================== ============ ====== =======================================================
 
-Dropless with ``P > 1`` receives a data-dependent number of rows: its token buffers are sized
-exactly after the one host sync (not here; the worst case ``R`` would be ``P * min(k, L)`` times
-the average), and only the index buffers above use the worst case.
+Token-sized activations (the permuted rows, what the all-to-alls send and receive, the expert
+inputs and outputs) are not workspace buffers: autograd saves some of them for the backward, so
+they must not be overwritten by the next forward, and holding them per layer would cost
+``2 * N * H`` elements per MoE layer for the whole run (about 900 MiB per layer for a
+DeepSeek-V3-like layer with ``P = 8`` and a capacity). They are allocated per call by PyTorch's
+caching allocator (a captured CUDA graph gives them fixed addresses from its pool). With
+``P > 1`` dropless, the received row count is data-dependent: those rows are sized exactly after
+the one host sync, and only the index buffers above use the worst case ``R``.
 """
 
 from __future__ import annotations
@@ -44,20 +47,13 @@ import dataclasses
 import torch
 
 from mtp.moe.router import get_capacity
+from mtp.ops.moe_permute import _check_int
 
 __all__ = ["MoEWorkspace", "WorkspaceMismatchError"]
 
 
 class WorkspaceMismatchError(ValueError):
     """A workspace used with sizes, dtypes or devices other than it was built for."""
-
-
-def _int_at_least(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +122,14 @@ class MoEWorkspace:
         probs_dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        _int_at_least("num_tokens", num_tokens, 0)
-        _int_at_least("hidden_size", hidden_size)
-        _int_at_least("num_experts", num_experts)
-        _int_at_least("topk", topk)
-        _int_at_least("ep_size", ep_size)
+        _check_int("num_tokens", num_tokens, 0)
+        for name, value in (
+            ("hidden_size", hidden_size),
+            ("num_experts", num_experts),
+            ("topk", topk),
+            ("ep_size", ep_size),
+        ):
+            _check_int(name, value, 1)
         if topk > num_experts:
             raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
         if num_experts % ep_size:
@@ -142,7 +141,9 @@ class MoEWorkspace:
         if capacity_factor is not None:
             if not capacity_factor > 0:
                 raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
-            capacity = min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
+            capacity = min(
+                get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens
+            )
         self.layout = _Layout(num_tokens, hidden_size, num_experts, topk, ep_size, capacity)
         self.capacity_factor = capacity_factor
         self.dtype = dtype
@@ -165,10 +166,9 @@ class MoEWorkspace:
         self.row_id_map = self._buffer("row_id_map", (n,), i64)
         self.probs_index = self._buffer("probs_index", (n,), i64)
         self.permuted_probs = self._buffer("permuted_probs", (n,), self.probs_dtype)
-        self.output = self._buffer("output", (lay.num_tokens, lay.hidden_size), self.dtype)
+        self.output: torch.Tensor | None = None
         self.send_counts = self.recv_counts = self.local_tokens_per_expert = None
         self.recv_order = self.recv_inverse = None
-        self.dispatch_buffer = self.combine_buffer = None
         if ep == 1:
             return
         self.send_counts = self._buffer("send_counts", (ep,), i64)
@@ -179,49 +179,27 @@ class MoEWorkspace:
             self.send_counts.fill_(local * lay.capacity)
             self.recv_counts.fill_(lay.capacity)
             self.local_tokens_per_expert.fill_(ep * lay.capacity)
-            self.dispatch_buffer = self._buffer("dispatch_buffer", (lay.max_recv_rows, lay.hidden_size), self.dtype)
-            self.combine_buffer = self._buffer("combine_buffer", (n, lay.hidden_size), self.dtype)
             return
         self.recv_order = self._buffer("recv_order", (lay.max_recv_rows,), i64)
         self.recv_inverse = self._buffer("recv_inverse", (lay.max_recv_rows,), i64)
 
+    def static_output(self) -> torch.Tensor:
+        """The ``[T, H]`` output buffer of a captured layer, allocated on the first call."""
+        if self.output is None:
+            self.output = self._buffer("output", (self.num_tokens, self.hidden_size), self.dtype)
+        return self.output
+
     # -- description --------------------------------------------------------------------------
 
-    @property
-    def num_tokens(self) -> int:
-        return self.layout.num_tokens
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layout.hidden_size
-
-    @property
-    def num_experts(self) -> int:
-        return self.layout.num_experts
-
-    @property
-    def topk(self) -> int:
-        return self.layout.topk
-
-    @property
-    def ep_size(self) -> int:
-        return self.layout.ep_size
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.layout.num_local_experts
-
-    @property
-    def capacity(self) -> int | None:
-        return self.layout.capacity
-
-    @property
-    def num_rows(self) -> int:
-        return self.layout.num_rows
-
-    @property
-    def max_recv_rows(self) -> int:
-        return self.layout.max_recv_rows
+    num_tokens = property(lambda self: self.layout.num_tokens, doc="``T``")
+    hidden_size = property(lambda self: self.layout.hidden_size, doc="``H``")
+    num_experts = property(lambda self: self.layout.num_experts, doc="``E``")
+    topk = property(lambda self: self.layout.topk, doc="experts per token")
+    ep_size = property(lambda self: self.layout.ep_size, doc="``P``")
+    num_local_experts = property(lambda self: self.layout.num_local_experts, doc="``L``")
+    capacity = property(lambda self: self.layout.capacity, doc="``C`` (None: dropless)")
+    num_rows = property(lambda self: self.layout.num_rows, doc="``N``, permuted rows")
+    max_recv_rows = property(lambda self: self.layout.max_recv_rows, doc="``R``")
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -248,6 +226,19 @@ class MoEWorkspace:
 
     # -- checks -------------------------------------------------------------------------------
 
+    def _problems(self, num_tokens, num_experts, hidden_size, dtype, device) -> list[str]:
+        lay, problems = self.layout, []
+        for what, got, have in (
+            ("tokens", num_tokens, lay.num_tokens),
+            ("experts", num_experts, lay.num_experts),
+            ("hidden size", hidden_size, lay.hidden_size),
+            ("dtype", dtype, self.dtype),
+            ("device", None if device is None else torch.device(device), self.device),
+        ):
+            if got is not None and got != have:
+                problems.append(f"{what} {got} (workspace: {have})")
+        return problems
+
     def matches(
         self,
         num_tokens: int,
@@ -257,14 +248,7 @@ class MoEWorkspace:
         device: torch.device | None = None,
     ) -> bool:
         """Whether the workspace fits these sizes (None: not compared)."""
-        lay = self.layout
-        return (
-            num_tokens == lay.num_tokens
-            and num_experts in (None, lay.num_experts)
-            and hidden_size in (None, lay.hidden_size)
-            and dtype in (None, self.dtype)
-            and (device is None or torch.device(device) == self.device)
-        )
+        return not self._problems(num_tokens, num_experts, hidden_size, dtype, device)
 
     def check(
         self,
@@ -277,18 +261,7 @@ class MoEWorkspace:
     ) -> None:
         """Raise :class:`WorkspaceMismatchError` unless the workspace fits (``what`` names the
         caller's tensor in the message)."""
-        lay = self.layout
-        problems = []
-        if num_tokens != lay.num_tokens:
-            problems.append(f"{num_tokens} tokens (workspace: {lay.num_tokens})")
-        if num_experts is not None and num_experts != lay.num_experts:
-            problems.append(f"{num_experts} experts (workspace: {lay.num_experts})")
-        if hidden_size is not None and hidden_size != lay.hidden_size:
-            problems.append(f"hidden size {hidden_size} (workspace: {lay.hidden_size})")
-        if dtype is not None and dtype != self.dtype:
-            problems.append(f"dtype {dtype} (workspace: {self.dtype})")
-        if device is not None and torch.device(device) != self.device:
-            problems.append(f"device {device} (workspace: {self.device})")
+        problems = self._problems(num_tokens, num_experts, hidden_size, dtype, device)
         if problems:
             raise WorkspaceMismatchError(
                 f"{what} does not fit the MoEWorkspace: " + ", ".join(problems) + ". Build a "
@@ -296,21 +269,9 @@ class MoEWorkspace:
                 "topk, ...)); MoELayer rebuilds its own when the token count changes."
             )
 
-    @staticmethod
-    def estimate_nbytes(
-        num_tokens: int,
-        hidden_size: int,
-        num_experts: int,
-        topk: int,
-        *,
-        ep_size: int = 1,
-        capacity_factor: float | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        probs_dtype: torch.dtype | None = None,
-    ) -> int:
-        """``nbytes`` of such a workspace, without allocating it (uses the meta device)."""
-        ws = MoEWorkspace(
-            num_tokens, hidden_size, num_experts, topk, ep_size=ep_size,
-            capacity_factor=capacity_factor, dtype=dtype, probs_dtype=probs_dtype, device="meta",
-        )
-        return ws.nbytes
+    @classmethod
+    def estimate_nbytes(cls, *args, **kwargs) -> int:
+        """``nbytes`` of ``MoEWorkspace(*args, **kwargs)`` without allocating it (built on the
+        meta device)."""
+        kwargs["device"] = "meta"
+        return cls(*args, **kwargs).nbytes
