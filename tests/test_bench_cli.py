@@ -27,23 +27,23 @@ RECORD_KEYS = {"op", "family", "case", "group", "params", "dtype", "pass", "prov
                "status", "note", "bytes", "flops"}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    code = cli.main(["--quick", "--mode", "cpu", "--out", str(out), "--no-progress"])
-    folder = out / "cpu-structural"
-    return code, folder, json.loads((folder / "results.json").read_text())
-
-
-def test_cli_exit_code_and_files(cpu_run, capsys):
-    code, folder, result = cpu_run
+def test_cli_cpu_mode(tmp_path):
+    """One run of ``mtp-bench --quick`` on CPU (one test, so that pytest-xdist runs it once),
+    then its outputs checked part by part."""
+    code = cli.main(["--quick", "--mode", "cpu", "--out", str(tmp_path), "--no-progress"])
+    folder = tmp_path / "cpu-structural"
+    result = json.loads((folder / "results.json").read_text())
     assert code == 0
     assert (folder / "results.md").exists()
     assert all((folder / name).exists() for name in result["plots"])
+    _check_schema(result)
+    _check_every_op_and_backend(result)
+    _check_smoke(result)
+    _check_structure(result)
+    _check_no_speeds(folder, result)
 
 
-def test_json_schema(cpu_run):
-    _, _, result = cpu_run
+def _check_schema(result):
     assert result["schema"] == report.SCHEMA
     env = result["environment"]
     for key in ("device", "driver", "torch", "triton", "mtp_revision", "date", "python"):
@@ -58,8 +58,7 @@ def test_json_schema(cpu_run):
     assert result["formulas"] and all(f["bytes"] > 0 for f in result["formulas"])
 
 
-def test_every_op_and_backend_present(cpu_run):
-    _, _, result = cpu_run
+def _check_every_op_and_backend(result):
     assert set(result["ops"]) == ALL_OPS
     for op, backends in BACKENDS.items():
         seen = {r["provider"] for r in result["records"] if r["op"] == op}
@@ -67,8 +66,7 @@ def test_every_op_and_backend_present(cpu_run):
         assert backends <= set(result["providers"][op])
 
 
-def test_smoke_checks_pass(cpu_run):
-    _, _, result = cpu_run
+def _check_smoke(result):
     ran = [r for r in result["records"] if r["status"] != "skipped"]
     assert ran and all(r["status"] == "ok" for r in ran), [r for r in ran if r["status"] != "ok"]
     checked = [r for r in ran if "check" in r]
@@ -84,8 +82,7 @@ def test_smoke_checks_pass(cpu_run):
     assert any(r["provider"] == "torch.compile" for r in skipped)
 
 
-def test_structure_figures(cpu_run):
-    _, _, result = cpu_run
+def _check_structure(result):
     ce = result["structure"]["cross_entropy_collectives"]
     assert {(r["backend"], r["pass"]) for r in ce} == {
         (b, p) for b in ("triton", "reference") for p in ("fwd", "bwd")
@@ -104,8 +101,7 @@ def test_structure_figures(cpu_run):
     assert by[(256, "sequential")]["device_ops"] > by[(8, "sequential")]["device_ops"]
 
 
-def test_markdown_and_stdout_have_no_speeds(cpu_run, tmp_path):
-    _, folder, result = cpu_run
+def _check_no_speeds(folder, result):
     text = (folder / "results.md").read_text()
     assert report.NO_GPU_STATEMENT in text
     rest = text.replace(report.NO_GPU_STATEMENT, "")
