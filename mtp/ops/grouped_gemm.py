@@ -304,8 +304,9 @@ def _cutlass() -> Any:
     except ImportError as exc:
         raise ValueError(
             "grouped_gemm: backend='cutlass' needs the CUTLASS extension, which is not built "
-            f"({_CUTLASS_MODULE}: {exc}). Build it on a machine with nvcc: "
-            "`MTP_BUILD_CUDA=1 pip install --no-build-isolation -e .`; or use backend='triton'."
+            f"({_CUTLASS_MODULE}: {exc}). Build it on a machine with nvcc: `make cuda-ext` (or "
+            "`MTP_BUILD_CUDA=1 pip install --no-build-isolation -e .` with nvidia-cutlass, "
+            "pybind11 and ninja installed); or use backend='triton'."
         ) from exc
     ok, reason = module.is_available()
     if not ok:
@@ -328,13 +329,14 @@ def _check_cutlass(x: torch.Tensor, w: torch.Tensor) -> None:
 
 def _cutlass_forward(x, w, counts, trans_b, out):
     out = _out_or_new(out, (x.shape[0], w.shape[1] if trans_b else w.shape[2]), x)
-    _cutlass().grouped_gemm(x, w, counts, trans_b, out)
+    # the op validated the counts already (one data check per call, not two)
+    _cutlass().grouped_gemm(x, w, counts, trans_b, out, validate=False)
     return out
 
 
 def _cutlass_wgrad(a, b, counts, out):
     out = _out_or_new(out, (counts.shape[0], a.shape[1], b.shape[1]), a)
-    _cutlass().grouped_gemm_wgrad(a, b, counts, out)
+    _cutlass().grouped_gemm_wgrad(a, b, counts, out, validate=False)
     return out
 
 
