@@ -3,14 +3,16 @@
 The Triton kernels live in the top-level ``kernels/`` folder and are installed as ``mtp.kernels``
 (a ``package_dir`` mapping), so users only ever ``import mtp``.
 
-An optional CUDA extension (``csrc/``, CUTLASS grouped GEMM) is built here when its sources exist
-and nvcc is available; set ``MTP_BUILD_CUDA=1`` to require it or ``MTP_BUILD_CUDA=0`` to skip it.
+An optional CUDA extension (``csrc/``, CUTLASS grouped GEMM) is built here when its sources exist,
+nvcc is available and its build inputs (nvidia-cutlass, pybind11, ninja) are importable; set
+``MTP_BUILD_CUDA=1`` to require it or ``MTP_BUILD_CUDA=0`` to skip it (csrc/build_ext.py).
 This script never imports torch, so ``pip install -e .`` works with a CPU-only torch and cannot
 pull a CUDA build of torch into an isolated build environment.
 """
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -18,12 +20,29 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).resolve().parent
 
 
+def _build_ext_module():
+    """csrc/build_ext.py (owns the nvcc/CUTLASS details), loaded without importing torch."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_mtp_build_ext", ROOT / "csrc" / "build_ext.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def _want_cuda_extension() -> bool:
-    """True when the CUDA extension should be built (sources present and nvcc found, or forced)."""
+    """False when MTP_BUILD_CUDA=0, when there is no csrc/, or (unforced) when nvcc is absent.
+
+    Unforced (MTP_BUILD_CUDA unset) the build also needs its inputs importable here (CUTLASS
+    headers, pybind11, ninja): an isolated ``pip install -e .`` skips it with a message and stays
+    fast; ``pip install --no-build-isolation -e .`` in an environment that has them builds it;
+    ``make cuda-ext`` builds it in place. MTP_BUILD_CUDA=1 makes a missing input an error.
+    """
     flag = os.environ.get("MTP_BUILD_CUDA", "").strip()
     if flag == "0":
         return False
-    has_sources = (ROOT / "csrc").is_dir()
+    has_sources = (ROOT / "csrc" / "build_ext.py").is_file()
     if flag == "1":
         if not has_sources:
             raise RuntimeError("MTP_BUILD_CUDA=1 but there is no csrc/ folder to build")
@@ -32,20 +51,16 @@ def _want_cuda_extension() -> bool:
     return has_sources and Path(nvcc).exists()
 
 
-def _cuda_extensions() -> list:
-    """Extension modules built from csrc/ (none until the CUTLASS backend lands)."""
+def _cuda_extensions() -> tuple[list, dict]:
+    """(ext_modules, cmdclass) for the CUTLASS grouped GEMM extension ``mtp._cuda_gemm``."""
     if not _want_cuda_extension():
-        return []
-    # csrc/build_ext.py (added with the CUTLASS backend) owns the nvcc/CUTLASS details and
-    # exposes ``extensions(root) -> list[setuptools.Extension]``.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_mtp_build_ext", ROOT / "csrc" / "build_ext.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.extensions(ROOT)
+        return [], {}
+    module = _build_ext_module()
+    extensions = module.extensions(ROOT)
+    return extensions, (module.cmdclass() if extensions else {})
 
 
+_ext_modules, _cmdclass = _cuda_extensions()
 packages = find_packages(include=["mtp", "mtp.*"])
 packages += ["mtp.kernels"] + ["mtp.kernels." + p for p in find_packages(where="kernels")]
 # The microbenchmarks (top-level bench/) install as mtp.bench, for the mtp-bench command; from a
@@ -72,5 +87,6 @@ setup(
         "bench": ["matplotlib>=3.5", "tqdm>=4", "pytest-benchmark>=4"],
     },
     entry_points={"console_scripts": ["mtp-bench = mtp.bench.cli:main"]},
-    ext_modules=_cuda_extensions(),
+    ext_modules=_ext_modules,
+    cmdclass=_cmdclass,
 )

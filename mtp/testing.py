@@ -714,10 +714,11 @@ def count_host_syncs() -> Iterator[_SyncLog]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     log = _SyncLog()
+    inside = threading.local()  # a counted Tensor method: its own aten ops are not counted again
 
     class _Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if _is_sync_op(func, args, kwargs):
+            if not getattr(inside, "method", False) and _is_sync_op(func, args, kwargs):
                 log.events.append(func._schema.name)
             return func(*args, **(kwargs or {}))
 
@@ -726,8 +727,14 @@ def count_host_syncs() -> Iterator[_SyncLog]:
     def wrap(name, original):
         @functools.wraps(original)
         def method(self, *a, **k):
+            if getattr(inside, "method", False):
+                return original(self, *a, **k)
             log.events.append(f"Tensor.{name}")
-            return original(self, *a, **k)
+            inside.method = True
+            try:
+                return original(self, *a, **k)
+            finally:
+                inside.method = False
 
         return method
 

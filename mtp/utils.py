@@ -36,10 +36,15 @@ def simulated_capture() -> Iterator[None]:
         _state.capturing = previous
 
 
-def _is_fake_or_traced(t: torch.Tensor) -> bool:
+def is_fake(t: torch.Tensor) -> bool:
+    """True for a FakeTensor or a meta tensor (shape propagation, no data)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if isinstance(t, FakeTensor) or t.device.type == "meta":
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def _is_fake_or_traced(t: torch.Tensor) -> bool:
+    if is_fake(t):
         return True
     # Functional / proxy tensors used by export and AOTAutograd are wrapper subclasses.
     return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
@@ -135,4 +140,16 @@ def check_tensor(
         raise TypeError(f"{name} must have dtype in ({want}), got {_dtype_name(value.dtype)}")
     if device is not None and value.device != torch.device(device):
         raise ValueError(f"{name} must be on {device} (like the other inputs), got {value.device}")
+    return value
+
+
+def check_int(name: str, value: object, minimum: int = 0) -> int:
+    """Validate a Python int argument (``bool`` is rejected) that must be ``>= minimum``.
+
+    Raises ``TypeError`` or ``ValueError`` naming the argument; returns the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value

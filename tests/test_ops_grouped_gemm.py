@@ -393,12 +393,14 @@ def _fake_cutlass(available=(True, ""), log=None):
     module = types.ModuleType("mtp.ops._cutlass")
     log = [] if log is None else log
 
-    def grouped_gemm(x, w, tokens_per_expert, trans_b, out):
+    def grouped_gemm(x, w, tokens_per_expert, trans_b, out, *, validate=True):
+        assert validate is False  # the op has validated the counts already
         log.append(("fwd", trans_b, tuple(out.shape), tokens_per_expert.device))
         sizes = tokens_per_expert.tolist()
         out.copy_(expected_forward(x, w, sizes, trans_b))
 
-    def grouped_gemm_wgrad(x, dy, tokens_per_expert, out):
+    def grouped_gemm_wgrad(x, dy, tokens_per_expert, out, *, validate=True):
+        assert validate is False
         log.append(("wgrad", tuple(out.shape)))
         row = 0
         for e, m in enumerate(tokens_per_expert.tolist()):

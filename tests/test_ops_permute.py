@@ -269,6 +269,13 @@ def test_empty_inputs(backend):
     permuted, pprobs, rid = permute(tokens, routing_map, torch.zeros(0, 4), 0, backend=backend)
     assert permuted.shape == (0, 6) and pprobs.shape == (0,) and rid.shape == (0,)
     assert unpermute(permuted, rid, (0, 6), backend=backend).shape == (0, 6)
+    # No tokens (an EP rank that received nothing): the output keeps its autograd link, so the
+    # rank still takes part in backward.
+    rows = torch.randn(3, 6, requires_grad=True)
+    out = unpermute(rows, torch.full((3,), -1), (0, 6), backend=backend)
+    assert out.shape == (0, 6) and out.requires_grad
+    out.sum().backward()
+    assert torch.equal(rows.grad, torch.zeros(3, 6))
     # Tokens routed nowhere: nothing permuted, unpermute gives zeros.
     tokens = torch.randn(5, 6)
     routing_map = torch.zeros(5, 4, dtype=torch.bool)

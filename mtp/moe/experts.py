@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp import ops
-from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, _torch_grouped_mm, grouped_gemm
-from mtp.ops.moe_permute import _check_int
+from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, torch_grouped_mm, grouped_gemm
+from mtp.utils import check_int
 
 __all__ = ["GroupedMLP"]
 
@@ -100,7 +100,7 @@ class GroupedMLP(nn.Module):
             ("hidden_size", hidden_size),
             ("ffn_hidden_size", ffn_hidden_size),
         ):
-            _check_int(name, value, 1)
+            check_int(name, value, 1)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
         self.num_local_experts, self.hidden_size = num_local_experts, hidden_size
@@ -188,7 +188,7 @@ class GroupedMLP(nn.Module):
             self.backend == "auto"
             and device.type == "cpu"
             and os.environ.get("MTP_BACKEND", "").strip() not in GROUPED_GEMM_BACKENDS
-            and _torch_grouped_mm() is not None
+            and torch_grouped_mm() is not None
         ):
             return "torch"
         return self.backend

@@ -23,11 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from mtp.moe.experts import GroupedMLP
-from mtp.moe.preprocess import _is_fake
 from mtp.moe.router import TopKRouter, check_routing_config
 from mtp.moe.token_dispatcher import AllToAllTokenDispatcher
 from mtp.moe.workspace import MoEWorkspace
-from mtp.utils import is_capturing
+from mtp.utils import is_capturing, is_fake
 
 __all__ = ["MoELayer"]
 
@@ -242,7 +241,7 @@ class MoELayer(nn.Module):
             is_capturing()
             and ws is not None
             and ws.num_tokens == tokens.shape[0]
-            and not _is_fake(output)
+            and not is_fake(output)
         ):
             return _IntoStatic.apply(output, ws.static_output(), shape)
         return output.view(shape)

@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.utils._pytree
 
 from mtp.moe.workspace import MoEWorkspace
-from mtp.ops.moe_permute import _select_probs, moe_permute_row_map
-from mtp.utils import check_tensor, data_checks_enabled
+from mtp.ops.moe_permute import moe_permute_row_map, select_probs
+from mtp.utils import check_tensor, data_checks_enabled, is_fake
 
 __all__ = ["MoEPreprocessResult", "preprocess"]
 
@@ -108,7 +108,7 @@ def compute_preprocess(
     row_id_map, pair = moe_permute_row_map(
         routing_map, lay.num_rows, drop_and_pad=capacity is not None, capacity=capacity
     )
-    result = MoEPreprocessResult(tokens_per_expert, row_id_map, _select_probs(probs, pair), pair)
+    result = MoEPreprocessResult(tokens_per_expert, row_id_map, select_probs(probs, pair), pair)
     if lay.ep_size == 1:
         return result
     if capacity is not None:
@@ -118,7 +118,7 @@ def compute_preprocess(
         return result
     result.send_counts = tokens_per_expert.view(lay.ep_size, -1).sum(dim=1)
     recv = torch.empty((lay.ep_size, lay.num_local_experts), dtype=torch.int64, device=device)
-    if not _is_fake(tokens_per_expert):
+    if not is_fake(tokens_per_expert):
         dist.all_to_all_single(recv.view(-1), tokens_per_expert, group=ep_group)
     result.recv_counts = recv
     result.local_tokens_per_expert = recv.sum(dim=0)
@@ -137,12 +137,6 @@ def store_preprocess(result: MoEPreprocessResult, workspace: MoEWorkspace) -> Mo
                 buf.copy_(value)
             stored[field.name] = buf
     return MoEPreprocessResult(**stored)
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor) or t.device.type == "meta"
 
 
 def resolve_ep_group(workspace: MoEWorkspace, ep_group: dist.ProcessGroup | None):

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mtp.ops.moe_permute import _check_int
+from mtp.utils import check_int
 
 __all__ = [
     "MoEAuxLossAutoScaler",
@@ -320,8 +320,8 @@ def check_routing_config(
     group_topk: int | None = None,
 ) -> None:
     """Raise ``ValueError``/``TypeError`` naming the bad routing argument."""
-    _check_int("num_experts", num_experts, 1)
-    _check_int("topk", topk, 1)
+    check_int("num_experts", num_experts, 1)
+    check_int("topk", topk, 1)
     if topk > num_experts:
         raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
     if score_function not in _SCORE_FUNCTIONS:
@@ -340,8 +340,8 @@ def check_routing_config(
     if (num_groups is None) != (group_topk is None):
         raise ValueError("num_groups and group_topk must be given together (group-limited routing)")
     if num_groups is not None:
-        _check_int("num_groups", num_groups, 1)
-        _check_int("group_topk", group_topk, 1)
+        check_int("num_groups", num_groups, 1)
+        check_int("group_topk", group_topk, 1)
         if num_experts % num_groups:
             raise ValueError(
                 f"num_experts={num_experts} must be divisible by num_groups={num_groups}"
@@ -411,7 +411,7 @@ class TopKRouter(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        _check_int("hidden_size", hidden_size, 1)
+        check_int("hidden_size", hidden_size, 1)
         check_routing_config(
             num_experts, topk, score_function, capacity_factor, drop_policy, num_groups, group_topk
         )

@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from mtp.moe.preprocess import (
     MoEPreprocessResult,
-    _is_fake,
     _recv_reorder,
     check_routing,
     compute_preprocess,
@@ -48,6 +47,7 @@ from mtp.moe.preprocess import (
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops._backend import resolve_backend
 from mtp.ops.moe_permute import unpermute
+from mtp.utils import is_fake
 
 __all__ = ["AllToAllTokenDispatcher", "all_to_all"]
 
@@ -83,14 +83,14 @@ class _AllToAll(torch.autograd.Function):
         ctx.in_rows = x.shape[0]
         rows = x.shape[0] if output_splits is None else sum(output_splits)
         out = x.new_empty((rows, *x.shape[1:]))
-        if not _is_fake(x):  # tracing: shapes only
+        if not is_fake(x):  # tracing: shapes only
             dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad_in = grad.new_empty((ctx.in_rows, *grad.shape[1:]))
-        if not _is_fake(grad):
+        if not is_fake(grad):
             dist.all_to_all_single(
                 grad_in, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
             )
@@ -197,7 +197,7 @@ class AllToAllTokenDispatcher:
 
     def _workspace_for(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> MoEWorkspace:
         args = (hidden_states.shape[0], hidden_states.shape[1], hidden_states.dtype, probs.dtype)
-        if _is_fake(hidden_states):
+        if is_fake(hidden_states):
             # Tracing with fake tensors: a throwaway workspace (never keep fake buffers).
             return MoEWorkspace(
                 args[0],

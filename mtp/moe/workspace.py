@@ -47,7 +47,7 @@ import dataclasses
 import torch
 
 from mtp.moe.router import get_capacity
-from mtp.ops.moe_permute import _check_int
+from mtp.utils import check_int
 
 __all__ = ["MoEWorkspace", "WorkspaceMismatchError"]
 
@@ -122,14 +122,14 @@ class MoEWorkspace:
         probs_dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        _check_int("num_tokens", num_tokens, 0)
+        check_int("num_tokens", num_tokens, 0)
         for name, value in (
             ("hidden_size", hidden_size),
             ("num_experts", num_experts),
             ("topk", topk),
             ("ep_size", ep_size),
         ):
-            _check_int(name, value, 1)
+            check_int(name, value, 1)
         if topk > num_experts:
             raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
         if num_experts % ep_size:

@@ -226,13 +226,14 @@ def _triton_wgrad(a, b, counts, out):
 # --------------------------------------------------------------------------------------------
 
 
-def _torch_grouped_mm() -> Callable[..., torch.Tensor] | None:
+def torch_grouped_mm() -> Callable[..., torch.Tensor] | None:
+    """PyTorch's grouped matmul (``F.grouped_mm``, else ``torch._grouped_mm``), or None."""
     fn = getattr(torch.nn.functional, "grouped_mm", None)
     return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
 
 def _check_torch(x: torch.Tensor, w: torch.Tensor) -> None:
-    if _torch_grouped_mm() is None:
+    if torch_grouped_mm() is None:
         raise ValueError(
             f"grouped_gemm: backend='torch' needs torch.nn.functional.grouped_mm or "
             f"torch._grouped_mm (PyTorch >= 2.8); this is PyTorch {torch.__version__}. "
@@ -270,7 +271,7 @@ def _torch_forward(x, w, counts, trans_b, out):
         return _out_or_new(out, (M, N), x).zero_()
     offs = torch.cumsum(counts.clamp_min(0), 0, dtype=torch.int32)
     b = w.transpose(1, 2) if trans_b else w
-    y = _torch_grouped_mm()(_aligned(x), _aligned(b), offs=offs)
+    y = torch_grouped_mm()(_aligned(x), _aligned(b), offs=offs)
     y.masked_fill_(_row_mask(M, offs), 0)  # grouped_mm leaves these rows uninitialised
     if out is None and y.is_contiguous():
         return y
@@ -282,7 +283,7 @@ def _torch_wgrad(a, b, counts, out):
     if min(E, P, Q) == 0 or a.shape[0] == 0:
         return _out_or_new(out, (E, P, Q), a).zero_()
     offs = torch.cumsum(counts.clamp_min(0), 0, dtype=torch.int32)
-    dw = _torch_grouped_mm()(_aligned(a).t(), _aligned(b), offs=offs)
+    dw = torch_grouped_mm()(_aligned(a).t(), _aligned(b), offs=offs)
     dw.masked_fill_((counts <= 0)[:, None, None], 0)  # empty groups: exact zeros
     if out is None and dw.is_contiguous():
         return dw
@@ -303,8 +304,9 @@ def _cutlass() -> Any:
     except ImportError as exc:
         raise ValueError(
             "grouped_gemm: backend='cutlass' needs the CUTLASS extension, which is not built "
-            f"({_CUTLASS_MODULE}: {exc}). Build it on a machine with nvcc: "
-            "`MTP_BUILD_CUDA=1 pip install --no-build-isolation -e .`; or use backend='triton'."
+            f"({_CUTLASS_MODULE}: {exc}). Build it on a machine with nvcc: `make cuda-ext` (or "
+            "`MTP_BUILD_CUDA=1 pip install --no-build-isolation -e .` with nvidia-cutlass, "
+            "pybind11 and ninja installed); or use backend='triton'."
         ) from exc
     ok, reason = module.is_available()
     if not ok:
@@ -327,13 +329,14 @@ def _check_cutlass(x: torch.Tensor, w: torch.Tensor) -> None:
 
 def _cutlass_forward(x, w, counts, trans_b, out):
     out = _out_or_new(out, (x.shape[0], w.shape[1] if trans_b else w.shape[2]), x)
-    _cutlass().grouped_gemm(x, w, counts, trans_b, out)
+    # the op validated the counts already (one data check per call, not two)
+    _cutlass().grouped_gemm(x, w, counts, trans_b, out, validate=False)
     return out
 
 
 def _cutlass_wgrad(a, b, counts, out):
     out = _out_or_new(out, (counts.shape[0], a.shape[1], b.shape[1]), a)
-    _cutlass().grouped_gemm_wgrad(a, b, counts, out)
+    _cutlass().grouped_gemm_wgrad(a, b, counts, out, validate=False)
     return out
 
 

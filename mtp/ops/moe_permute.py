@@ -43,7 +43,7 @@ import torch
 
 from mtp.kernels import moe_permute as _kernels
 from mtp.ops._backend import resolve_backend
-from mtp.utils import check_tensor, data_checks_enabled, empty
+from mtp.utils import check_int, check_tensor, data_checks_enabled, empty
 
 __all__ = [
     "permute",
@@ -51,6 +51,7 @@ __all__ = [
     "permute_reference",
     "unpermute_reference",
     "moe_permute_row_map",
+    "select_probs",
 ]
 
 logger = logging.getLogger("mtp")
@@ -262,8 +263,9 @@ def _row_pairs(
     return torch.where(valid, token * num_experts + expert, num_tokens * num_experts)
 
 
-def _select_probs(probs: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
-    """``probs.flatten()[pair]`` with ``0`` where ``pair == T * E`` (differentiable)."""
+def select_probs(probs: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+    """The probability of each permuted row: ``probs.flatten()[pair]``, ``0`` where
+    ``pair == T * E`` (an empty slot). Differentiable; ``pair`` as built with the row map."""
     flat = torch.cat([probs.reshape(-1), probs.new_zeros(1)])
     return flat.index_select(0, pair)
 
@@ -271,14 +273,6 @@ def _select_probs(probs: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
-
-
-def _check_int(name: str, value: object, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _routing_from_indices(
@@ -353,7 +347,7 @@ def _resolve_routing(
         if probs is None:
             raise ValueError("indices= needs num_experts= (or probs=[T, E]) to know E")
         num_experts = probs.shape[1]
-    _check_int("num_experts", num_experts, 1)
+    check_int("num_experts", num_experts, 1)
     if probs is not None and probs.shape[1] != num_experts:
         raise ValueError(
             f"probs must be [T, E] with E={num_experts}, got {tuple(probs.shape)}"
@@ -376,7 +370,7 @@ def _resolve_sizes(
     """The static row count ``N`` and capacity; checks them against the routing."""
     num_tokens, num_experts = routing_map.shape
     if num_out_tokens is not None:
-        _check_int("num_out_tokens", num_out_tokens)
+        check_int("num_out_tokens", num_out_tokens)
     if drop_and_pad:
         if capacity is None:
             if num_out_tokens is None:
@@ -387,7 +381,7 @@ def _resolve_sizes(
                     f"number of experts {num_experts} (it is E * capacity)"
                 )
             capacity = num_out_tokens // num_experts
-        _check_int("capacity", capacity)
+        check_int("capacity", capacity)
         if num_out_tokens is not None and num_out_tokens != num_experts * capacity:
             raise ValueError(
                 f"drop_and_pad: num_out_tokens={num_out_tokens} must equal E * capacity = "
@@ -492,7 +486,7 @@ def permute(
         return permute_reference(tokens, routing_map, probs, n, drop_and_pad, capacity)
     row_id_map, pair = moe_permute_row_map(routing_map, n, drop_and_pad, capacity)
     permuted = torch.ops.mtp.moe_gather_rows(tokens, row_id_map, None)
-    permuted_probs = None if probs is None else _select_probs(probs, pair)
+    permuted_probs = None if probs is None else select_probs(probs, pair)
     return permuted, permuted_probs, row_id_map
 
 
@@ -574,7 +568,7 @@ def unpermute(
     if data_checks_enabled(validate, row_id_map):
         _check_row_map(row_id_map, num_tokens, pair, routing_map)
     choice = resolve_backend("unpermute", backend, device, _BACKENDS)
-    weight = None if pair is None else _select_probs(probs, pair)
+    weight = None if pair is None else select_probs(probs, pair)
     if choice == "reference":
         return _combine_reference(permuted, row_id_map, weight, num_tokens)
     return torch.ops.mtp.moe_combine_rows(permuted, row_id_map, weight, num_tokens)
@@ -654,7 +648,7 @@ def permute_reference(
     permuted_probs = None
     if probs is not None:
         pair = torch.where(valid, token * num_experts + expert, num_tokens * num_experts)
-        permuted_probs = _select_probs(probs, pair)
+        permuted_probs = select_probs(probs, pair)
     return permuted, permuted_probs, row_id_map
 
 
@@ -668,9 +662,10 @@ def _combine_reference(
     index = row_id_map.to(torch.int64)
     valid = (index >= 0) & (index < num_tokens)
     rows = torch.where(valid.unsqueeze(1), rows, rows.new_zeros(()))
+    if num_tokens == 0:  # keep the autograd link: an EP rank with no tokens still joins backward
+        return rows[:0].to(permuted.dtype)
     out = torch.zeros((num_tokens, permuted.shape[1]), dtype=acc_dtype, device=permuted.device)
-    if num_tokens:
-        out = out.index_add(0, index.clamp(0, num_tokens - 1), rows)
+    out = out.index_add(0, index.clamp(0, num_tokens - 1), rows)
     return out.to(permuted.dtype)
 
 
@@ -687,5 +682,5 @@ def unpermute_reference(
     weight = None
     if probs is not None:
         pair = _row_pairs(row_id_map, num_tokens, probs.shape[1], routing_map, drop_and_pad)
-        weight = _select_probs(probs, pair)
+        weight = select_probs(probs, pair)
     return _combine_reference(permuted, row_id_map, weight, num_tokens)
