@@ -54,5 +54,22 @@ test-slow: venv $(CUDA_EXT)
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
+# The README's main job: the microbenchmarks (bench/, `mtp-bench`) into bench/results/<device>/.
+# On a GPU: timings of every backend and peer; on a CPU-only machine: the smoke check and the
+# structural figures (no timings). BENCH_ARGS="" runs the full set of shapes.
+BENCH_ARGS ?= --quick
+
+.PHONY: bench
+bench: $(VENV)/.bench-installed
+	$(VENV)/bin/mtp-bench $(BENCH_ARGS) --out bench/results
+
+# Plot and progress-bar packages (the `bench` extra). The GPU machine's Python already has
+# matplotlib and no network; the CLI works without tqdm there.
+$(VENV)/.bench-installed: $(VENV)/.installed
+ifneq ($(HAS_GPU),1)
+	$(PIP) install -e ".[bench]"
+endif
+	touch $@
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache mtp/_cuda_gemm*.so

@@ -63,6 +63,9 @@ def _cuda_extensions() -> tuple[list, dict]:
 _ext_modules, _cmdclass = _cuda_extensions()
 packages = find_packages(include=["mtp", "mtp.*"])
 packages += ["mtp.kernels"] + ["mtp.kernels." + p for p in find_packages(where="kernels")]
+# The microbenchmarks (top-level bench/) install as mtp.bench, for the mtp-bench command; from a
+# checkout, `python -m bench` runs the same code.
+packages += ["mtp.bench"]
 
 setup(
     name="mtp",
@@ -73,7 +76,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=packages,
-    package_dir={"mtp.kernels": "kernels"},
+    package_dir={"mtp.kernels": "kernels", "mtp.bench": "bench"},
     install_requires=[
         "torch>=2.4",
         "triton>=3.2",
@@ -81,7 +84,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3"],
+        "bench": ["matplotlib>=3.5", "tqdm>=4", "pytest-benchmark>=4"],
     },
+    entry_points={"console_scripts": ["mtp-bench = mtp.bench.cli:main"]},
     ext_modules=_ext_modules,
     cmdclass=_cmdclass,
 )

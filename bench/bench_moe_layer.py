@@ -1,0 +1,211 @@
+"""The whole MoE layer (``mtp.moe.MoELayer``, EP=1, dropless, SwiGLU experts) per grouped GEMM
+backend, eager and replayed from a CUDA graph.
+
+Router (fp32 logits, ``router_dtype=torch.float32``) -> preprocess -> permute -> two grouped
+GEMMs around the fused SwiGLU -> unpermute. Each backend of :func:`mtp.ops.grouped_gemm` is timed
+eagerly, forward and forward+backward; the graph-safe ones (``triton``, ``torch``, ``cutlass``:
+no host sync) are also captured in one CUDA graph (forward, no autograd) and timed by replay:
+the eager-vs-graph gap is the CPU launch overhead that seed 003 is about.
+
+Shapes (``T`` tokens; the DeepSeek-like layer is narrowed to H=4096, F=1024 so that the
+float32 reference of all 256 experts fits next to it in 80 GB):
+
+- Mixtral-like: E=8, top-2, H=4096, F=14336;
+- DeepSeek-like: E=256, top-8, H=4096, F=1024;
+- Qwen3-MoE-like: E=128, top-8, H=4096, F=1536.
+
+FLOPs (``M = T*k``, ``F1 = 2F`` for SwiGLU): forward ``2*T*H*E + 2*M*H*F1 + 2*M*F*H``
+(router and the two expert GEMMs; the elementwise work is left out); forward+backward three
+times that. Bytes (fewest: a fully fused layer reads its input and weights once and writes its
+output; ``s`` = element size, weights in the activation dtype): forward
+``2*T*H*s + E*H*s + E*(H*F1 + F*H)*s``; the backward adds the output gradient, the input and
+the weights read again, and the input and weight gradients written:
+``3*T*H*s + 2*E*H*s + 2*E*(H*F1 + F*H)*s``.
+
+Structure (CPU, :func:`structure`): aten ops, device ops, Triton launches and host syncs of one
+forward, by backend and number of experts (kernels recorded, not executed, at E=128 and 256),
+and whether :func:`mtp.testing.assert_graph_safe` accepts the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.moe import MoELayer
+from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
+
+from .bench_grouped_gemm import backend_ready
+from .core import FLOAT64, Case, Provider, Run, needs_cuda, randn, seeded
+
+FAMILY = "moe_layer"
+OPS = ("moe_layer",)
+BACKENDS = tuple(GROUPED_GEMM_BACKENDS)
+GRAPH_BACKENDS = ("triton", "torch", "cutlass")  # read the counts on the device: capturable
+GRAPH = "+cudagraph"
+
+#: name -> (E, k, H, F)
+MODELS = {
+    "Mixtral-like": (8, 2, 4096, 14336),
+    "DeepSeek-like": (256, 8, 4096, 1024),
+    "Qwen3-MoE-like": (128, 8, 4096, 1536),
+}
+_TOKENS = {"quick": 4096, "full": 8192}
+_SMOKE = (24, 32, 16)  # T, H, F for the CPU check at E=8
+_STRUCTURE = (64, 32, 16)  # T, H, F for the structural counts
+STRUCTURE_EXPERTS = ((8, 2), (128, 8), (256, 8))
+
+
+def moe_layer_flops(T: int, H: int, F: int, E: int, k: int, pass_: str) -> int:
+    """FLOPs of the router and the two expert GEMMs (SwiGLU: fc1 has ``2F`` outputs)."""
+    M, F1 = T * k, 2 * F
+    fwd = 2 * T * H * E + 2 * M * H * F1 + 2 * M * F * H
+    return fwd if pass_ == "fwd" else 3 * fwd
+
+
+def moe_layer_bytes(T: int, H: int, F: int, E: int, s: int, pass_: str) -> int:
+    """Fewest HBM bytes of a fully fused layer (see the module doc)."""
+    weights = E * (H * 2 * F + F * H) * s
+    fwd = 2 * T * H * s + E * H * s + weights
+    bwd = 3 * T * H * s + 2 * E * H * s + 2 * weights
+    return fwd if pass_ == "fwd" else fwd + bwd
+
+
+def _case(name, E, k, T, H, F, dtype, pass_, check=True, execute=True) -> Case:
+    s = torch.empty((), dtype=dtype).element_size()
+    params = {"model": name, "E": E, "k": k, "T": T, "H": H, "F": F}
+    return Case(
+        "moe_layer", f"{name} E={E} top{k} T={T} H={H} F={F}", params, dtype, pass_,
+        bytes=moe_layer_bytes(T, H, F, E, s, pass_), flops=moe_layer_flops(T, H, F, E, k, pass_),
+        group=name, check=check, execute=execute,
+    )  # fmt: skip
+
+
+def cases(size: str, dtype: torch.dtype) -> list[Case]:
+    if size == "smoke":
+        T, H, F = _SMOKE
+        return [_case("Mixtral-like", 8, 2, T, H, F, dtype, p) for p in ("fwd", "fwd+bwd")]
+    T = _TOKENS[size]
+    models = MODELS if size == "full" else {k: MODELS[k] for k in ("Mixtral-like", "DeepSeek-like")}
+    return [
+        _case(name, E, k, T, H, F, dtype, pass_)
+        for name, (E, k, H, F) in models.items()
+        for pass_ in ("fwd", "fwd+bwd")
+    ]
+
+
+def _graph_needs(backend: str):
+    ready = backend_ready(backend)
+    return lambda device: needs_cuda(device) or ready(device)
+
+
+def providers(op: str = "moe_layer") -> list[Provider]:
+    out = []
+    for name in BACKENDS:
+        kind = "baseline" if name == "reference" else "mtp"
+        out.append(Provider(name, kind, cpu=name != "cutlass", needs=backend_ready(name)))
+    for name in GRAPH_BACKENDS:
+        out.append(Provider(name + GRAPH, "mtp", cpu=False, needs=_graph_needs(name)))
+    return out
+
+
+def build_layer(case: Case, backend: str, device: torch.device, dtype: torch.dtype) -> MoELayer:
+    """The case's layer with ``backend``; the same weights for every backend (seeded fp32 init
+    rounded to the case dtype, then held in ``dtype``)."""
+    p = case.params
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(1234)
+        layer = MoELayer(
+            p["H"], p["F"], p["E"], p["k"], activation="swiglu", backend=backend,
+            router_dtype=torch.float32, params_dtype=torch.float32, device=device,
+        )  # fmt: skip
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(param.to(case.dtype))
+    return layer.to(dtype)
+
+
+def _capture(layer: MoELayer, x: torch.Tensor):
+    """Capture ``layer(x)`` (no autograd) in a CUDA graph; returns ``(replay, output)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: compilation, workspace, allocator
+            layer(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = layer(x)
+    return graph.replay, y
+
+
+def setup_moe_layer(case: Case, provider: str, device: torch.device) -> Run:
+    """``MoELayer(x)`` eagerly (forward, or forward+backward into the input and every weight),
+    or, for ``<backend>+cudagraph``, the replay of the captured forward."""
+    p = case.params
+    reference = provider == FLOAT64  # the MoE layer takes fp32/fp16/bf16: fp32 math reference
+    backend = "reference" if reference else provider.removesuffix(GRAPH)
+    dtype = torch.float32 if reference else case.dtype
+    layer = build_layer(case, backend, device, dtype)
+    gen = seeded(case, device)
+    grad = case.pass_ != "fwd"
+    x = randn((p["T"], p["H"]), case.dtype, device, gen).to(dtype).requires_grad_(grad)
+    dy = randn((p["T"], p["H"]), case.dtype, device, gen).to(dtype)
+    params = list(layer.parameters())
+    if provider.endswith(GRAPH):
+        if grad:
+            raise ValueError("CUDA-graph replay is benchmarked for the forward only")
+        replay, y = _capture(layer, x)
+        return Run(lambda: (replay(), y)[1:], inputs=[x, *params])
+    if not grad:
+        return Run(lambda: (layer(x),), inputs=[x, *params])
+
+    def fwd_bwd():
+        y = layer(x)
+        return (y, *torch.autograd.grad(y, [x, *params], dy))
+
+    return Run(fwd_bwd, grad_to_none=[], inputs=[x, dy, *params])
+
+
+SETUP = {"moe_layer": setup_moe_layer}
+
+
+# --------------------------------------------------------------------------------------------
+# Structure: what one forward issues, by backend and number of experts (CPU)
+# --------------------------------------------------------------------------------------------
+
+
+def _graph_safety(layer: MoELayer, x: torch.Tensor) -> str:
+    from mtp.testing import GraphSafetyError, assert_graph_safe
+
+    try:
+        with torch.no_grad():
+            assert_graph_safe(layer, x)
+    except GraphSafetyError as exc:
+        return "no: " + str(exc).removeprefix("not graph-safe: ")[:120]
+    return "yes"
+
+
+def structure(size: str, backends=BACKENDS) -> dict:
+    """Per backend and E: ops, launches and host syncs of one forward, and graph safety."""
+    from .counting import count_ops, triton_launch_hook
+
+    device = torch.device("cpu")
+    T, H, F = _STRUCTURE
+    rows = []
+    for E, k in STRUCTURE_EXPERTS:
+        for backend in backends:
+            if backend == "cutlass":
+                continue
+            case = _case("structure", E, k, T, H, F, torch.float32, "fwd", check=False)
+            layer = build_layer(case, backend, device, torch.float32)
+            x = randn((T, H), torch.float32, device, seeded(case, device))
+            with torch.no_grad(), triton_launch_hook(lambda *a: None, execute=False):
+                layer(x)  # builds the workspace
+                with count_ops(execute_kernels=False) as counted:
+                    layer(x)
+                safe = _graph_safety(layer, x)
+            summary = counted.summary()
+            summary.pop("sync_events")
+            rows.append({"E": E, "topk": k, "T": T, "H": H, "F": F, "backend": backend,
+                         **summary, "graph_safe": safe})  # fmt: skip
+    return {"moe_layer_forward": rows}

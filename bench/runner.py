@@ -1,0 +1,357 @@
+"""Run the cases of the selected bench modules: the CPU smoke/structural pass or the GPU pass.
+
+Both produce *records*, one per (case, provider), plain dicts ready for JSON:
+
+``op, family, case, group, params, dtype, pass, provider, kind, status ("ok" | "skipped" |
+"failed"), note, bytes, flops`` and
+
+- CPU: ``check`` (``rel_err`` against the float64 reference, ``limit``, ``ok``) and ``counts``
+  (:meth:`mtp.bench.counting.OpCount.summary`: aten ops, device ops, Triton launches, host
+  syncs of one call);
+- GPU: ``check`` (against mtp's reference, fp32 math) and ``timing`` (median/p20/p80 ms, GB/s,
+  TFLOP/s, fractions of the datasheet floor and of the measured ceilings, host µs per call,
+  launches, peak memory) and ``speedup_vs`` (other provider's median / this median, for every
+  provider timed on the same case in the same run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .core import FLOAT64, Case, Provider, check_limit, dtype_name, rel_err
+
+__all__ = [
+    "MODULES",
+    "OP_NAMES",
+    "load_modules",
+    "plan",
+    "run_cpu",
+    "run_gpu",
+    "floor_seconds",
+    "Progress",
+]
+
+#: Bench modules in report order.
+MODULES = ("bench_bias_act", "bench_cross_entropy", "bench_permute", "bench_grouped_gemm",
+           "bench_moe_layer")  # fmt: skip
+#: Names accepted on the command line: families and single ops.
+OP_NAMES = ("bias_act", "bias_gelu", "bias_swiglu", "cross_entropy", "permute", "unpermute",
+            "grouped_gemm", "moe_layer")  # fmt: skip
+
+GPU_EXPECTED = "reference"  # the GPU check compares with mtp's reference (fp32 math)
+
+
+def load_modules() -> list[ModuleType]:
+    """Import the bench modules (after :func:`mtp.bench.env.prepare_runtime`)."""
+    package = __name__.rsplit(".", 1)[0]
+    return [importlib.import_module(f"{package}.{name}") for name in MODULES]
+
+
+def plan(
+    modules: Iterable[ModuleType],
+    ops: Iterable[str] | None,
+    size: str,
+    dtype: torch.dtype,
+    backends: Iterable[str] | None = None,
+    peers: bool = True,
+) -> list[tuple[ModuleType, Case, list[Provider]]]:
+    """The (module, case, providers) to run: ``ops`` names families or ops (None: all);
+    ``backends`` keeps only those mtp backends (baselines and peers stay unless ``peers`` is
+    False; the reference always stays: it is what the others are compared with)."""
+    wanted = set(ops or OP_NAMES)
+    unknown = wanted - set(OP_NAMES)
+    if unknown:
+        raise ValueError(f"unknown op(s) {sorted(unknown)}; choose from {list(OP_NAMES)}")
+    keep = set(backends) if backends else None
+    out = []
+    for module in modules:
+        for case in module.cases(size, dtype):
+            if module.FAMILY not in wanted and case.op not in wanted:
+                continue
+            provs = [
+                p for p in module.providers(case.op)
+                if (p.kind != "mtp" or keep is None or p.name.split("+")[0] in keep)
+                and (peers or p.kind != "peer")
+            ]  # fmt: skip
+            out.append((module, case, provs))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """tqdm when installed, else one line per case on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.bar = None
+        self.enabled = enabled
+        self.done, self.total = 0, total
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                self.bar = None
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_description_str(label[:60])
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def poisoned(on: bool = True):
+    """Op outputs start as NaN (``mtp.utils.empty``) inside: unwritten elements fail the check."""
+    return _env("MTP_POISON_OUTPUTS", "1" if on else "0")
+
+
+def _detach(out) -> list[torch.Tensor]:
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in out]
+
+
+def _record(module: ModuleType, case: Case, provider: Provider) -> dict[str, Any]:
+    return {
+        "op": case.op,
+        "family": module.FAMILY,
+        "case": case.label,
+        "group": case.group,
+        "params": dict(case.params),
+        "dtype": dtype_name(case.dtype),
+        "pass": case.pass_,
+        "provider": provider.name,
+        "kind": provider.kind,
+        "status": "ok",
+        "note": "",
+        "bytes": case.bytes,
+        "flops": case.flops,
+    }
+
+
+def _check(out, expected, case: Case, against: str) -> dict[str, Any]:
+    err = rel_err(_detach(out), expected)
+    limit = check_limit(case.dtype)
+    return {"rel_err": err, "limit": limit, "ok": err <= limit, "against": against}
+
+
+def _error_note(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: smoke check + structural counts
+# --------------------------------------------------------------------------------------------
+
+
+def _no_kernels(case: Case):
+    from .counting import triton_launch_hook
+
+    if case.execute:
+        return contextlib.nullcontext()
+    return triton_launch_hook(lambda *a: None, execute=False)
+
+
+def _each_provider(module, case, providers, device, progress, body) -> list[dict[str, Any]]:
+    """One record per provider: skipped with the reason when it cannot run on ``device``, else
+    filled by ``body(rec, provider)``; an exception marks only that record failed."""
+    records = []
+    for provider in providers:
+        rec = _record(module, case, provider)
+        records.append(rec)
+        reason = provider.unavailable(device)
+        if reason:
+            rec.update(status="skipped", note=reason)
+        else:
+            try:
+                body(rec, provider)
+            except Exception as exc:  # one broken provider must not stop the run
+                rec.update(status="failed", note=_error_note(exc))
+            _free(device)
+        if progress is not None:
+            progress.step(f"{case.op} {provider.name}")
+    return records
+
+
+def run_cpu_case(module: ModuleType, case: Case, providers: list[Provider], progress=None):
+    """Records of one case on CPU: check each provider against float64, count one call."""
+    from .counting import count_ops
+
+    device = torch.device("cpu")
+    setup = module.SETUP[case.op]
+    expected = None
+    if case.check:
+        with poisoned():
+            expected = _detach(setup(case, FLOAT64, device).fn())
+
+    def check_and_count(rec, provider):
+        run = setup(case, provider.name, device)
+        with poisoned(), _no_kernels(case):
+            out = run.fn()  # the checked call, also the warm-up of the counted one
+        if expected is not None:
+            rec["check"] = _check(out, expected, case, FLOAT64)
+            if not rec["check"]["ok"]:
+                rec.update(status="failed", note="differs from the float64 reference")
+        del out
+        # Counting needs no kernel results (nothing on the host reads them): the Triton
+        # kernels are recorded, not run again.
+        with poisoned(False), count_ops(execute_kernels=False) as counted:
+            run.fn()
+        rec["counts"] = counted.summary()
+        if not case.execute:
+            rec["note"] = "structure only: Triton launches recorded, kernels not executed"
+
+    return _each_provider(module, case, providers, device, progress, check_and_count)
+
+
+def run_cpu(planned, size: str, progress: Progress | None = None) -> dict[str, Any]:
+    """The CPU pass: smoke records plus each module's ``structure(size)`` figures."""
+    records = []
+    for module, case, providers in planned:
+        records += run_cpu_case(module, case, providers, progress)
+    structure: dict[str, Any] = {}
+    families = {module.FAMILY: module for module, _, _ in planned}
+    for module in families.values():
+        if hasattr(module, "structure"):
+            try:
+                structure.update(module.structure(size))
+            except Exception as exc:
+                structure[f"{module.FAMILY}_error"] = _error_note(exc)
+            if progress is not None:
+                progress.step(f"{module.FAMILY} structure")
+    return {"records": records, "structure": structure}
+
+
+def structure_steps(planned) -> int:
+    return len({m.FAMILY for m, _, _ in planned if hasattr(m, "structure")})
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: check + timing
+# --------------------------------------------------------------------------------------------
+
+
+def floor_seconds(nbytes: int | None, flops: int | None, bytes_per_s: float, flops_per_s: float):
+    """``max(bytes / bandwidth, flops / rate)``: the time no implementation can beat."""
+    terms = []
+    if nbytes:
+        terms.append(nbytes / bytes_per_s)
+    if flops:
+        terms.append(flops / flops_per_s)
+    return max(terms) if terms else None
+
+
+def _figures(rec, timing, peak, ceilings) -> dict[str, Any]:
+    seconds = timing["median_ms"] * 1e-3
+    fig = dict(timing)
+    fig["gbps"] = rec["bytes"] / seconds / 1e9 if rec["bytes"] else None
+    fig["tflops"] = rec["flops"] / seconds / 1e12 if rec["flops"] else None
+    if peak is not None:
+        floor = floor_seconds(rec["bytes"], rec["flops"], peak["hbm_bytes_per_s"],
+                              peak["bf16_flops_per_s"])  # fmt: skip
+        fig["floor_us"] = floor * 1e6 if floor else None
+        fig["floor_fraction"] = floor / seconds if floor else None
+    if ceilings:
+        floor = floor_seconds(rec["bytes"], rec["flops"], ceilings["copy_bytes_per_s"],
+                              ceilings["bf16_matmul_flops_per_s"])  # fmt: skip
+        fig["ceiling_fraction"] = floor / seconds if floor else None
+    return fig
+
+
+def run_gpu_case(module, case, providers, timer, peak=None, ceilings=None, progress=None):
+    """Records of one case on the GPU: check each provider, then time it (``timer`` is a
+    :class:`mtp.bench.timing.GpuTimer` or anything with its ``measure(run)``)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    setup = module.SETUP[case.op]
+    expected, expected_error = None, ""
+    try:
+        with poisoned():
+            expected = _detach(setup(case, GPU_EXPECTED, device).fn())
+    except Exception as exc:  # no reference: time anyway, unchecked
+        expected_error = _error_note(exc)
+
+    def check_and_time(rec, provider):
+        _time_one(rec, setup, case, provider, device, expected, timer, peak, ceilings)
+        if expected is None:
+            rec["note"] = f"unchecked: the reference failed ({expected_error})"
+
+    records = _each_provider(module, case, providers, device, progress, check_and_time)
+    expected = None  # free the reference outputs before the next case
+    _free(device)
+    _speedups(records)
+    return records
+
+
+def _time_one(rec, setup, case, provider, device, expected, timer, peak, ceilings) -> None:
+    run = setup(case, provider.name, device)
+    with poisoned():
+        out = run.fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if expected is not None:
+        rec["check"] = _check(out, expected, case, GPU_EXPECTED)
+        if not rec["check"]["ok"]:
+            rec["note"] = "check failed: result differs from the reference (timed anyway)"
+    del out
+    rec["timing"] = _figures(rec, timer.measure(run), peak, ceilings)
+    del run
+
+
+def _free(device: torch.device) -> None:
+    """Return the last provider's memory before the next one is set up (GPU runs)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _speedups(records: list[dict]) -> None:
+    timed = [r for r in records if r["status"] == "ok" and "timing" in r]
+    for r in timed:
+        r["speedup_vs"] = {
+            o["provider"]: o["timing"]["median_ms"] / r["timing"]["median_ms"]
+            for o in timed
+            if o is not r
+        }
+
+
+def run_gpu(planned, timer, peak=None, ceilings=None, progress=None) -> dict[str, Any]:
+    records = []
+    for module, case, providers in planned:
+        records += run_gpu_case(module, case, providers, timer, peak, ceilings, progress)
+    return {"records": records, "structure": {}}
+
+
+def total_steps(planned, cpu: bool) -> int:
+    return sum(len(p) for _, _, p in planned) + (structure_steps(planned) if cpu else 0)
+
