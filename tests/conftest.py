@@ -15,6 +15,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
+    # one xdist worker per core: more intra-op threads only spin against each other
+    torch.set_num_threads(1)
 os.environ.setdefault("MTP_POISON_OUTPUTS", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
