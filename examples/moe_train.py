@@ -12,6 +12,7 @@ step against the same model on one process holding every expert.
 """
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -131,10 +132,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args)  # MoELayer picks up the expert-parallel group of mtp.parallel
     moe = model.blocks[0].mlp
-    print(
-        f"rank {rank}: experts {moe.local_expert_indices} of {args.experts}, ep={moe.ep_size}",
-        flush=True,
-    )
+    # one write per line (ranks share stdout; a separate newline write could interleave)
+    line = f"rank {rank}: experts {moe.local_expert_indices} of {args.experts}, ep={moe.ep_size}"
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     if args.check:
         check_first_step(args, model, rank)
 

@@ -8,6 +8,7 @@ all-reduce, then prints one line.
 """
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,9 @@ def main() -> None:
     assert one.item() == mp.get_tensor_model_parallel_world_size()
     kinds = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
     groups = " ".join(f"{k}={mp.get_process_group_ranks(k)}" for k in kinds)
-    print(f"rank {dist.get_rank():>3}: {groups}", flush=True)
+    # one write call per line: ranks share stdout, and a separate newline write could interleave
+    sys.stdout.write(f"rank {dist.get_rank():>3}: {groups}\n")
+    sys.stdout.flush()
     mp.destroy_model_parallel()
     dist.destroy_process_group()
 

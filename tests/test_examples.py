@@ -1,6 +1,7 @@
 """The examples run (under torchrun, on CPU with gloo)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,6 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300) -> str:
 
 def test_parallel_groups_example():
     out = torchrun("parallel_groups.py", 4, "--tp", "2", "--ep", "2", "--etp", "1")
-    lines = sorted(line for line in out.splitlines() if line.startswith("rank"))
-    assert len(lines) == 4
+    lines = sorted(re.findall(r"rank +\d+: .*?edp=\[[\d, ]*\]", out))
+    assert len(lines) == 4, out
     assert "rank   3: tp=[2, 3] pp=[3] dp=[1, 3] cp=[3] ep=[2, 3] etp=[3] edp=[1, 3]" in lines
