@@ -1,9 +1,15 @@
 """Small conventions shared by every op and layer.
 
 - :func:`data_checks_enabled` implements the project rule for data-dependent validation: a check
-  that must read tensor values (and so synchronises with the device) runs by default, is skipped
-  automatically while tracing, compiling or capturing a CUDA graph, and is turned off by
-  ``validate=False``.
+  that must read tensor values runs by default, is skipped automatically while tracing, compiling
+  or capturing a CUDA graph, and is turned off by ``validate=False``.
+- :func:`validation_mode` / :func:`check_values` say *how* it runs. The default
+  (``validate=True``) never synchronises the host: the condition is checked on the device with
+  ``torch._assert_async`` (a device-side assert on CUDA, PyTorch's own convention for
+  out-of-range targets and ids; on CPU it raises ``RuntimeError`` at once with the message).
+  ``validate="sync"`` (or ``MTP_VALIDATE=sync`` in the environment) reads the condition on the
+  host and raises the typed Python error (``ValueError`` and friends), at the cost of one sync:
+  for debugging. ``validate=False`` (or ``MTP_VALIDATE=off``) turns data checks off.
 - :func:`empty` allocates op outputs. With ``MTP_POISON_OUTPUTS=1`` (the test suite sets it) the
   buffer is filled with NaN (floats) or a large sentinel (integers) so that an element a kernel
   forgot to write cannot pass a test by luck.
@@ -57,18 +63,76 @@ def is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def data_checks_enabled(validate: bool, *tensors: torch.Tensor) -> bool:
-    """Whether a data-dependent (host-syncing) check should run now.
+def data_checks_enabled(validate: bool | str, *tensors: torch.Tensor) -> bool:
+    """Whether a data-dependent check should run now.
 
     Args:
-        validate: the op's ``validate`` argument; False turns the check off.
+        validate: the op's ``validate`` argument; False (or ``"off"``) turns the check off.
         tensors: the tensors the check would read; fake/meta/traced tensors disable it.
     """
-    if not validate:
+    if not validate or validate == "off":
         return False
     if torch.compiler.is_compiling() or is_capturing():
         return False
     return not any(_is_fake_or_traced(t) for t in tensors if isinstance(t, torch.Tensor))
+
+
+_MODES = {"device": "device", "sync": "sync", "off": "off", "0": "off", "false": "off"}
+
+
+def validation_mode(validate: bool | str) -> str:
+    """``"device"``, ``"sync"`` or ``"off"`` for an op's ``validate`` argument.
+
+    ``True`` means the default, ``"device"``, unless ``MTP_VALIDATE`` says otherwise
+    (``sync``, ``device`` or ``off``); ``False`` is always ``"off"``; a string is taken as it is.
+    Raises ``ValueError`` naming ``validate`` for anything else.
+    """
+    if validate is False:
+        return "off"
+    if validate is True:
+        env = os.environ.get("MTP_VALIDATE", "").strip().lower()
+        if not env:
+            return "device"
+        if env not in _MODES:
+            raise ValueError(f"MTP_VALIDATE must be one of sync, device, off; got {env!r}")
+        return _MODES[env]
+    if isinstance(validate, str) and validate in ("device", "sync", "off"):
+        return validate
+    raise ValueError(f"validate must be True, False, 'device', 'sync' or 'off'; got {validate!r}")
+
+
+def check_values(
+    cond: torch.Tensor | None,
+    message: str,
+    *,
+    validate: bool | str,
+    error: type[Exception] = ValueError,
+    tensors: Sequence[torch.Tensor] = (),
+) -> None:
+    """Run one data-dependent check under the project's validation rule.
+
+    Args:
+        cond: a 0-d bool tensor on the data's device, True when the data is valid. ``None`` (or
+            a fake/traced tensor) skips the check.
+        message: the error message; it must name the argument.
+        validate: the op's ``validate`` argument (see :func:`validation_mode`).
+        error: the exception type raised in ``"sync"`` mode.
+        tensors: the inputs the condition was computed from (fake/traced ones skip the check).
+
+    Default mode: ``torch._assert_async(cond, message)``, no host sync (device-side assert on
+    CUDA; an immediate ``RuntimeError`` carrying ``message`` on CPU). ``"sync"``: ``bool(cond)``
+    and ``raise error(message)``.
+    """
+    mode = validation_mode(validate)
+    if mode == "off" or cond is None:
+        return
+    if not data_checks_enabled(True, cond, *tensors):
+        return
+    if mode == "sync":
+        if not bool(cond):
+            raise error(message)
+        return
+    torch._assert_async(cond, message)
 
 
 def poison_enabled() -> bool:
