@@ -237,6 +237,9 @@ class _Replay(torch.autograd.Function):
                     s.copy_(a)
         step.fwd_graph.replay()
         ctx.step = step
+        # AccumulateGrad keeps (steals) a gradient handed to a leaf whose .grad is None: give
+        # leaves a copy, not the static buffer the next replay overwrites.
+        ctx.leaf = [a.is_leaf and a.requires_grad for a in args[:n]]
         outs = tuple(o.detach() for o in step.static_outputs)
         ctx.mark_non_differentiable(
             *[o for i, o in enumerate(outs) if i not in step.diff_outputs]
@@ -257,8 +260,11 @@ class _Replay(torch.autograd.Function):
         input_grads = [None] * len(step.static_inputs)
         for j, i in enumerate(step.diff_inputs):
             g = step.static_grad_inputs[j]
-            input_grads[i] = None if g is None else g.detach()
-        param_grads = [None if g is None else g.detach() for g in step.static_grad_inputs[nd:]]
+            input_grads[i] = None if g is None else (g.clone() if ctx.leaf[i] else g.detach())
+        param_grads = [
+            None if g is None else (g.clone() if p.grad is None else g.detach())
+            for g, p in zip(step.static_grad_inputs[nd:], step.params)
+        ]
         return (None, *input_grads, *param_grads)
 
 
