@@ -198,8 +198,9 @@ def capture_blocks(
     """Capture each block's :meth:`~PartialMoEBlock.captured_part` in ``order`` (see
     :func:`mtp.graphs.make_graphed_callables`) and switch the blocks to replay.
 
-    ``sample_input`` (``[..., H]``) gives every block's input shape; for the blocks after the
-    first the sample requires grad. Returns ``(graphs, plan, buffers)``.
+    ``sample_input`` (``[..., H]``) gives every block's input shape and dtype; the first
+    block's input gets a gradient when ``sample_input.requires_grad`` (a pipeline stage after
+    the first), the others always. Returns ``(graphs, plan, buffers)``.
     """
     for i, block in enumerate(blocks):
         if not isinstance(block, PartialMoEBlock):
