@@ -164,3 +164,22 @@ def test_runner_rejects_bad_arguments():
     with pytest.raises(ValueError, match="inputs has 1"):
         forward_backward_pipelining(Stage(), [torch.zeros(1, H)], lambda y, i: y.sum(),
                                     num_microbatches=2)
+
+
+@pytest.mark.slow  # torchrun start-up: ~30 s on the 2-core CI machine
+def test_pipeline_example_runs():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(root / "examples" / "pipeline_train.py"), "--vpp", "2", "--check", "--steps", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check: |loss - ref|" in proc.stdout
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0]

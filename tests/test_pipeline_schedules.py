@@ -107,7 +107,9 @@ def simulate(pp, m, vpp, group):
                 ready = v == 0 or (v - 1, s.microbatch) in done_f
                 target = done_f
             else:
-                ready = (v, s.microbatch) in done_f and (v == nv - 1 or (v + 1, s.microbatch) in done_b)
+                ready = (v, s.microbatch) in done_f and (
+                    v == nv - 1 or (v + 1, s.microbatch) in done_b
+                )
                 target = done_b
             if ready:
                 target.add((v, s.microbatch))

@@ -61,7 +61,8 @@ def check_schedule_args(
     pp = _check_int("pipeline_parallel_size", pipeline_parallel_size, 1)
     m = _check_int("num_microbatches", num_microbatches, 1)
     vpp = _check_int("num_model_chunks", num_model_chunks, 1)
-    group = pp if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
+    group = microbatch_group_size_per_vp_stage
+    group = pp if group is None else group
     group = _check_int("microbatch_group_size_per_vp_stage", group, 1)
     if vpp > 1:
         if pp == 1:
