@@ -64,6 +64,8 @@ class PipelineCommunicator:
             self.local[tag] = tensor
             return
         op = dist.P2POp(dist.isend, tensor, self._global(dst), self.group, tag)
+        # keep each sent tensor alive until its send completes, not until the end of the step
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
         self.pending += [(w, tensor) for w in dist.batch_isend_irecv([op])]
 
     def recv(self, kind, chunk, mb, shape, dtype, device, src: int) -> torch.Tensor:
