@@ -29,7 +29,14 @@ from mtp.utils import is_fake
 
 from .planner import BufferPlan, plan_static_buffers
 
-__all__ = ["StandInGraph", "CudaGraph", "GraphedStep", "GraphedLayer", "make_graphed_callables"]
+__all__ = [
+    "StandInGraph",
+    "CudaGraph",
+    "StaticBuffers",
+    "GraphedStep",
+    "GraphedLayer",
+    "make_graphed_callables",
+]
 
 
 class StandInGraph:
@@ -107,8 +114,9 @@ class _IntoBuffer(torch.autograd.Function):
         return grad, None
 
 
-class _Slots:
-    """Static buffers per (layer, slot): inputs, outputs, output grads, input grads."""
+class StaticBuffers:
+    """The static buffers of one capture: inputs, outputs, output and input gradients per
+    ``(layer, slot)``, parameter gradients per layer; :meth:`nbytes` is their total size."""
 
     def __init__(self) -> None:
         self.inputs: dict = {}
@@ -146,7 +154,7 @@ class GraphedStep:
         self.live: list | None = None  # outputs with their autograd graph (capture / stand-in)
 
     # -- capture ----------------------------------------------------------------------------
-    def capture_forward(self, slots: _Slots, sample) -> None:
+    def capture_forward(self, slots: StaticBuffers, sample) -> None:
         key = (self.layer, self.slot)
         if key not in slots.inputs:
             slots.inputs[key] = [
@@ -172,7 +180,7 @@ class GraphedStep:
         self.diff_outputs = [i for i, o in enumerate(self.static_outputs) if _differentiable(o)]
         self.diff_inputs = [i for i, t in enumerate(self.static_inputs) if t.requires_grad]
 
-    def capture_backward(self, slots: _Slots) -> None:
+    def capture_backward(self, slots: StaticBuffers) -> None:
         key = (self.layer, self.slot)
         if key not in slots.grad_outputs:
             slots.grad_outputs[key] = [
@@ -325,7 +333,7 @@ def make_graphed_callables(
     pool=None,
     graph_factory: Callable | None = None,
     reuse_buffers: bool = True,
-) -> tuple[list[list[GraphedStep]], BufferPlan, _Slots]:
+) -> tuple[list[list[GraphedStep]], BufferPlan, StaticBuffers]:
     """Capture ``callables`` (layers, chunk after chunk) in ``order``.
 
     Args:
@@ -385,7 +393,7 @@ def make_graphed_callables(
     elif num_warmup_iters > 0:
         _warmup(callables, sample_args, params, num_warmup_iters)
 
-    slots = _Slots()
+    slots = StaticBuffers()
     graphs: list[list] = [[None] * num_mb[0] for _ in callables]
     fwd_count, bwd_count = [0] * num_chunks, [0] * num_chunks
     fresh = iter(range(10**9))
