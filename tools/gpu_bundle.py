@@ -81,7 +81,9 @@ def header_closure(sources: list[Path], include: Path) -> list[Path]:
                         todo.append(real)
                     break
     # find_cutlass() checks for cutlass/version.h and cute/ before it accepts a folder.
-    seen.add((include / "cutlass" / "version.h").resolve())
+    version = include / "cutlass" / "version.h"
+    if version.is_file():
+        seen.add(version.resolve())
     return sorted(p.relative_to(include) for p in seen)
 
 

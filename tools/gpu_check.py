@@ -110,7 +110,7 @@ class Checker:
         """Run ``cmd`` with output to ``log``, killed (whole process group) after
         ``min(cap, time left - reserve)`` s. Returns (status, returncode, seconds)."""
         limit = min(cap, self.remaining() - reserve)
-        if limit < 5:
+        if self.remaining() - reserve < 5:
             with open(log, "a") as f:
                 f.write(f"$ {shlex.join(cmd)}\nnot run: time budget spent\n")
             return "skipped (budget)", None, 0.0
@@ -179,19 +179,23 @@ class Checker:
                 "if d['cuda_available']:\n p = torch.cuda.get_device_properties(0)\n"
                 " d.update(device=p.name, capability=f'{p.major}.{p.minor}', "
                 "sm_count=p.multi_processor_count, memory_bytes=p.total_memory)\n"
-                " from bench.env import device_folder\n from bench.peaks import match_peak\n"
-                " peak = match_peak(p.name, p.multi_processor_count)\n"
-                " d['folder'] = device_folder(dict(mode='gpu', device=p.name), "
-                "peak.name if peak else None)\nprint(json.dumps(d))")  # fmt: skip
+                " try:\n  from bench.env import device_folder\n  from bench.peaks import match_peak\n"
+                "  peak = match_peak(p.name, p.multi_processor_count)\n"
+                "  d['folder'] = device_folder(dict(mode='gpu', device=p.name), "
+                "peak.name if peak else None)\n except Exception as e:\n  d['folder_error'] = repr(e)\n"
+                "print(json.dumps(d))")  # fmt: skip
         out = self.python(code, timeout=120)
         rec.update(json.loads(out) if out else {"torch": None, "error": "torch/triton import failed"})
-        rec["nvidia_smi"] = _nvidia_smi()
-        rec["nvcc"] = _first_line([_which_nvcc(), "--version"], pick="release")
         self.record = rec
         gpu = rec.get("cuda_available")
         if self.dry and gpu:
             print("[gpu-check] --dry-run on a GPU machine: GPU actions skipped all the same")
         self.device = rec.get("folder", "gpu") if gpu and not self.dry else self.device
+        rec["nvidia_smi"] = _nvidia_smi()
+        clocks = _smi(["-q", "-d", "CLOCK,PERFORMANCE,POWER"])
+        if clocks:
+            (self.own / "nvidia-smi.txt").write_text(clocks)
+        rec["nvcc"] = _first_line([_which_nvcc(), "--version"], pick="release")
         (self.own / "env.json").write_text(json.dumps(rec, indent=2) + "\n")
         detail = ", ".join(
             f"{k} {rec.get(k)}" for k in ("device", "torch", "triton", "cuda") if rec.get(k)
@@ -309,7 +313,8 @@ class Checker:
             lines.append("bench: no results.json")
         else:
             lines += bench_table(json.loads(results.read_text()))
-        lines.append(f"total {time.monotonic() - self.start:.0f} s; files in {self.folder}")
+        where = (Path(self.final_out) / "gpu-check.tar.gz") if self.final_out else self.folder
+        lines.append(f"total {time.monotonic() - self.start:.0f} s; files: {where}")
         return "\n".join(lines)
 
     def finish(self) -> int:
@@ -327,7 +332,7 @@ class Checker:
                         shutil.copy2(src, out / name)
                         break
             shutil.rmtree(self.root, ignore_errors=True)
-            text += f"\n(packed into {out}/gpu-check.tar.gz: tar xzf it -C bench/results)"
+            text += f"\n(unpack here with: tar xzf gpu-check.tar.gz -C bench/results)"
         print("\n" + text, flush=True)
         failed = [s for s in self.steps if s["status"].startswith(("failed", "timeout"))]
         return 1 if failed else 0
@@ -396,7 +401,7 @@ def bench_table(result: dict) -> list[str]:
                 )
     rows = []
     for (op, pas), g in sorted(groups.items()):
-        wins = ", ".join(f"{k} {v}" for k, v in sorted(g["wins"].items(), key=lambda kv: -kv[1]))
+        wins = ", ".join(f"{k} {v}" for k, v in sorted(g["wins"].items(), key=lambda kv: (-kv[1], kv[0])))
         vs = ", ".join(f"{p} {_geomean(v):.2f}x" for p, v in sorted(g["ratios"].items()))
         rows.append([op, pas, str(len(g["ms"])), wins, f"{_geomean(g['ms']):.4g}", vs])
     lines = ["bench (best mtp backend per case; ms = geomean of its medians; vs = other "
@@ -455,19 +460,28 @@ def _first_line(cmd: list[str], pick: str = "") -> str | None:
     return lines[0] if out.returncode == 0 and lines else None
 
 
-def _nvidia_smi() -> dict | None:
-    """One GPU's nvidia-smi fields (clocks as read now, in MHz), None without nvidia-smi."""
+def _smi(args: list[str]) -> str | None:
     try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0 or not out.stdout.strip():
+    return out.stdout if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _nvidia_smi() -> dict | None:
+    """GPU 0's nvidia-smi fields (clocks as read now, MHz); None without nvidia-smi. A field
+    this driver does not know is asked alone, so one bad name costs only itself."""
+    fmt = "--format=csv,noheader"
+    text = _smi([f"--query-gpu={','.join(SMI_FIELDS)}", fmt])
+    if text is not None:
+        return dict(zip(SMI_FIELDS, (v.strip() for v in text.splitlines()[0].split(","))))
+    if _smi(["-L"]) is None:
         return None
-    values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
-    return dict(zip(SMI_FIELDS, values))
+    fields = {}
+    for field in SMI_FIELDS:
+        one = _smi([f"--query-gpu={field}", fmt])
+        fields[field] = one.splitlines()[0].strip() if one else None
+    return fields
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -499,6 +513,8 @@ def main(argv=None) -> int:
     for name in ("build", "pytest", "bench"):
         if name in args.skip:
             checker.step(name, "skipped (--skip)", 0, "")
+            if name == "pytest":
+                checker.tests = {"note": "not run (--skip pytest)"}
             continue
         try:
             getattr(checker, f"step_{name}")()

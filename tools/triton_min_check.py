@@ -52,19 +52,38 @@ MARKER = "compile_for_targets"
 # ----------------------------------------------------------------------------------------------
 
 
+def _uses_compile_for_targets(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mtp"):
+            if any(alias.name == MARKER for alias in node.names):
+                return True
+        if isinstance(node, ast.Attribute) and node.attr == MARKER:
+            return True
+    return False
+
+
+def _imported_modules(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+    return names
+
+
 def aot_test_files(tests: Path = TESTS) -> list[Path]:
-    """Test files that call compile_for_targets, and the test files importing from them."""
+    """Test files that import and use compile_for_targets (code, not strings), and the test
+    files importing from those (transitively)."""
     files = {p.stem: p for p in sorted(tests.glob("test_*.py"))}
-    texts = {name: p.read_text() for name, p in files.items()}
-    picked = {name for name, text in texts.items() if MARKER in text}
+    trees = {name: ast.parse(p.read_text()) for name, p in files.items()}
+    picked = {name for name, tree in trees.items() if _uses_compile_for_targets(tree)}
+    imports = {name: _imported_modules(tree) for name, tree in trees.items()}
     changed = True
     while changed:
         changed = False
-        for name, text in texts.items():
-            if name in picked:
-                continue
-            imported = set(re.findall(r"^\s*(?:from|import)\s+(test_\w+)", text, re.MULTILINE))
-            if imported & picked:
+        for name in files:
+            if name not in picked and imports[name] & picked:
                 picked.add(name)
                 changed = True
     return [files[n] for n in sorted(picked)]
@@ -165,13 +184,21 @@ def _instrument() -> None:
     mt._compile_here = compile_in_process
 
 
+def pytest_configure(config):
+    # The installed version, read without importing triton (tests/conftest.py must set
+    # TRITON_INTERPRET before the first import).
+    from importlib.metadata import version
+
+    import pytest
+
+    want, have = os.environ.get("MTP_MIN_TRITON", MIN_TRITON), version("triton")
+    if not have.startswith(want + "."):
+        raise pytest.UsageError(f"triton {have} is not the minimum {want}.x")
+
+
 def pytest_collection_modifyitems(session, config, items):
     import pytest
-    import triton
 
-    want = os.environ.get("MTP_MIN_TRITON", MIN_TRITON)
-    if not triton.__version__.startswith(want + "."):
-        raise pytest.UsageError(f"triton {triton.__version__} is not the minimum {want}.x")
     import mtp.testing
 
     keep, drop = [], []
