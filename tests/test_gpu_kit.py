@@ -431,3 +431,10 @@ def test_min_venv_rejects_an_api_newer_than_triton_3_6(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:]
     assert "has no attribute 'unsqueeze'" in out
+
+
+def test_progress_of_a_killed_pytest(tmp_path):
+    log = tmp_path / "pytest.log"
+    log.write_text("$ python -m pytest -m gpu -x -q\n..s.F                  [ 40%]\n"
+                   "..E.ss                 [ 90%]\nsomething else .F\n")
+    assert gpu_check.progress_text(log) == "6 passed, 1 failed, 1 errors, 3 skipped (from the log)"

@@ -264,7 +264,10 @@ class Checker:
             ok = rc == 0
             self.step("pytest", "dry-run ok" if ok else status, seconds, self.tests["note"], log)
             return
-        self.tests = junit_counts(junit) if junit.exists() else {"note": f"no junit ({status})"}
+        if junit.exists():
+            self.tests = junit_counts(junit)
+        else:  # killed by its time box: pytest writes the JUnit file only at the end
+            self.tests = {"note": f"{progress_text(log)} before the {status}"}
         self.step("pytest", status, seconds, tests_text(self.tests), log)
 
     # -- step 4: benchmarks ----------------------------------------------------------------
@@ -292,7 +295,7 @@ class Checker:
             results.append(f"{op} {status}")
             print(f"[gpu-check]   bench {op}: {status} in {seconds:.0f} s", flush=True)
         n_ok = sum(r.endswith(" ok") for r in results)
-        status = "ok" if n_ok == len(ops) else f"{n_ok}/{len(ops)} ok"
+        status = "ok" if n_ok == len(ops) else f"failed ({n_ok}/{len(ops)} ok)"
         self.step("bench", status, time.monotonic() - t0, "; ".join(results), log)
 
     # -- step 5: summary -------------------------------------------------------------------
@@ -371,6 +374,18 @@ def tests_text(counts: dict) -> str:
     if counts.get("first_failure"):
         text += f" (first: {counts['first_failure']})"
     return text
+
+
+def progress_text(log: Path) -> str:
+    """What pytest -q's progress lines ('..F.s  [ 40%]') show so far."""
+    marks = "".join(
+        line.split()[0]
+        for line in log.read_text(errors="replace").splitlines()
+        if re.fullmatch(r"[.FEsxX]+\s+\[\s*\d+%\]", line.strip())
+    )
+    counts = {k: marks.count(c) for k, c in (("passed", "."), ("failed", "F"), ("errors", "E"),
+                                             ("skipped", "s"))}  # fmt: skip
+    return ", ".join(f"{v} {k}" for k, v in counts.items()) + " (from the log)"
 
 
 def bench_table(result: dict) -> list[str]:
