@@ -84,7 +84,8 @@ def test_header_closure_follows_includes_regardless_of_conditionals(tmp_path):
     closure = gpu_bundle.header_closure([src], inc)
     assert closure == [Path("lib/a.h"), Path("lib/c.h"), Path("lib/detail/b.h")]
     copied = gpu_bundle.copy_headers(inc, tmp_path / "out", sources=[src])
-    assert sorted(p.relative_to(tmp_path / "out") for p in (tmp_path / "out").rglob("*.h")) == copied
+    out = tmp_path / "out"
+    assert sorted(p.relative_to(out) for p in out.rglob("*.h")) == copied
 
 
 def test_bundle_has_every_header_csrc_names(bundle, cutlass_include):
@@ -143,8 +144,8 @@ def test_bundle_alone_satisfies_the_preprocessor(bundle, cutlass_include, tmp_pa
         pytest.skip("no nvcc")
     dest, _ = bundle
     deps = tmp_path / "deps.d"
-    proc = subprocess.run(_instance_cmd(nvcc, dest / "include", arch, "-M", "-o", str(deps)),
-                          capture_output=True, text=True, env=_clean_env(), timeout=600)  # fmt: skip
+    cmd = _instance_cmd(nvcc, dest / "include", arch, "-M", "-o", str(deps))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = deps.read_text().replace("\\\n", " ").split()[1:]
     ours = [p for p in paths if re.search(r"/(cutlass|cute)/", p) and "/csrc/" not in p]
@@ -416,7 +417,8 @@ def test_plugin_fails_when_a_kernel_does_not_compile(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     assert "1 failed, 1 passed, 1 deselected" in out, out[-3000:]
-    assert "not_an_api_in_any_triton" in out and f"AOT compile under triton {triton.__version__}" in out
+    assert "not_an_api_in_any_triton" in out
+    assert f"AOT compile under triton {triton.__version__}" in out
     proc = _run_plugin(sys.executable, tmp_path, "not_an_api_in_any_triton", "2.0")
     assert proc.returncode != 0 and "is not the minimum 2.0.x" in proc.stdout + proc.stderr
 

@@ -47,7 +47,8 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 
 def load_build_ext():
     """csrc/build_ext.py as a module (it is no package; it must not import torch)."""
-    spec = importlib.util.spec_from_file_location("_mtp_build_ext_bundle", ROOT / "csrc" / "build_ext.py")
+    path = ROOT / "csrc" / "build_ext.py"
+    spec = importlib.util.spec_from_file_location("_mtp_build_ext_bundle", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -141,8 +142,8 @@ def git_commit(root: Path = ROOT) -> str | None:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
     return sha + ("+dirty" if dirty else "")

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import os
 import shlex
 import shutil
@@ -44,21 +42,46 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import textwrap
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_report import (  # noqa: E402
+    NO_GPU, bench_table, collected_text, junit_counts, progress_text, tests_text, text_table,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_OPS = ("bias_act", "cross_entropy", "permute", "grouped_gemm", "moe_layer")
 # capability -> MTP_CUDA_ARCH_LIST entry (only these have CUTLASS kernels)
 ARCH_OF_CAPABILITY = {"9.0": "9.0a", "10.0": "10.0a"}
-NO_GPU = "not run: no GPU"
 WHEEL_MODULES = {"hypothesis": "hypothesis", "sortedcontainers": "sortedcontainers",
                  "pytest_xdist": "xdist", "execnet": "execnet"}  # fmt: skip
 SMI_FIELDS = ("name", "driver_version", "pci.bus_id", "memory.total", "power.limit",
               "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
               "clocks.applications.graphics", "temperature.gpu", "persistence_mode",
               "compute_mode")  # fmt: skip
+# Versions, the GPU and the bench's folder name for it, in a child process (a broken torch or
+# CUDA must not take this script down).
+TORCH_PROBE = textwrap.dedent("""\
+    import json, torch, triton
+    d = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+             cuda_available=torch.cuda.is_available())
+    if d["cuda_available"]:
+        p = torch.cuda.get_device_properties(0)
+        d.update(device=p.name, capability=f"{p.major}.{p.minor}",
+                 sm_count=p.multi_processor_count, memory_bytes=p.total_memory)
+        try:
+            from bench.env import device_folder
+            from bench.peaks import match_peak
+
+            peak = match_peak(p.name, p.multi_processor_count)
+            d["folder"] = device_folder(dict(mode="gpu", device=p.name),
+                                        peak.name if peak else None)
+        except Exception as exc:
+            d["folder_error"] = repr(exc)
+    print(json.dumps(d))
+    """)
 FLAT_FILES = ("summary.txt", "env.json", "junit.xml", "pytest.log", "results.json", "results.md")
 
 
@@ -173,19 +196,8 @@ class Checker:
         if manifest and manifest.exists():
             data = json.loads(manifest.read_text())
             rec["bundle"] = {k: data.get(k) for k in ("commit", "cutlass_version", "headers")}
-        code = ("import json, torch, triton\nd = dict(torch=torch.__version__, "
-                "triton=triton.__version__, cuda=torch.version.cuda, "
-                "cuda_available=torch.cuda.is_available())\n"
-                "if d['cuda_available']:\n p = torch.cuda.get_device_properties(0)\n"
-                " d.update(device=p.name, capability=f'{p.major}.{p.minor}', "
-                "sm_count=p.multi_processor_count, memory_bytes=p.total_memory)\n"
-                " try:\n  from bench.env import device_folder\n  from bench.peaks import match_peak\n"
-                "  peak = match_peak(p.name, p.multi_processor_count)\n"
-                "  d['folder'] = device_folder(dict(mode='gpu', device=p.name), "
-                "peak.name if peak else None)\n except Exception as e:\n  d['folder_error'] = repr(e)\n"
-                "print(json.dumps(d))")  # fmt: skip
-        out = self.python(code, timeout=120)
-        rec.update(json.loads(out) if out else {"torch": None, "error": "torch/triton import failed"})
+        out = self.python(TORCH_PROBE, timeout=120)
+        rec.update(json.loads(out) if out else {"torch": None, "error": "torch/triton failed"})
         self.record = rec
         gpu = rec.get("cuda_available")
         if self.dry and gpu:
@@ -259,7 +271,7 @@ class Checker:
             env.setdefault("OMP_NUM_THREADS", "1")
         status, rc, seconds = self.run(cmd, log, self.args.pytest_cap_s, env=env)
         if self.dry or not self.has_gpu:
-            collected = _collected(log)
+            collected = collected_text(log)
             self.tests = {"note": f"{NO_GPU} ({collected} tests collected with -m gpu)"}
             ok = rc == 0
             self.step("pytest", "dry-run ok" if ok else status, seconds, self.tests["note"], log)
@@ -306,7 +318,7 @@ class Checker:
                  f"{(rec.get('bundle') or {}).get('commit') or '?'}, "
                  f"torch {rec.get('torch')}, triton {rec.get('triton')} =="]  # fmt: skip
         rows = [[s["step"], s["status"], f"{s['seconds']:.0f}", s["detail"]] for s in self.steps]
-        lines += _table(["step", "status", "s", "detail"], rows)
+        lines += text_table(["step", "status", "s", "detail"], rows)
         lines.append("")
         lines.append(f"tests: {tests_text(getattr(self, 'tests', {'note': 'not run'}))}")
         results = self.folder / "results.json"
@@ -342,111 +354,8 @@ class Checker:
 
 
 # ----------------------------------------------------------------------------------------------
-# Parsing helpers (pure; tested on CPU)
+# Process and nvidia-smi helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def junit_counts(path: Path) -> dict:
-    """passed/failed/errors/skipped and the first failing test id from a JUnit XML file."""
-    root = ET.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = dict(tests=0, failed=0, errors=0, skipped=0, first_failure=None)
-    for suite in suites:
-        for case in suite.iter("testcase"):
-            counts["tests"] += 1
-            kinds = {child.tag for child in case}
-            if "failure" in kinds or "error" in kinds:
-                counts["failed" if "failure" in kinds else "errors"] += 1
-                counts["first_failure"] = counts["first_failure"] or (
-                    f"{case.get('classname')}::{case.get('name')}"
-                )
-            elif "skipped" in kinds:
-                counts["skipped"] += 1
-    counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
-    return counts
-
-
-def tests_text(counts: dict) -> str:
-    if "note" in counts:
-        return counts["note"]
-    text = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
-            f"{counts['skipped']} skipped")  # fmt: skip
-    if counts.get("first_failure"):
-        text += f" (first: {counts['first_failure']})"
-    return text
-
-
-def progress_text(log: Path) -> str:
-    """What pytest -q's progress lines ('..F.s  [ 40%]') show so far."""
-    marks = "".join(
-        line.split()[0]
-        for line in log.read_text(errors="replace").splitlines()
-        if re.fullmatch(r"[.FEsxX]+\s+\[\s*\d+%\]", line.strip())
-    )
-    counts = {k: marks.count(c) for k, c in (("passed", "."), ("failed", "F"), ("errors", "E"),
-                                             ("skipped", "s"))}  # fmt: skip
-    return ", ".join(f"{v} {k}" for k, v in counts.items()) + " (from the log)"
-
-
-def bench_table(result: dict) -> list[str]:
-    """Per (op, pass): best mtp backend (most wins), geomean of its median ms over the cases,
-    and for every other provider the geomean of (its median / best mtp median): > 1 = mtp faster.
-    """
-    if not result.get("gpu_timing"):
-        return [f"bench: {NO_GPU}"]
-    cases: dict[tuple, list[dict]] = {}
-    for r in result.get("records", []):
-        cases.setdefault((r["op"], r["pass"], r["case"]), []).append(r)
-    groups: dict[tuple, dict] = {}
-    failed = []
-    for (op, pas, _), recs in cases.items():
-        failed += [f"{op}/{r['provider']}" for r in recs if r.get("status") == "failed"]
-        timed = [r for r in recs if r.get("status") == "ok" and r.get("timing")]
-        mtp = [r for r in timed if r.get("kind") == "mtp"]
-        if not mtp:
-            continue
-        best = min(mtp, key=lambda r: r["timing"]["median_ms"])
-        g = groups.setdefault((op, pas), dict(wins={}, ms=[], ratios={}))
-        g["wins"][best["provider"]] = g["wins"].get(best["provider"], 0) + 1
-        g["ms"].append(best["timing"]["median_ms"])
-        for r in timed:
-            if r.get("kind") != "mtp":
-                g["ratios"].setdefault(r["provider"], []).append(
-                    r["timing"]["median_ms"] / best["timing"]["median_ms"]
-                )
-    rows = []
-    for (op, pas), g in sorted(groups.items()):
-        wins = ", ".join(f"{k} {v}" for k, v in sorted(g["wins"].items(), key=lambda kv: (-kv[1], kv[0])))
-        vs = ", ".join(f"{p} {_geomean(v):.2f}x" for p, v in sorted(g["ratios"].items()))
-        rows.append([op, pas, str(len(g["ms"])), wins, f"{_geomean(g['ms']):.4g}", vs])
-    lines = ["bench (best mtp backend per case; ms = geomean of its medians; vs = other "
-             "provider's time / mtp's, geomean, > 1 = mtp faster):"]  # fmt: skip
-    lines += _table(["op", "pass", "cases", "best mtp (wins)", "ms", "vs"], rows) if rows else [
-        "  no timed mtp case"
-    ]
-    if failed:
-        lines.append(f"failed records: {', '.join(sorted(set(failed)))}")
-    return lines
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    widths[-1] = 0  # the last column is free text
-    fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-    return [fmt(header)] + [fmt(r) for r in rows]
-
-
-def _collected(log: Path) -> str:
-    """'118 of 555' from pytest's --collect-only -q closing line ('118/555 tests collected')."""
-    for line in reversed(log.read_text(errors="replace").splitlines()):
-        m = re.search(r"(\d+)(?:/(\d+))? tests? collected", line)
-        if m:
-            return m.group(1) + (f" of {m.group(2)}" if m.group(2) else "")
-    return "?"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
