@@ -321,10 +321,10 @@ class Checker:
         lines += text_table(["step", "status", "s", "detail"], rows)
         lines.append("")
         lines.append(f"tests: {tests_text(getattr(self, 'tests', {'note': 'not run'}))}")
-        results = self.folder / "results.json"
+        results = self.results_json()
         if not self.has_gpu:
             lines.append(f"bench: {NO_GPU}")
-        elif not results.exists():
+        elif results is None:
             lines.append("bench: no results.json")
         else:
             lines += bench_table(json.loads(results.read_text()))
@@ -332,7 +332,19 @@ class Checker:
         lines.append(f"total {time.monotonic() - self.start:.0f} s; files: {where}")
         return "\n".join(lines)
 
+    def results_json(self) -> Path | None:
+        """The bench's results.json: in <device>/, or (scratch root) in whatever folder the
+        bench named when the env step could not name it."""
+        if (self.folder / "results.json").exists():
+            return self.folder / "results.json"
+        found = sorted(self.root.glob("*/results.json")) if self.final_out is not None else []
+        return found[0] if found else None
+
     def finish(self) -> int:
+        smi = _nvidia_smi()
+        if smi and self.record:  # clocks again, after the load
+            self.record["nvidia_smi_after"] = smi
+            (self.own / "env.json").write_text(json.dumps(self.record, indent=2) + "\n")
         text = self.summary()
         (self.own / "summary.txt").write_text(text + "\n")
         (self.own / "steps.json").write_text(json.dumps(self.steps, indent=2) + "\n")
@@ -340,10 +352,12 @@ class Checker:
             out = Path(self.final_out)
             out.mkdir(parents=True, exist_ok=True)
             with tarfile.open(out / "gpu-check.tar.gz", "w:gz") as tar:
-                tar.add(self.folder, arcname=self.device)
+                for child in sorted(self.root.iterdir()):  # the scratch root: <device>/ only
+                    tar.add(child, arcname=child.name)
+            results = self.results_json()
             for name in FLAT_FILES:
-                for src in (self.own / name, self.folder / name):
-                    if src.exists():
+                for src in (self.own / name, self.folder / name, results and results.parent / name):
+                    if src and src.exists():
                         shutil.copy2(src, out / name)
                         break
             shutil.rmtree(self.root, ignore_errors=True)
@@ -432,6 +446,9 @@ def main(argv=None) -> int:
         shutil.rmtree(checker.root)
     print(f"[gpu-check] {'DRY RUN, ' if args.dry_run else ''}budget {args.budget_s:.0f} s, "
           f"bundle {checker.bundle}, writing under {checker.root}", flush=True)
+    if checker.bundle is None or not (checker.bundle / "cutlass").is_dir():
+        print(f"[gpu-check] WARNING: no bundle at {checker.bundle}: the CUTLASS build will fail "
+              "(run `make gpu-bundle` on the CPU side and carry .gpu)", flush=True)
     checker.prepare()
     checker.step_env()
     for name in ("build", "pytest", "bench"):
