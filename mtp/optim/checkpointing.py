@@ -10,8 +10,8 @@ loss-scaler state, ``extra``). Pieces are keyed by the parameter's name and its 
 coordinates (``tp<r>.pp<r>`` for dense, ``ep<r>.etp<r>.pp<r>`` for expert parameters), never by
 the data-parallel rank, so :func:`load_checkpoint` can read a checkpoint written at another
 data-parallel size: each rank memory-maps the shard files and copies the overlaps of the saved
-ranges with the ranges it now owns (resharding). Tensor, pipeline and expert parallel sizes must
-be the same. (A plain per-rank ``torch.save`` rather than ``torch.distributed.checkpoint``:
+ranges with the ranges it now owns (resharding). Tensor and pipeline parallel sizes must be the
+same, and so must the expert parallel sizes of a model with experts. (A plain per-rank ``torch.save`` rather than ``torch.distributed.checkpoint``:
 the optimizer's shards are arbitrary element ranges of flattened parameters, which DCP's
 chunked tensors cannot describe without gathering them.)
 
@@ -113,8 +113,9 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, *, extra=N
         group_of = {
             id(p): i for i, g in enumerate(optimizer.optimizer.param_groups) for p in g["params"]
         }
+        # every parameter the optimizer owns somewhere is written by its owners only
+        covered = {id(p) for buf in optimizer.model.buffers for p in buf.params}
         for e in optimizer.shards:
-            covered.add(id(e.param))
             if not optimizer.sharded and not _is_dp_first(e.param):
                 continue
             r = e.ranges["param"]
@@ -205,7 +206,8 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer=None, *, strict:
     module = _unwrap(model)
     common = torch.load(os.path.join(directory, "common.pt"), map_location="cpu", weights_only=False)
     saved, now = common["sizes"], _sizes()
-    if saved != now:
+    keys = ("tp", "pp", "ep", "etp") if any(map(is_expert_param, module.parameters())) else ("tp", "pp")
+    if any(saved[k] != now[k] for k in keys):
         raise ValueError(
             f"checkpoint {directory!r} was written with parallel sizes {saved}, this job has "
             f"{now}: only the data-parallel size may change"
@@ -307,10 +309,12 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[s
     ps = _parallel()
     tp_group = ps.get_tensor_model_parallel_group() if ps else None
     ep_group = ps.get_expert_model_parallel_group() if ps else None
-    if ps and ps.get_expert_tensor_parallel_world_size() > 1:
+    tensors = module.state_dict(keep_vars=True)
+    has_experts = any(is_expert_param(t) for t in tensors.values())
+    if has_experts and ps and ps.get_expert_tensor_parallel_world_size() > 1:
         raise ValueError("get_full_state_dict: expert tensor parallelism is not supported")
     out = {}
-    for name, t in module.state_dict(keep_vars=True).items():
+    for name, t in tensors.items():
         if getattr(t, "tensor_model_parallel", False) and tp_group is not None:
             full = _gather_tp(t, tp_group) if dist.get_world_size(tp_group) > 1 else t.detach()
         elif is_expert_param(t) and ep_group is not None and dist.get_world_size(ep_group) > 1:
