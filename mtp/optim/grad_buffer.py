@@ -103,6 +103,8 @@ class ParamAndGradBuffer:
         bucket_size: about this many elements per bucket (None: one bucket).
         param_buffer: also move the parameters into one contiguous ``param_data``.
         is_expert: expert parameters (reduced over the expert-data-parallel group).
+        data_parallel_size: with ``group=None``, lay the buffer out for this many ranks anyway
+            (to inspect shards and :func:`param_range_map` without a process group).
     """
 
     def __init__(
@@ -114,11 +116,22 @@ class ParamAndGradBuffer:
         *,
         param_buffer: bool,
         is_expert: bool = False,
+        data_parallel_size: int | None = None,
     ) -> None:
+        if not params:
+            raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.params = list(params)
         self.param_dtype = self.params[0].dtype
+        for p in self.params:
+            if p.dtype != self.param_dtype or p.device != self.params[0].device:
+                raise ValueError(
+                    f"ParamAndGradBuffer: params must share one dtype and device, got "
+                    f"{p.dtype} on {p.device} and {self.param_dtype} on {self.params[0].device}"
+                )
         self.grad_dtype, self.group, self.is_expert = grad_dtype, group, is_expert
         self.dp_size, self.dp_rank = _group_size(group), _group_rank(group)
+        if group is None and data_parallel_size is not None:  # layout only (no communication)
+            self.dp_size = int(data_parallel_size)
         device = self.params[0].device
         layout, offset, start, current = [], 0, 0, []
         self.param_index: dict[torch.nn.Parameter, Range] = {}
