@@ -33,7 +33,7 @@ from mtp.tensor_parallel import parallelize
 from mtp.tensor_parallel.utils import shard
 from mtp.testing import assert_close, run_distributed
 
-FP32 = dict(rtol=1e-6, atol=1e-7)
+FP32 = {"rtol": 1e-6, "atol": 1e-7}
 SPLIT = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}  # column fc1, row fc2
 
 
@@ -47,7 +47,9 @@ def _local_of(name, full, tp_rank, tp):
 def _compare_tp(net, ref, tp_rank, tp, what):
     for (name, p), (rname, q) in zip(net.named_parameters(), ref.named_parameters()):
         assert name == rname
-        assert_close(p.detach(), _local_of(name, q.detach(), tp_rank, tp), msg=f"{what}: {name}", **FP32)
+        assert_close(
+            p.detach(), _local_of(name, q.detach(), tp_rank, tp), msg=f"{what}: {name}", **FP32
+        )
 
 
 def _tp2_dp2(rank, world, ckpt_tp):
@@ -62,7 +64,9 @@ def _tp2_dp2(rank, world, ckpt_tp):
     got = clip_grad_norm(net, 0.05)
     assert_close(got, want, rtol=1e-6, atol=0, msg="plain tp=2 norm")
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
-        assert_close(p.grad, _local_of(name, q.grad, tp_rank, 2), msg=f"clipped grad {name}", **FP32)
+        assert_close(
+            p.grad, _local_of(name, q.grad, tp_rank, 2), msg=f"clipped grad {name}", **FP32
+        )
     # 5 clipped AdamW steps with the distributed optimizer at tp=2 x dp=2
     ref = make_net()
     norms = reference_train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 5, clip=0.05)
@@ -163,7 +167,11 @@ def _fp16_overflow(rank, world):
 
 def _bytes_d4(rank, world):
     out = []
-    for dtype, fp32_grads in ((torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)):
+    for dtype, fp32_grads in (
+        (torch.float32, False),
+        (torch.bfloat16, True),
+        (torch.bfloat16, False),
+    ):
         model = DistributedDataParallel(
             make_net(dtype=dtype),
             use_distributed_optimizer=True,
@@ -176,7 +184,9 @@ def _bytes_d4(rank, world):
         loss_fn(model(local_rows(x, rank, world).to(dtype)), local_rows(y, rank, world)).backward()
         opt.step()
         grad_dtype = torch.float32 if fp32_grads else dtype
-        assert opt.bytes_per_parameter() == bytes_per_parameter_formula(dtype, grad_dtype, "adam", 4)
+        assert opt.bytes_per_parameter() == bytes_per_parameter_formula(
+            dtype, grad_dtype, "adam", 4
+        )
         out.append(opt.bytes_per_parameter())
     return out
 
@@ -242,7 +252,10 @@ def _world2_worker(rank, world, ckpt, ckpt_bf16, ckpt_tp):
         assert_close(p.detach(), q.detach(), msg=f"resumed at dp=2: {name}", **FP32)
     model, opt = _build(torch.bfloat16, seed=9)
     load_checkpoint(ckpt_bf16, model, opt)
-    out = {"bf16_mains": _main_pieces(opt), "bf16_params": [p.detach().float().tolist() for p in model.parameters()]}
+    out = {
+        "bf16_mains": _main_pieces(opt),
+        "bf16_params": [p.detach().float().tolist() for p in model.parameters()],
+    }
     try:
         load_checkpoint(ckpt_tp, *_build())
     except ValueError as exc:

@@ -2,6 +2,8 @@
 scaler, the optimizer at d=1 (ZeRO layout and the unsharded mixed-precision path) against plain
 PyTorch, checkpoints and full state dicts without torch.distributed, and bad input."""
 
+import itertools
+
 import pytest
 import torch
 from optim_helpers import BUCKET, batch, loss_fn, make_net, reference_train
@@ -23,7 +25,7 @@ from mtp.optim import (
 )
 from mtp.testing import assert_close
 
-FP32 = dict(rtol=1e-6, atol=1e-7)
+FP32 = {"rtol": 1e-6, "atol": 1e-7}
 
 
 def _train(model, opt, steps, start=0, dtype=torch.float32, scale=False):
@@ -50,8 +52,16 @@ def test_seed_index_ranges():
     yellow = params["yellow"]
     r0 = param_range_map(buf, 0)[yellow]
     r1 = param_range_map(buf, 1)[yellow]
-    assert (r0["gbuf_world"], r0["gbuf_local"], r0["param"]) == (Range(3, 4), Range(3, 4), Range(0, 1))
-    assert (r1["gbuf_world"], r1["gbuf_local"], r1["param"]) == (Range(4, 8), Range(0, 4), Range(1, 5))
+    assert (r0["gbuf_world"], r0["gbuf_local"], r0["param"]) == (
+        Range(3, 4),
+        Range(3, 4),
+        Range(0, 1),
+    )
+    assert (r1["gbuf_world"], r1["gbuf_local"], r1["param"]) == (
+        Range(4, 8),
+        Range(0, 4),
+        Range(1, 5),
+    )
     assert yellow not in param_range_map(buf, 2)
     # every element of every parameter is owned by exactly one rank
     for p in model_order:
@@ -61,7 +71,7 @@ def test_seed_index_ranges():
             if p in m
         )
         assert owned[0][0] == 0 and owned[-1][1] == p.numel()
-        assert all(a[1] == b[0] for a, b in zip(owned, owned[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(owned))
     # buckets close at >= 6 elements, never split a parameter, each padded to a multiple of 4:
     # reversed order extra 1, green 3, yellow 5 | blue 6 | red 2
     extra = nn.Parameter(torch.zeros(1, dtype=torch.float16))
@@ -87,12 +97,15 @@ def test_bytes_per_parameter_table():
 
 
 @pytest.mark.parametrize(
-    "dtype,fp32_grads,want", [(torch.float32, False, 16.0), (torch.bfloat16, True, 18.0), (torch.float16, False, 20.0)]
+    "dtype,fp32_grads,want",
+    [(torch.float32, False, 16.0), (torch.bfloat16, True, 18.0), (torch.float16, False, 20.0)],
 )
 def test_measured_bytes_d1(dtype, fp32_grads, want):
     model = DistributedDataParallel(
-        make_net(dtype=dtype), use_distributed_optimizer=True,
-        accumulate_allreduce_grads_in_fp32=fp32_grads, bucket_size=BUCKET,
+        make_net(dtype=dtype),
+        use_distributed_optimizer=True,
+        accumulate_allreduce_grads_in_fp32=fp32_grads,
+        bucket_size=BUCKET,
     )
     opt = DistributedOptimizer(torch.optim.AdamW, model, lr=1e-3)
     _train(model, opt, 1, dtype=dtype)
@@ -105,8 +118,10 @@ def test_mixed_precision_d1_matches_master_weights(sharded):
     master = [p.detach().float().clone() for p in ref.parameters()]
     reference_train(ref, torch.optim.AdamW(master, lr=1e-2), 3, master=master, clip=0.05)
     model = DistributedDataParallel(
-        make_net(dtype=torch.bfloat16), use_distributed_optimizer=sharded,
-        accumulate_allreduce_grads_in_fp32=True, bucket_size=BUCKET,
+        make_net(dtype=torch.bfloat16),
+        use_distributed_optimizer=sharded,
+        accumulate_allreduce_grads_in_fp32=True,
+        bucket_size=BUCKET,
     )
     opt = DistributedOptimizer(torch.optim.AdamW, model, lr=1e-2, clip_grad=0.05)
     _train(model, opt, 3, dtype=torch.bfloat16)
@@ -144,8 +159,12 @@ def test_loss_scaler_policy():
     t.load_state_dict(s.state_dict())
     assert float(t.scale) == 8.0
     assert_close(s.scale_loss(torch.tensor(0.5)), torch.tensor(4.0))
-    for bad in (dict(initial_scale=0.0), dict(growth_factor=1.0), dict(backoff_factor=1.5),
-                dict(hysteresis=0)):
+    for bad in (
+        {"initial_scale": 0.0},
+        {"growth_factor": 1.0},
+        {"backoff_factor": 1.5},
+        {"hysteresis": 0},
+    ):
         with pytest.raises(ValueError):
             DynamicLossScaler(**bad)
 
@@ -153,16 +172,19 @@ def test_loss_scaler_policy():
 def test_fp16_overflow_skips_step():
     model = DistributedDataParallel(make_net(dtype=torch.float16), use_distributed_optimizer=True)
     opt = DistributedOptimizer(
-        torch.optim.AdamW, model, lr=1e-2,
+        torch.optim.AdamW,
+        model,
+        lr=1e-2,
         grad_scaler=DynamicLossScaler(initial_scale=2.0**40, hysteresis=1),
     )
     before = [p.detach().clone() for p in model.parameters()]
-    (ok, _, _), = _train(model, opt, 1, dtype=torch.float16, scale=True)  # 2^40 overflows fp16
+    ((ok, _, _),) = _train(model, opt, 1, dtype=torch.float16, scale=True)  # 2^40 overflows fp16
     assert not ok and float(opt.grad_scaler.scale) == 2.0**39
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    opt.grad_scaler.load_state_dict({"scale": torch.tensor(256.0), "growth_tracker": 0,
-                                     "hysteresis_tracker": 1})
-    (ok, _, _), = _train(model, opt, 1, dtype=torch.float16, scale=True)
+    opt.grad_scaler.load_state_dict(
+        {"scale": torch.tensor(256.0), "growth_tracker": 0, "hysteresis_tracker": 1}
+    )
+    ((ok, _, _),) = _train(model, opt, 1, dtype=torch.float16, scale=True)
     assert ok and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -173,7 +195,9 @@ def test_checkpoint_and_full_state_dict_single_process(tmp_path):
     opt = DistributedOptimizer(torch.optim.AdamW, model, lr=1e-2)
     _train(model, opt, 2)
     save_checkpoint(str(tmp_path), model, opt, extra=2)
-    model2 = DistributedDataParallel(make_net(seed=3), use_distributed_optimizer=True, bucket_size=BUCKET)
+    model2 = DistributedDataParallel(
+        make_net(seed=3), use_distributed_optimizer=True, bucket_size=BUCKET
+    )
     opt2 = DistributedOptimizer(torch.optim.AdamW, model2, lr=1e-2)
     assert load_checkpoint(str(tmp_path), model2, opt2) == 2
     _train(model2, opt2, 1, start=2)
@@ -218,3 +242,14 @@ def test_bad_input():
     mixed = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.float64))]
     with pytest.raises(ValueError, match="one dtype"):
         ParamAndGradBuffer(mixed, torch.float32, None, None, param_buffer=False)
+
+
+def test_backward_after_sync_needs_zero_grad_buffer():
+    model = DistributedDataParallel(make_net(), use_distributed_optimizer=True)
+    x, y = batch(0)
+    loss_fn(model(x), y).backward()
+    model.finish_grad_sync()
+    with pytest.raises(RuntimeError, match="zero_grad_buffer"):
+        loss_fn(model(x), y).backward()
+    model.zero_grad_buffer()
+    loss_fn(model(x), y).backward()  # fine again

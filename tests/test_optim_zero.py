@@ -61,20 +61,31 @@ def _compare(model, ref, what, **tol):
 
 
 def _check_optimizers(rank, world):
-    fp32 = dict(rtol=1e-6, atol=1e-7)
+    fp32 = {"rtol": 1e-6, "atol": 1e-7}
     for name, cls, kw in (
-        ("adamw", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-        ("sgd", torch.optim.SGD, dict(lr=5e-2, momentum=0.9)),
+        ("adamw", torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+        ("sgd", torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9}),
     ):
         ref = make_net()
         reference_train(ref, cls(ref.parameters(), **kw), STEPS)
-        model = DistributedDataParallel(make_net(), use_distributed_optimizer=True, bucket_size=BUCKET)
+        model = DistributedDataParallel(
+            make_net(), use_distributed_optimizer=True, bucket_size=BUCKET
+        )
         opt = DistributedOptimizer(cls, model, **kw)
         _train(model, opt, STEPS, rank, world)
         _compare(model, ref, name, **fp32)
+    # parameter all-gathers left running after step(), waited for by the forward pre-hooks
+    ref = make_net()
+    reference_train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), STEPS)
+    model = DistributedDataParallel(make_net(), use_distributed_optimizer=True, bucket_size=BUCKET)
+    opt = DistributedOptimizer(torch.optim.AdamW, model, lr=1e-2, overlap_param_gather=True)
+    _train(model, opt, STEPS, rank, world)
+    assert all(b.param_work is not None for b in model.buckets)  # still in flight
+    opt.finish_param_sync()
+    _compare(model, ref, "overlap_param_gather", **fp32)
     # an optimizer instance with two param groups is mapped onto the shards
     ref = make_net()
-    groups = lambda m: [  # noqa: E731
+    groups = lambda m: [
         {"params": [m.fc1.weight, m.fc2.weight, m.head.weight], "weight_decay": 0.1},
         {"params": [m.fc1.bias, m.fc2.bias, m.head.bias], "weight_decay": 0.0, "lr": 2e-2},
     ]
@@ -211,7 +222,9 @@ def _check_odd_models(rank, world):
 
     ref = build()
     frozen0 = ref.fc1.bias.detach().clone()
-    reference_train(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2), STEPS)
+    reference_train(
+        ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2), STEPS
+    )
     net = build()
     model = DistributedDataParallel(net, use_distributed_optimizer=True, bucket_size=BUCKET)
     assert all(p is not net.fc1.bias for buf in model.buffers for p in buf.params)
@@ -227,6 +240,7 @@ def _check_odd_models(rank, world):
     assert sorted(str(b.param_dtype) for b in model.buffers) == ["torch.float32", "torch.float64"]
     opt = DistributedOptimizer(torch.optim.SGD, model, lr=0.1)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
     def forward(m, x):
         return m.head(F.gelu(m.fc2(F.gelu(m.fc1(x)))).double())
 

@@ -55,12 +55,12 @@ from .optimizer import (
 )
 
 __all__ = [
+    "OPTIMIZER_STATE_BYTES",
     "Bucket",
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicGradScaler",
     "DynamicLossScaler",
-    "OPTIMIZER_STATE_BYTES",
     "ParamAndGradBuffer",
     "Range",
     "ShardEntry",

@@ -11,9 +11,10 @@ coordinates (``tp<r>.pp<r>`` for dense, ``ep<r>.etp<r>.pp<r>`` for expert parame
 the data-parallel rank, so :func:`load_checkpoint` can read a checkpoint written at another
 data-parallel size: each rank memory-maps the shard files and copies the overlaps of the saved
 ranges with the ranges it now owns (resharding). Tensor and pipeline parallel sizes must be the
-same, and so must the expert parallel sizes of a model with experts. (A plain per-rank ``torch.save`` rather than ``torch.distributed.checkpoint``:
-the optimizer's shards are arbitrary element ranges of flattened parameters, which DCP's
-chunked tensors cannot describe without gathering them.)
+same, and so must the expert parallel sizes of a model with experts. (A plain per-rank
+``torch.save`` rather than ``torch.distributed.checkpoint``: the optimizer's shards are arbitrary
+element ranges of flattened parameters, which DCP's chunked tensors cannot describe without
+gathering them.)
 
 **Full** (:func:`get_full_state_dict` / :func:`load_full_state_dict`): the unsharded
 ``state_dict`` of the single-device model, with its original names, gathered from the
@@ -204,9 +205,15 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer=None, *, strict:
             (``strict``) a parameter or buffer is missing or incomplete in the checkpoint.
     """
     module = _unwrap(model)
-    common = torch.load(os.path.join(directory, "common.pt"), map_location="cpu", weights_only=False)
+    common = torch.load(
+        os.path.join(directory, "common.pt"), map_location="cpu", weights_only=False
+    )
     saved, now = common["sizes"], _sizes()
-    keys = ("tp", "pp", "ep", "etp") if any(map(is_expert_param, module.parameters())) else ("tp", "pp")
+    keys = (
+        ("tp", "pp", "ep", "etp")
+        if any(map(is_expert_param, module.parameters()))
+        else ("tp", "pp")
+    )
     if any(saved[k] != now[k] for k in keys):
         raise ValueError(
             f"checkpoint {directory!r} was written with parallel sizes {saved}, this job has "
@@ -374,7 +381,11 @@ def load_full_state_dict(
         dist.broadcast_object_list(meta, src=src)
         received = {}
         for k, (shape, dtype) in meta[0].items():
-            t = state_dict[k].to("cpu", dtype).contiguous() if _rank() == src else torch.empty(shape, dtype=dtype)
+            t = (
+                state_dict[k].to("cpu", dtype).contiguous()
+                if _rank() == src
+                else torch.empty(shape, dtype=dtype)
+            )
             dist.broadcast(t, src=src)
             received[k] = t
         state_dict = received

@@ -84,6 +84,8 @@ def get_grad_norm(
     ``group`` (None: no reduction)."""
     norm_type = _check_norm_type(norm_type)
     device = grads[0].device if grads else torch.device("cpu")
+    if not grads and group is not None and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
     mine = [g for g, c in zip(grads, counted) if c and g.numel()]
     if math.isinf(norm_type):
         local = torch.zeros((), dtype=torch.float32, device=device)

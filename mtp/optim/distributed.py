@@ -157,7 +157,10 @@ class DistributedDataParallel(nn.Module):
                         "expert_data_parallel_group was given and mtp.parallel is not initialized"
                     )
             grad_dtype = p.dtype
-            if self.accumulate_allreduce_grads_in_fp32 and p.dtype in (torch.float16, torch.bfloat16):
+            if self.accumulate_allreduce_grads_in_fp32 and p.dtype in (
+                torch.float16,
+                torch.bfloat16,
+            ):
                 grad_dtype = torch.float32
             kinds.setdefault((p.dtype, grad_dtype, expert, p.device), []).append(p)
         buffers = []
@@ -186,6 +189,12 @@ class DistributedDataParallel(nn.Module):
         def hook(p: torch.Tensor) -> None:
             if p.grad is None:
                 return
+            if self._grads_synced:
+                raise RuntimeError(
+                    "a backward ran after finish_grad_sync() without zero_grad_buffer(): call "
+                    "model.zero_grad_buffer() (or DistributedOptimizer.zero_grad()) at the start "
+                    "of every iteration"
+                )
             bucket = buf.bucket_of[param]
             if bucket.grad_work is not None:
                 raise RuntimeError(
@@ -195,7 +204,6 @@ class DistributedDataParallel(nn.Module):
                 )
             param.main_grad.add_(p.grad)
             p.grad = None
-            self._grads_synced = False
             if self._sync_enabled and self.overlap_grad_reduce:
                 bucket.ready.add(id(param))
                 self._launch_ready(buf)
@@ -222,7 +230,10 @@ class DistributedDataParallel(nn.Module):
             work = _reduce_scatter_flat(out, bucket.grad_data, buf.group, async_op=True)
             bucket.grad_work = (work, out)
         else:
-            bucket.grad_work = (dist.all_reduce(bucket.grad_data, group=buf.group, async_op=True), None)
+            bucket.grad_work = (
+                dist.all_reduce(bucket.grad_data, group=buf.group, async_op=True),
+                None,
+            )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -271,7 +282,9 @@ class DistributedDataParallel(nn.Module):
         self._grads_synced = True
 
     def _allreduce_sequence_parallel_grads(self) -> None:
-        sp = [p for buf in self.buffers for p in buf.params if getattr(p, "sequence_parallel", False)]
+        sp = [
+            p for buf in self.buffers for p in buf.params if getattr(p, "sequence_parallel", False)
+        ]
         if not sp:
             return
         from mtp import parallel

@@ -7,7 +7,8 @@ buckets of about ``bucket_size`` elements; a parameter never straddles two bucke
 is padded to a multiple of the data-parallel size ``d`` so that it splits into ``d`` equal
 shards: shard ``r`` of every bucket belongs to data-parallel rank ``r`` (its reduce-scatter
 output, its optimizer state, its all-gather input). With one bucket this is exactly seed 004's
-picture: the whole buffer padded to a multiple of ``d``, rank ``r`` owning ``[r * n/d, (r+1) * n/d)``.
+picture: the whole buffer padded to a multiple of ``d``, rank ``r`` owning
+``[r * n/d, (r+1) * n/d)``.
 
 Every parameter's ``.main_grad`` is a view of its slice of ``grad_data``; with a parameter buffer
 (the distributed optimizer needs one) its ``.data`` becomes a view of ``param_data`` too, so
@@ -74,7 +75,9 @@ class Bucket:
         self.buffer, self.index, self.offset, self.numel = buffer, index, offset, numel
         self.params = list(params)
         self.grad_data = buffer.grad_data[offset : offset + numel]
-        self.param_data = None if buffer.param_data is None else buffer.param_data[offset : offset + numel]
+        self.param_data = (
+            None if buffer.param_data is None else buffer.param_data[offset : offset + numel]
+        )
         self.ready: set[int] = set()
         self.grad_work = None  # (work, output or None) of the running reduction
         self.param_work = None  # (work, input) of the running all-gather
@@ -90,7 +93,10 @@ class Bucket:
         return Range(start, start + self.shard_size)
 
     def __repr__(self) -> str:
-        return f"Bucket({self.index}, offset={self.offset}, numel={self.numel}, params={len(self.params)})"
+        return (
+            f"Bucket({self.index}, offset={self.offset}, numel={self.numel}, "
+            f"params={len(self.params)})"
+        )
 
 
 class ParamAndGradBuffer:
@@ -168,7 +174,7 @@ class ParamAndGradBuffer:
             p.main_grad = self.grad_data[r.start : r.end].view(p.shape)
 
     def _pad(self, n: int) -> int:
-        return int(math.ceil(n / self.dp_size)) * self.dp_size
+        return math.ceil(n / self.dp_size) * self.dp_size
 
     def reset(self) -> None:
         """Zero the gradients and forget which parameters reported this iteration."""

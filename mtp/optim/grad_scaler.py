@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DynamicLossScaler", "DynamicGradScaler"]
+__all__ = ["DynamicGradScaler", "DynamicLossScaler"]
 
 
 class DynamicLossScaler:

@@ -48,7 +48,7 @@ from .distributed import DistributedDataParallel, _all_gather_flat
 from .grad_buffer import ParamAndGradBuffer, Range, param_range_map
 from .grad_scaler import DynamicLossScaler
 
-__all__ = ["DistributedOptimizer", "bytes_per_parameter_formula", "OPTIMIZER_STATE_BYTES"]
+__all__ = ["OPTIMIZER_STATE_BYTES", "DistributedOptimizer", "bytes_per_parameter_formula"]
 
 #: Optimizer state bytes per parameter element (fp32 state).
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4}
@@ -206,7 +206,9 @@ class DistributedOptimizer:
                 f"{type(optimizer).__name__}"
             )
         if kwargs:
-            raise TypeError(f"optimizer is an instance: unexpected keyword arguments {sorted(kwargs)}")
+            raise TypeError(
+                f"optimizer is an instance: unexpected keyword arguments {sorted(kwargs)}"
+            )
         if optimizer.state:
             raise ValueError("optimizer already has state; build the DistributedOptimizer first")
         trainable = {id(p) for buf in self.model.buffers for p in buf.params}
@@ -240,8 +242,8 @@ class DistributedOptimizer:
         return loss if self.grad_scaler is None else self.grad_scaler.scale_loss(loss)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the model's gradient buffers (the main gradients are views or overwritten)."""
-        self.finish_param_sync()
+        """Zero the model's gradient buffers (the main gradients are views or overwritten).
+        Running parameter all-gathers (``overlap_param_gather``) are not waited for."""
         self.model.zero_grad_buffer()
 
     def _stats_group(self):
@@ -400,4 +402,4 @@ class DistributedOptimizer:
         )
 
 
-__all__ += ["ShardEntry", "Range"]
+__all__ += ["Range", "ShardEntry"]
