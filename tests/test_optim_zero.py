@@ -4,7 +4,8 @@ One spawned job checks, in order: AdamW and SGD (fp32, to 1e-6), gradient accumu
 micro-batches, bf16 parameters with fp32 gradient accumulation (within bf16 rounding), the
 collectives of a step (one reduce-scatter and one all-gather per bucket, reduce-scatters started
 by the backward hooks before backward reaches the first layer), clipping, the measured bytes per
-parameter at d=2, and models with a frozen, an unused and a shared parameter.
+parameter at d=2, models with a frozen, an unused and a shared parameter, and (tp=2) sequence
+parallelism, whose replicated parameters' gradients are summed over the TP group.
 """
 
 import copy
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from optim_helpers import (
     BUCKET,
+    TP_PLAN,
     batch,
     local_rows,
     loss_fn,
@@ -27,6 +29,7 @@ from mtp.optim import (
     DistributedOptimizer,
     bytes_per_parameter_formula,
 )
+from mtp.tensor_parallel import parallelize
 from mtp.testing import assert_close, count_collectives, run_distributed
 
 STEPS = 3
@@ -267,6 +270,28 @@ def _check_odd_models(rank, world):
     model.finish_grad_sync()
 
 
+def _check_sequence_parallel(rank, world):
+    # tp=2 with sequence parallelism: the replicated parameters (head, fc2.bias) see half of the
+    # rows on each rank; finish_grad_sync sums their gradients over the TP group.
+    ref = make_net()
+    reference_train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), STEPS)
+    net = parallelize(make_net(), TP_PLAN, sequence_parallel=True)
+    model = DistributedDataParallel(net, use_distributed_optimizer=True, bucket_size=BUCKET)
+    opt = DistributedOptimizer(torch.optim.AdamW, model, lr=1e-2)
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        out = model(local_rows(x, rank, world))
+        (loss_fn(out, local_rows(y, rank, world)) / world).backward()
+        opt.step()
+    split = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        want = q.detach()
+        if name in split:
+            want = want.chunk(world, split[name])[rank]
+        assert_close(p.detach(), want, msg=f"sequence parallel {name}", rtol=1e-6, atol=1e-7)
+
+
 def _dp2_worker(rank, world):
     mp.initialize_model_parallel()
     assert mp.get_data_parallel_world_size() == world
@@ -277,6 +302,9 @@ def _dp2_worker(rank, world):
     out = _check_bytes(rank, world)
     _check_odd_models(rank, world)
     dist.barrier()
+    mp.destroy_model_parallel()
+    mp.initialize_model_parallel(tensor_model_parallel_size=2)
+    _check_sequence_parallel(rank, world)
     mp.destroy_model_parallel()
     return out
 
