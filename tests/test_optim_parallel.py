@@ -14,7 +14,7 @@ tp=2 checkpoint is refused at tp=1.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from optim_helpers import BUCKET, TP_PLAN, batch, local_rows, loss_fn, make_net, reference_train
+from optim_helpers import BUCKET, batch, local_rows, loss_fn, make_net, reference_train
 
 import mtp.parallel as mp
 from mtp.moe import MoELayer
@@ -37,10 +37,17 @@ FP32 = {"rtol": 1e-6, "atol": 1e-7}
 SPLIT = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}  # column fc1, row fc2
 
 
+# fc1's output features (fc2's input features) in two blocks, each split over TP on its own
+# (the layout of a fused weight); full state dicts must put the blocks back in order
+TP_PLAN = {"fc1": {"style": "column", "stride": 2}, "fc2": {"style": "row", "stride": 2}}
+
+
 def _local_of(name, full, tp_rank, tp):
     if name in SPLIT and tp > 1:
         dim = SPLIT[name]
-        return shard(full, dim, [full.size(dim)], tp_rank, tp)
+        n = full.size(dim)
+        blocks = [n // 2, n // 2]
+        return shard(full, dim, blocks, tp_rank, tp)
     return full
 
 
