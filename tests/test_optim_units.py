@@ -203,6 +203,15 @@ def test_checkpoint_and_full_state_dict_single_process(tmp_path):
     _train(model2, opt2, 1, start=2)
     for p, q in zip(model2.parameters(), ref.parameters()):
         assert_close(p, q, **FP32)
+    # the per-rank state_dict (same layout) round-trips too
+    model3 = DistributedDataParallel(make_net(), use_distributed_optimizer=True, bucket_size=BUCKET)
+    opt3 = DistributedOptimizer(torch.optim.AdamW, model3, lr=1e-2)
+    model3.load_state_dict(model.state_dict())
+    opt3.reload_model_params()
+    opt3.load_state_dict(opt.state_dict())
+    _train(model3, opt3, 1, start=2)
+    for p, q in zip(model3.parameters(), ref.parameters()):
+        assert_close(p, q, **FP32)
     full = get_full_state_dict(model2)
     assert list(full) == list(ref.state_dict())
     plain = make_net(seed=4)

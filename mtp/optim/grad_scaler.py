@@ -89,6 +89,11 @@ class DynamicLossScaler:
                 self._hysteresis_tracker = self.hysteresis
                 self._scale = self._scale * self.growth_factor
 
+    def to(self, device: torch.device | str) -> DynamicLossScaler:
+        """Keep :attr:`scale` on ``device`` (the model's); returns ``self``."""
+        self._scale = self._scale.to(device)
+        return self
+
     def state_dict(self) -> dict:
         return {
             "scale": self._scale.detach().cpu(),

@@ -147,6 +147,9 @@ class DistributedOptimizer:
         if grad_scaler is not None and not isinstance(grad_scaler, DynamicLossScaler):
             raise TypeError(f"grad_scaler must be a DynamicLossScaler, got {type(grad_scaler)}")
         self.model, self.clip_grad, self.grad_scaler = model, float(clip_grad), grad_scaler
+        self.device = model.buffers[0].grad_data.device
+        if grad_scaler is not None:
+            grad_scaler.to(self.device)
         self.sharded = model.use_distributed_optimizer
         self.overlap_param_gather = bool(overlap_param_gather) and self.sharded
         self.grad_stats_group = grad_stats_group
@@ -264,11 +267,11 @@ class DistributedOptimizer:
 
     def _unscale_and_check(self) -> bool:
         inv = self.grad_scaler.inv_scale
-        found = torch.zeros((), dtype=torch.float32, device=inv.device)
+        found = torch.zeros((), dtype=torch.float32, device=self.device)
         for e in self.shards:
             g = e.main_param.grad
-            g.mul_(inv.to(g.device))
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(found.device))
+            g.mul_(inv)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         group = self._stats_group()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
@@ -318,6 +321,21 @@ class DistributedOptimizer:
         for e in self.shards:
             if e.main_param.data_ptr() != e.model_slice.data_ptr():
                 e.main_param.copy_(e.model_slice)
+
+    def state_dict(self) -> dict:
+        """This rank's state: the inner optimizer's ``state_dict`` (over its shard) and the loss
+        scaler's. Reloadable only with the same sizes and layout; :func:`mtp.optim.save_checkpoint`
+        writes checkpoints that reshard."""
+        out = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Inverse of :meth:`state_dict` (same sizes and layout)."""
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     # -- parameter all-gather ----------------------------------------------------------------
 
