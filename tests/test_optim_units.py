@@ -81,6 +81,20 @@ def test_seed_index_ranges():
     assert [(b.offset, b.numel) for b in buf.buckets] == [(0, 12), (12, 8), (20, 4)]
     assert [len(b.params) for b in buf.buckets] == [3, 1, 1]
     assert buf.param_index[params["red"]] == Range(20, 22)
+    buf = ParamAndGradBuffer(
+        model_order,
+        torch.float16,
+        None,
+        6,
+        param_buffer=False,
+        data_parallel_size=4,
+        pad_buckets_to=6,
+    )  # lcm(4, 6) = 12: green + yellow, blue, red
+    assert [(b.offset, b.numel) for b in buf.buckets] == [(0, 12), (12, 12), (24, 12)]
+    with pytest.raises(ValueError, match="pad_buckets_to"):
+        ParamAndGradBuffer(
+            model_order, torch.float16, None, 6, param_buffer=False, pad_buckets_to=0
+        )
 
 
 def test_bytes_per_parameter_table():
