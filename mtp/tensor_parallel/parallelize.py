@@ -110,6 +110,7 @@ def from_linear(
         if style == "column":
             bias = _shard_param(linear.bias, 0, layer._blocks, layer.tp_rank, layer.tp_size, _memo)
             bias.tensor_model_parallel, bias.partition_dim = True, 0
+            bias.partition_stride = layer.stride
         else:
             bias = _shard_param(linear.bias, 0, [linear.out_features], 0, 1, _memo)
             bias.tensor_model_parallel = False
