@@ -15,7 +15,8 @@ Two granularities:
 - **per launch** (``bytes_launch``): the unique bytes of each launch, summed over launches
   (what an ideal cache would give).
 
-Aten ops that do device work (not views, not ``empty*``) count the ``nbytes`` of their tensor
+Aten ops that do device work (not views, not ``empty*``; ``_assert_async`` counts: it is a
+kernel on CUDA) count the ``nbytes`` of their tensor
 inputs (read) and outputs (written); ops that only write their output argument (``fill_``,
 ``zero_``, ``copy_`` destination) count it as written only.
 
@@ -383,7 +384,6 @@ _ALLOC_OPS = {
     "aten::set_",
     "aten::detach",
     "aten::alias",
-    "aten::_assert_async",
     "aten::_local_scalar_dense",  # a host read: counted as a sync, not as device work
 }
 _WRITE_ONLY = {"aten::fill_", "aten::zero_", "aten::copy_", "aten::zeros_like", "aten::full_like"}
