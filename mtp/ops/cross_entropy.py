@@ -199,10 +199,9 @@ def _kernel_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
 
 
 def _new_grad(logits: torch.Tensor) -> torch.Tensor:
-    """A gradient buffer; with ``logits``' strides when it is dense (the same row alignment)."""
-    if logits.is_contiguous() or not logits.is_non_overlapping_and_dense():
-        return empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    out = torch.empty_like(logits)  # keeps the strides of a dense permutation
+    """A gradient buffer with ``logits``' strides when it is dense (the same row alignment;
+    ``empty_like`` keeps the layout of a dense permutation and is contiguous otherwise)."""
+    out = torch.empty_like(logits)
     return poison_(out) if poison_enabled() else out
 
 
@@ -459,6 +458,8 @@ def _check_info(info, target, ignore_index, vocab_size, world, validate) -> None
 
 
 def _check_transforms(logits: torch.Tensor) -> None:
+    if torch.compiler.is_compiling():
+        return
     if torch._C._functorch.peek_interpreter_stack() is not None:
         raise NotImplementedError(
             "vocab_parallel_cross_entropy does not support torch.func transforms (grad, vmap, "
