@@ -36,7 +36,7 @@ API (stable; other branches use it):
   properties ``bytes_program`` / ``bytes_launch`` / ``bytes_read`` / ``bytes_written`` /
   ``aten_bytes`` / ``num_launches`` / ``num_aten_ops`` / ``device_ops`` (launches + aten ops) /
   ``num_host_syncs``; ``ratio(floor, per="program")``; ``summary(floor=None)`` (JSON-ready);
-  ``by_kernel()``.
+  ``by_kernel()``; ``collectives`` (``c10d::`` op names; not counted as aten ops or bytes).
 - ``LaunchTraffic``: ``name``, ``grid``, ``programs``, ``read_program``, ``write_program``,
   ``read_launch``, ``write_launch`` (bytes).
 - ``AtenTraffic``: ``name``, ``read``, ``write`` (bytes).
@@ -98,6 +98,8 @@ class Traffic:
     launches: list[LaunchTraffic] = dataclasses.field(default_factory=list)
     aten: list[AtenTraffic] = dataclasses.field(default_factory=list)
     host_syncs: list[str] = dataclasses.field(default_factory=list)
+    #: ``c10d::`` ops seen by the dispatcher (collectives: not aten ops, not in the bytes).
+    collectives: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def aten_bytes(self) -> int:
@@ -464,7 +466,9 @@ def count_traffic() -> Iterator[Traffic]:
                     with self:
                         return impl(*args, **kwargs)
             out = func(*args, **kwargs)
-            if _is_device_work(func, args, out):
+            if name.startswith("c10d::"):
+                traffic.collectives.append(name)
+            elif _is_device_work(func, args, out):
                 traffic.aten.append(_aten_record(func, args, kwargs, out))
             return out
 
