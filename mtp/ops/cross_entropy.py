@@ -356,7 +356,6 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(info)
         ctx.set_materialize_grads(False)
         ctx.backend = backend
-        ctx.scaled = False
         return loss, info
 
     @staticmethod
@@ -364,13 +363,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         if dloss is None:
             return None, None, None, None, None
-        if ctx.scaled and not torch.compiler.is_compiling():
-            raise RuntimeError(
-                "vocab_parallel_cross_entropy: backward ran twice through the same graph; the "
-                "gradient is computed in the forward and scaled in place by the backward, so it "
-                "can be used once (do not use retain_graph=True to backpropagate twice)"
-            )
-        ctx.scaled = True
+        # A second backward through the same graph (retain_graph=True) fails in autograd's
+        # version check of ``grad``: it was scaled in place by the first one.
         torch.ops.mtp.vocab_parallel_cross_entropy_scale_(grad, dloss, ctx.backend)
         return grad, None, None, None, None
 
