@@ -2,8 +2,9 @@
 
 Timed on one GPU (no tensor parallelism: the whole vocab on one rank), ``reduction="mean"`` and
 ``validate=False`` (the target-range check runs on the device, one ``_assert_async`` per call;
-a trainer turns it off once its data is known to be good). Compared with: mtp's backends, plain PyTorch
-(``F.cross_entropy(logits.float(), target)``) and ``torch.compile`` of it, Liger-Kernel's
+a trainer turns it off once its data is known to be good). Compared with: mtp's backends,
+plain PyTorch (``F.cross_entropy(logits.float(), target)``) and ``torch.compile`` of it,
+Liger-Kernel's
 ``LigerCrossEntropyLoss``, Transformer Engine's ``parallel_cross_entropy`` and Megatron-Core's
 ``vocab_parallel_cross_entropy`` (on a one-rank tensor-parallel group) when installed. Liger and
 Transformer Engine compute the gradient during the forward and write it into the logits.

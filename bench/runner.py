@@ -7,8 +7,9 @@ Both produce *records*, one per (case, provider), plain dicts ready for JSON:
 
 - CPU: ``check`` (``rel_err`` against the float64 reference, ``limit``, ``ok``), ``counts``
   (:meth:`mtp.bench.counting.OpCount.summary`: aten ops, device ops, Triton launches, host
-  syncs of one call) and, for mtp backends, ``traffic`` (:meth:`mtp.testing.traffic.Traffic.summary`:
-  bytes counted by address under the interpreter and ``bytes_over_floor``);
+  syncs of one call) and, for mtp backends, ``traffic``
+  (:meth:`mtp.testing.traffic.Traffic.summary`: bytes counted by address under the
+  interpreter and ``bytes_over_floor``);
 - GPU: ``check`` (against mtp's reference, fp32 math) and ``timing`` (median/p20/p80 ms, GB/s,
   TFLOP/s, fractions of the datasheet floor and of the measured ceilings, host µs per call,
   launches, peak memory) and ``speedup_vs`` (other provider's median / this median, for every
@@ -240,7 +241,8 @@ def run_cpu_case(module: ModuleType, case: Case, providers: list[Provider], prog
 
 def measure_traffic(run, floor: int) -> dict[str, Any]:
     """Bytes (counted by address under the interpreter), launches and syncs of one call of
-    ``run`` (kernels executed), against ``floor`` bytes: :func:`mtp.testing.traffic.count_traffic`."""
+    ``run`` (kernels executed), against ``floor`` bytes
+    (:func:`mtp.testing.traffic.count_traffic`)."""
     from mtp.testing.traffic import count_traffic
 
     with poisoned(False):
