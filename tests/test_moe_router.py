@@ -260,7 +260,7 @@ def test_loss_scale_scales_the_aux_gradient():
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.25))
         quarter = router_grad()
     finally:
-        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        MoEAuxLossAutoScaler.reset_loss_scale()
     assert one.abs().sum() > 0
     assert_close(quarter, one * 0.25, torch.float32)
 

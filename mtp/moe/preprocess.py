@@ -57,6 +57,9 @@ class MoEPreprocessResult:
     recv_inverse: torch.Tensor | None = None
 
 
+# Field names as a constant: torch.compile cannot trace dataclasses.fields() of the class.
+_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(MoEPreprocessResult))
+
 # Let torch.utils._pytree (assert_graph_safe, torch.compile) see the tensors inside.
 _register_dataclass = getattr(torch.utils._pytree, "register_dataclass", None)
 if _register_dataclass is not None:
@@ -130,12 +133,12 @@ def store_preprocess(result: MoEPreprocessResult, workspace: MoEWorkspace) -> Mo
     """Copy ``result`` into the workspace; returns the workspace's views (fixed addresses)."""
     stored = {}
     with torch.no_grad():
-        for field in dataclasses.fields(MoEPreprocessResult):
-            value = getattr(result, field.name)
-            buf = getattr(workspace, field.name) if value is not None else None
+        for name in _RESULT_FIELDS:
+            value = getattr(result, name)
+            buf = getattr(workspace, name) if value is not None else None
             if buf is not None and value is not buf:
                 buf.copy_(value)
-            stored[field.name] = buf
+            stored[name] = buf
     return MoEPreprocessResult(**stored)
 
 

@@ -72,6 +72,9 @@ _DROP_POLICIES = ("probs", "position")
 # --------------------------------------------------------------------------------------------
 
 
+_LOSS_SCALE: list = [None]  # MoEAuxLossAutoScaler's scale (a module global: torch.compile reads it)
+
+
 class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Identity on ``output`` whose backward also gives ``aux_loss`` the gradient ``scale``.
 
@@ -86,16 +89,18 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
+        # The scale is read here (not in backward) so that torch.compile traces it as a graph
+        # input; it is a one-element tensor, so later set_loss_scale() calls still apply.
+        scale = _LOSS_SCALE[0]
+        grad_aux = torch.ones_like(aux_loss)
+        if scale is not None:
+            grad_aux = grad_aux * scale.to(device=aux_loss.device, dtype=aux_loss.dtype)
+        ctx.save_for_backward(grad_aux)
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        grad_aux = torch.ones_like(aux_loss)
-        if scale is not None:
-            grad_aux = grad_aux * scale.to(device=aux_loss.device, dtype=aux_loss.dtype)
+        (grad_aux,) = ctx.saved_tensors
         return grad_output, grad_aux
 
     @staticmethod
@@ -108,10 +113,17 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         """
         if not isinstance(scale, torch.Tensor):
             raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__}")
-        if MoEAuxLossAutoScaler.main_loss_backward_scale is None:
-            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+        if _LOSS_SCALE[0] is None:
+            _LOSS_SCALE[0] = scale
         else:
-            MoEAuxLossAutoScaler.main_loss_backward_scale.copy_(scale)
+            _LOSS_SCALE[0].copy_(scale)
+        MoEAuxLossAutoScaler.main_loss_backward_scale = _LOSS_SCALE[0]
+
+    @staticmethod
+    def reset_loss_scale() -> None:
+        """Back to the default gradient 1 for the auxiliary losses."""
+        _LOSS_SCALE[0] = None
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def switch_load_balancing_loss_func(
@@ -207,10 +219,13 @@ def _capacity_mask(
 ) -> torch.Tensor:
     """``[T, E]`` bool: the (at most) ``capacity`` tokens each expert keeps."""
     if drop_policy == "position":
-        rank = torch.cumsum(routing_map, dim=0, dtype=torch.int32)
-        return rank <= capacity
-    # "probs": highest probabilities first, ties to the lower token (stable sort).
-    order = torch.sort(probs.float(), dim=0, descending=True, stable=True).indices[:capacity]
+        # Routed tokens first, in token order, then the unrouted ones (padding): exactly
+        # ``capacity`` rows per expert, of which the routed ones are its first routed tokens.
+        key = (~routing_map).to(torch.int8)
+    else:
+        # "probs": highest probabilities first, ties to the lower token (stable sort).
+        key = -probs.float()
+    order = torch.sort(key, dim=0, stable=True).indices[:capacity]
     return torch.zeros_like(routing_map).scatter(0, order, True)
 
 
