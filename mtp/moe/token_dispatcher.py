@@ -33,6 +33,7 @@ all-to-all per forward token/probs/combine exchange.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -41,15 +42,18 @@ from mtp.moe.preprocess import (
     MoEPreprocessResult,
     _recv_reorder,
     check_routing,
-    compute_preprocess,
+    exchange_counts,
+    finish_ep_preprocess,
+    local_preprocess,
     store_preprocess,
 )
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops._backend import resolve_backend
 from mtp.ops.moe_permute import unpermute
-from mtp.utils import is_fake
+from mtp.parallel.errors import RankMismatchError
+from mtp.utils import data_checks_enabled, is_capturing, is_fake
 
-__all__ = ["AllToAllTokenDispatcher", "all_to_all"]
+__all__ = ["AllToAllTokenDispatcher", "RankMismatchError", "all_to_all", "gather_v", "reduce_scatter_v"]
 
 logger = logging.getLogger("mtp")
 
@@ -107,6 +111,71 @@ def all_to_all(
     return _AllToAll.apply(x, group, output_splits, input_splits)
 
 
+def gather_v(x: torch.Tensor, group, sizes: list[int], rank: int) -> torch.Tensor:
+    """Differentiable all-gather along dim 0 of ``sizes[r]`` rows from each rank ``r`` (backward:
+    the reduce-scatter), as an ``all_to_all_single`` of ``x`` sent to every rank."""
+    world = len(sizes)
+    return all_to_all(torch.cat([x] * world), group, list(sizes), [sizes[rank]] * world)
+
+
+def reduce_scatter_v(y: torch.Tensor, group, sizes: list[int], rank: int) -> torch.Tensor:
+    """Differentiable reduce-scatter along dim 0: rank ``r`` gets the sum over the ranks of their
+    ``sizes[r]`` rows at offset ``sum(sizes[:r])`` (backward: :func:`gather_v`)."""
+    world = len(sizes)
+    mine = sizes[rank]
+    out = all_to_all(y, group, [mine] * world, list(sizes))
+    return out.view(world, mine, *y.shape[1:]).sum(dim=0)
+
+
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+_META_NAMES = ("token count", "hidden size", "hidden_states dtype", "probs dtype")
+
+
+def _dtype_name(code: int) -> str:
+    for dtype, c in _DTYPE_CODES.items():
+        if c == code:
+            return str(dtype)
+    return f"code {code}"
+
+
+def rank_meta(hidden_states: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``[4]`` int64 on the device: token count, hidden size and the dtype codes of the tokens
+    and the probabilities (what every rank of a token exchange must agree on)."""
+    values = [
+        hidden_states.shape[0],
+        hidden_states.shape[1],
+        _DTYPE_CODES.get(hidden_states.dtype, 0),
+        _DTYPE_CODES.get(probs.dtype, 0),
+    ]
+    return torch.tensor(values, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
+
+
+def check_rank_meta(rows: list[list[int]], ranks: list[int], same_tokens: bool, what: str) -> None:
+    """Raise :class:`RankMismatchError` (on every rank: each holds every row) unless the ranks
+    agree on the hidden size and dtypes, and on the token count when ``same_tokens``."""
+    for i, name in enumerate(_META_NAMES):
+        if i == 0 and not same_tokens:
+            continue
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            shown = [_dtype_name(v) for v in values] if i >= 2 else values
+            pairs = ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, shown))
+            raise RankMismatchError(
+                f"MoE {what}: the ranks of the group disagree on the {name} ({pairs}); every "
+                "rank must pass the same " + name + (
+                    " (a capacity_factor makes every split static, so all ranks need the same "
+                    "token count)" if i == 0 else ""
+                )
+            )
+
+
+def _group_ranks(group, size: int) -> list[int]:
+    try:
+        return dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - only for the message
+        return list(range(size))
+
+
 class AllToAllTokenDispatcher:
     """Dispatch tokens to experts over the expert-parallel group and combine the results.
 
@@ -121,6 +190,18 @@ class AllToAllTokenDispatcher:
             the group must then see the same token count ``T``.
         backend: for the permute/unpermute kernels: ``"auto"``, ``"triton"`` or
             ``"reference"`` (other names: ``"auto"``).
+        etp_group: expert tensor parallelism (``Q`` ranks holding shards of the same experts,
+            Megatron's expert-TP group): after the EP all-to-all the rows of the ``Q`` ranks are
+            all-gathered so that each shard sees every row of its experts, and the partial
+            outputs are reduce-scattered back in :meth:`combine` (Megatron-Core's order).
+        check_ranks: check that the ranks agree on the hidden size, the dtypes and (with a
+            capacity) the token count before exchanging tokens, raising
+            :class:`RankMismatchError` on every rank instead of letting the collective fail.
+            Dropless folds the check into the count exchange and its one host sync (free, every
+            dispatch). With a capacity (no count exchange, no host sync) it costs one tiny
+            all-to-all and a host sync: ``None`` (default) checks the first dispatch only, or
+            every dispatch under ``MTP_CHECK_COLLECTIVES=1``; ``True`` every dispatch; ``False``
+            never. Skipped while capturing or compiling.
 
     The :class:`~mtp.moe.MoEWorkspace` is built on the first :meth:`dispatch` for its token
     count, dtype and device and rebuilt (with an INFO log line) when they change.
@@ -136,10 +217,15 @@ class AllToAllTokenDispatcher:
         *,
         capacity_factor: float | None = None,
         backend: str = "auto",
+        etp_group: dist.ProcessGroup | None = None,
+        check_ranks: bool | None = None,
     ) -> None:
         self.ep_group = ep_group
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        self.etp_size = 1 if etp_group is None else dist.get_world_size(etp_group)
+        self.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
+        self.etp_group = etp_group if self.etp_size > 1 else None
         if num_experts % self.ep_size:
             raise ValueError(
                 f"num_experts={num_experts} must be divisible by the expert-parallel size "
@@ -153,6 +239,10 @@ class AllToAllTokenDispatcher:
         self.local_expert_indices = list(range(first, first + self.num_local_experts))
         self.capacity_factor = capacity_factor
         self.backend = backend
+        if check_ranks not in (None, True, False):
+            raise TypeError(f"check_ranks must be None, True or False, got {check_ranks!r}")
+        self.check_ranks = check_ranks
+        self._static_checked = False
         self.workspace: MoEWorkspace | None = None
         self._state: dict | None = None
 
@@ -174,17 +264,7 @@ class AllToAllTokenDispatcher:
             and ws.probs_dtype == probs_dtype
         ):
             return ws
-        new = MoEWorkspace(
-            num_tokens,
-            hidden_size,
-            self.num_experts,
-            self.topk,
-            ep_size=self.ep_size,
-            capacity_factor=self.capacity_factor,
-            dtype=dtype,
-            probs_dtype=probs_dtype,
-            device=device,
-        )
+        new = self._new_workspace(num_tokens, hidden_size, dtype, probs_dtype, device)
         if ws is not None:
             logger.info(
                 "MoE dispatcher: rebuilding the workspace for %d tokens (was %d): %s",
@@ -195,24 +275,27 @@ class AllToAllTokenDispatcher:
         self.workspace = new
         return new
 
+    def _new_workspace(self, num_tokens, hidden_size, dtype, probs_dtype, device):
+        return MoEWorkspace(
+            num_tokens,
+            hidden_size,
+            self.num_experts,
+            self.topk,
+            ep_size=self.ep_size,
+            capacity_factor=self.capacity_factor,
+            dtype=dtype,
+            probs_dtype=probs_dtype,
+            device=device,
+        )
+
     def _workspace_for(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> MoEWorkspace:
         args = (hidden_states.shape[0], hidden_states.shape[1], hidden_states.dtype, probs.dtype)
         if is_fake(hidden_states):
             # Tracing with fake tensors: a throwaway workspace (never keep fake buffers).
-            return MoEWorkspace(
-                args[0],
-                args[1],
-                self.num_experts,
-                self.topk,
-                ep_size=self.ep_size,
-                capacity_factor=self.capacity_factor,
-                dtype=args[2],
-                probs_dtype=args[3],
-                device=hidden_states.device,
-            )
+            return self._new_workspace(*args, hidden_states.device)
         return self.get_workspace(*args, device=hidden_states.device)
 
-    # -- dispatch / combine -------------------------------------------------------------------
+    # -- dispatch -----------------------------------------------------------------------------
 
     def dispatch(
         self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
@@ -227,7 +310,8 @@ class AllToAllTokenDispatcher:
         Returns:
             ``(tokens [M, H], tokens_per_expert [L] int64 (device), permuted_probs [M])``: the
             rows of this rank's ``L`` experts, expert-major; ``M`` is ``T * topk`` (``P = 1``),
-            ``L * P * C`` (capacity) or the received count (dropless ``P > 1``).
+            ``L * P * C`` (capacity) or the received count (dropless ``P > 1``), times ``Q``
+            with expert tensor parallelism.
         """
         if hidden_states.dim() != 2:
             raise ValueError(f"hidden_states must be [T, H], got {tuple(hidden_states.shape)}")
@@ -238,42 +322,138 @@ class AllToAllTokenDispatcher:
             )
         ws = self._workspace_for(hidden_states, probs)
         check_routing(routing_map, probs, ws, validate=False)
-        res = compute_preprocess(routing_map, probs, ws, self.ep_group)
-        store_preprocess(res, ws)
+        res = local_preprocess(routing_map, probs, ws)
         backend = permute_backend(self.backend, hidden_states.device)
-        permuted = gather_rows(hidden_states, res.row_id_map, backend)
         self._state = dict(
-            ws=ws,
-            res=res,
-            backend=backend,
-            num_tokens=hidden_states.shape[0],
-            hidden=hidden_states.shape[1],
+            ws=ws, backend=backend, num_tokens=hidden_states.shape[0], hidden=hidden_states.shape[1]
         )
-        if self.ep_size == 1:
-            return permuted, res.tokens_per_expert, res.permuted_probs
         if ws.capacity is not None:
+            self._check_static(hidden_states, probs)
+            store_preprocess(res, ws)  # fixed-address copies; ``res`` keeps the autograd link
+            self._state["res"] = res
+            permuted = gather_rows(hidden_states, res.row_id_map, backend)
             return self._dispatch_static(permuted, res, ws)
-        return self._dispatch_dropless(permuted, res, backend)
+        return self._dispatch_dropless(hidden_states, probs, res, ws, backend)
+
+    def _distributed(self) -> bool:
+        return self.ep_size > 1 or self.etp_size > 1
+
+    def _check_static(self, hidden_states, probs) -> None:
+        """Capacity mode: one tiny exchange of the metadata before the fixed-size all-to-alls."""
+        if self.check_ranks is False or not self._distributed():
+            return
+        if not data_checks_enabled(True, hidden_states) or is_capturing():
+            return
+        every = self.check_ranks or os.environ.get("MTP_CHECK_COLLECTIVES", "0") not in ("", "0")
+        if self._static_checked and not every:
+            return
+        self._static_checked = True
+        meta = rank_meta(hidden_states, probs)
+        for group, size in ((self.ep_group, self.ep_size), (self.etp_group, self.etp_size)):
+            if size > 1:
+                rows = all_to_all(meta.view(1, -1).expand(size, -1).contiguous(), group)
+                check_rank_meta(rows.tolist(), _group_ranks(group, size), True, "dispatch")
 
     def _dispatch_static(self, permuted, res: MoEPreprocessResult, ws: MoEWorkspace):
-        ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
-        recv = all_to_all(permuted, self.ep_group)
-        recv_probs = all_to_all(res.permuted_probs, self.ep_group)
-        tokens = recv.view(ep, local, cap, -1).transpose(0, 1).reshape(local * ep * cap, -1)
-        probs = recv_probs.view(ep, local, cap).transpose(0, 1).reshape(-1)
-        return tokens, res.local_tokens_per_expert, probs
+        local, cap = self.num_local_experts, ws.capacity
+        tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
+        rows = cap
+        if self.ep_size > 1:
+            ep = self.ep_size
+            recv = all_to_all(permuted, self.ep_group)
+            recv_probs = all_to_all(res.permuted_probs, self.ep_group)
+            tokens = recv.view(ep, local, cap, -1).transpose(0, 1).reshape(local * ep * cap, -1)
+            probs = recv_probs.view(ep, local, cap).transpose(0, 1).reshape(-1)
+            counts, rows = res.local_tokens_per_expert, ep * cap
+        if self.etp_size > 1:
+            q = self.etp_size
+            n = tokens.shape[0]
+            tokens = gather_v(tokens, self.etp_group, [n] * q, self.etp_rank)
+            probs = gather_v(probs, self.etp_group, [n] * q, self.etp_rank)
+            tokens = tokens.view(q, local, rows, -1).transpose(0, 1).reshape(q * n, -1)
+            probs = probs.view(q, local, rows).transpose(0, 1).reshape(-1)
+            counts = torch.full_like(counts, q * rows)
+            self._state["etp_rows"] = rows
+        return tokens, counts, probs
 
-    def _dispatch_dropless(self, permuted, res: MoEPreprocessResult, backend: str):
-        ep = self.ep_size
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    def _dispatch_dropless(self, hidden_states, probs, res, ws, backend):
+        if self._distributed() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "dropless expert parallelism reads the all-to-all split sizes on the host (one "
                 "sync per layer) and cannot be captured in a CUDA graph; set capacity_factor "
                 "for a static, capturable dispatch (or capture only up to the dispatch)"
             )
-        # The one device-to-host sync of the layer: split sizes for the token all-to-all.
-        splits = torch.cat([res.send_counts, res.recv_counts.sum(dim=1)]).tolist()
-        send, recv_sizes = splits[:ep], splits[ep:]
+        ep, q = self.ep_size, self.etp_size
+        check = (
+            self.check_ranks is not False
+            and self._distributed()
+            and data_checks_enabled(True, hidden_states)
+        )
+        meta = rank_meta(hidden_states, probs) if check else None
+        ep_meta = etp_meta = None
+        if ep > 1:
+            recv_counts, ep_meta = exchange_counts(res.tokens_per_expert, ep, self.ep_group, meta)
+            res = finish_ep_preprocess(res, recv_counts, ws)
+            local_counts = res.local_tokens_per_expert
+        else:
+            local_counts = res.tokens_per_expert
+        store_preprocess(res, ws)
+        self._state["res"] = res
+        permuted = gather_rows(hidden_states, res.row_id_map, backend)
+        if q > 1:
+            mine = local_counts if meta is None else torch.cat([local_counts, meta])
+            gathered = all_to_all(mine.view(1, -1).expand(q, -1).contiguous(), self.etp_group)
+            etp_counts = gathered[:, : self.num_local_experts]
+            if meta is not None:
+                etp_meta = gathered[:, self.num_local_experts :]
+        if not self._distributed():
+            return permuted, res.tokens_per_expert, res.permuted_probs
+        # The one device-to-host sync of the layer: split sizes (and the ranks' metadata).
+        host = self._read_sizes(res, ep_meta, etp_counts if q > 1 else None, etp_meta)
+        tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
+        if ep > 1:
+            tokens, probs = self._ep_exchange(permuted, res, host, backend)
+            counts = res.local_tokens_per_expert
+        if q > 1:
+            sizes = host["etp_sizes"]
+            total = sum(sizes)
+            tokens = gather_v(tokens, self.etp_group, sizes, self.etp_rank)
+            probs = gather_v(probs, self.etp_group, sizes, self.etp_rank)
+            order, inverse = _recv_reorder(etp_counts, total)
+            self._state.update(etp_sizes=sizes, etp_inverse=inverse)
+            tokens = gather_rows(tokens, order, backend)
+            probs = probs.index_select(0, order)
+            counts = etp_counts.sum(dim=0)
+        return tokens, counts, probs
+
+    def _read_sizes(self, res, ep_meta, etp_counts, etp_meta) -> dict:
+        ep, q = self.ep_size, self.etp_size
+        parts = []
+        if ep > 1:
+            parts += [res.send_counts, res.recv_counts.sum(dim=1)]
+        if etp_counts is not None:
+            parts.append(etp_counts.sum(dim=1))
+        for m in (ep_meta, etp_meta):
+            if m is not None:
+                parts.append(m.reshape(-1))
+        flat = torch.cat(parts).tolist()
+        host, i = {}, 0
+        if ep > 1:
+            host["send"], host["recv"] = flat[:ep], flat[ep : 2 * ep]
+            i = 2 * ep
+        if etp_counts is not None:
+            host["etp_sizes"] = flat[i : i + q]
+            i += q
+        for m, size, group in ((ep_meta, ep, self.ep_group), (etp_meta, q, self.etp_group)):
+            if m is not None:
+                width = m.shape[1]
+                rows = [flat[i + r * width : i + (r + 1) * width] for r in range(size)]
+                i += size * width
+                check_rank_meta(rows, _group_ranks(group, size), False, "dispatch")
+        return host
+
+    def _ep_exchange(self, permuted, res, host, backend):
+        send, recv_sizes = host["send"], host["recv"]
         received = sum(recv_sizes)
         recv = all_to_all(permuted, self.ep_group, recv_sizes, send)
         recv_probs = all_to_all(res.permuted_probs, self.ep_group, recv_sizes, send)
@@ -282,17 +462,18 @@ class AllToAllTokenDispatcher:
             # Another rank routed more tokens than this one (the workspace's worst case assumes
             # at most T per rank): reorder for the actual count, now known on the host.
             order, inverse = _recv_reorder(res.recv_counts, received)
-        self._state.update(send=send, recv_sizes=recv_sizes, received=received, inverse=inverse)
-        tokens = gather_rows(recv, order, backend)
-        probs = recv_probs.index_select(0, order)
-        return tokens, res.local_tokens_per_expert, probs
+        self._state.update(send=send, recv_sizes=recv_sizes, inverse=inverse)
+        return gather_rows(recv, order, backend), recv_probs.index_select(0, order)
+
+    # -- combine ------------------------------------------------------------------------------
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
         """Return the expert outputs to their tokens and sum them: ``[T, H]``.
 
         Args:
             expert_output: ``[M, H]``, rows as returned by :meth:`dispatch` (already scaled by
-                the probabilities, as :class:`~mtp.moe.GroupedMLP` does).
+                the probabilities, as :class:`~mtp.moe.GroupedMLP` does; partial sums over the
+                expert-tensor-parallel shards with ``Q > 1``).
         """
         state = self._state
         if state is None:
@@ -303,7 +484,7 @@ class AllToAllTokenDispatcher:
             raise ValueError(
                 f"expert_output must be [M, {shape[1]}], got {tuple(expert_output.shape)}"
             )
-        y = expert_output
+        y = self._combine_etp(expert_output, state, ws, backend)
         if self.ep_size > 1 and ws.capacity is not None:
             ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
             y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
@@ -318,6 +499,19 @@ class AllToAllTokenDispatcher:
             # joins the all-to-alls the other ranks run.
             out = out + y.sum() * 0
         return out
+
+    def _combine_etp(self, y, state, ws, backend):
+        """``Q > 1``: sum the shards' partial outputs and give each rank its own rows back."""
+        q = self.etp_size
+        if q == 1:
+            return y
+        if ws.capacity is not None:
+            local, rows = self.num_local_experts, state["etp_rows"]
+            y = y.view(local, q, rows, -1).transpose(0, 1).reshape(q * local * rows, -1)
+            n = local * rows
+            return reduce_scatter_v(y, self.etp_group, [n] * q, self.etp_rank)
+        y = gather_rows(y, state["etp_inverse"], backend)
+        return reduce_scatter_v(y, self.etp_group, state["etp_sizes"], self.etp_rank)
 
     # -- Megatron-Core names ------------------------------------------------------------------
 
