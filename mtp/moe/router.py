@@ -236,7 +236,7 @@ def _capacity_mask(
         key = (~routing_map).to(torch.int8)
     else:
         # "probs": highest probabilities first, ties to the lower token (stable sort).
-        key = -probs.float()
+        key = -probs.to(torch.promote_types(probs.dtype, torch.float32))
     order = torch.sort(key, dim=0, stable=True).indices[:capacity]
     return torch.zeros_like(routing_map).scatter(0, order, True)
 
@@ -288,21 +288,22 @@ def topk_softmax_with_capacity(
         num_experts, topk, score_function, capacity_factor, drop_policy, num_groups, group_topk,
         norm_topk_prob=norm_topk_prob, group_score=group_score, pre_softmax=use_pre_softmax,
     )
-    bias = None if expert_bias is None else expert_bias.float()
+    math_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64
+    bias = None if expert_bias is None else expert_bias.to(math_dtype)
     renorm = bool(norm_topk_prob)
     if score_function == "softmax":
         if use_pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            scores = torch.softmax(logits, dim=-1, dtype=math_dtype)
             select = scores if bias is None else scores + bias
             _, top_indices = _topk(select, topk, num_groups, group_topk, group_score)
             probs = torch.gather(scores, 1, top_indices)
         else:
-            select = logits if bias is None else logits.float() + bias
+            select = logits if bias is None else logits.to(math_dtype) + bias
             _, top_indices = _topk(select, topk, num_groups, group_topk, group_score)
-            probs = torch.softmax(torch.gather(logits, 1, top_indices), dim=-1, dtype=torch.float32)
+            probs = torch.softmax(torch.gather(logits, 1, top_indices), dim=-1, dtype=math_dtype)
             renorm = False  # already sums to 1
     else:
-        scores = torch.sigmoid(logits.float())
+        scores = torch.sigmoid(logits.to(math_dtype))
         select = scores if bias is None else scores + bias
         _, top_indices = _topk(select, topk, num_groups, group_topk, group_score)
         probs = torch.gather(scores, 1, top_indices)
@@ -331,9 +332,9 @@ def compute_routing_scores_for_aux_loss(
 
     Returns ``(routing_map, scores)`` (Megatron's order)."""
     if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        scores = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
     elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float())
+        scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(
