@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp.moe import (
+    MoEWorkspace,
     GroupedMLP,
     MoELayer,
     TopKRouter,
@@ -444,3 +445,27 @@ def test_bad_inputs_and_expert_options():
         hf_to_grouped(layout="rows", gate_up_proj=torch.zeros(2, 8, 4), down_proj=torch.zeros(2, 4, 4))
     with pytest.raises(ValueError, match="output features"):
         hf_to_grouped(gate_up_proj=torch.zeros(2, 6, 4), down_proj=torch.zeros(2, 4, 4))
+
+
+@pytest.mark.parametrize(
+    "build,error,match",
+    [
+        (lambda: MoEWorkspace(4, 8, 4, 2, dtype=torch.int32), TypeError, "dtype"),
+        (lambda: MoEWorkspace(4, 8, 4, 2, probs_dtype=torch.int32), TypeError, "probs_dtype"),
+        (lambda: MoEWorkspace(4, 8, 4, 2, device="nope"), ValueError, "device"),
+        (lambda: MoEWorkspace(4, 8, 4, 2, capacity_factor="1"), TypeError, "capacity_factor"),
+        (lambda: MoEWorkspace(4, 8, 4, 2, capacity_factor=float("nan")), ValueError,
+         "capacity_factor"),
+        (lambda: TopKRouter(8, 4, 2, device="nope"), ValueError, "device"),
+        (lambda: TopKRouter(8, 4, 2, pre_softmax="no"), TypeError, "pre_softmax"),
+        (lambda: TopKRouter(8, 4, 2, expert_bias=1), TypeError, "expert_bias"),
+        (lambda: TopKRouter(8, 4, 2, init_std=float("nan")), ValueError, "init_std"),
+        (lambda: MoELayer(8, 8, 4, 2, backend="nope"), ValueError, "backend"),
+        (lambda: MoELayer(8, 8, 4, 2, ep_group="world"), TypeError, "ep_group"),
+        (lambda: MoELayer(8, 8, 4, 2, bias="yes"), TypeError, "bias"),
+        (lambda: MoELayer(8, 8, 4, 2, device="nope"), ValueError, "device"),
+    ],
+)
+def test_constructor_arguments_named_in_errors(build, error, match):
+    with pytest.raises(error, match=match):
+        build()

@@ -115,7 +115,9 @@ class AllGatherTokenDispatcher:
         if routing_map.dtype != torch.bool:
             raise TypeError(f"routing_map must be bool, got {routing_map.dtype}")
         if probs.shape != routing_map.shape or not probs.is_floating_point():
-            raise ValueError(f"probs must be a float [T, E] tensor like routing_map, got {probs.shape}")
+            raise ValueError(
+                f"probs must be a float [T, E] tensor like routing_map, got {tuple(probs.shape)}"
+            )
         self._check(hidden_states, probs)
         x, both = hidden_states, torch.cat([probs, routing_map.to(probs.dtype)], dim=1)
         for group, size, rank in self._groups():
@@ -127,7 +129,7 @@ class AllGatherTokenDispatcher:
         rows = x.shape[0] * min(self.topk, local)
         row_id_map, pair = moe_permute_row_map(local_map, rows)
         backend = permute_backend(self.backend, hidden_states.device)
-        self._state = dict(row_id_map=row_id_map, shape=tuple(x.shape), backend=backend, mine=hidden_states.shape[0])
+        self._state = dict(row_id_map=row_id_map, shape=tuple(x.shape), backend=backend)
         tokens = gather_rows(x, row_id_map, backend)
         return tokens, local_map.sum(dim=0, dtype=torch.int64), select_probs(all_probs, pair)
 

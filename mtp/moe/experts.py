@@ -133,9 +133,9 @@ class GroupedMLP(nn.Module):
 
     Parameters: ``weight1 [L, H, F1]`` and ``weight2 [L, F, H]`` (``[E, K, N]``, ``F1 = F`` or
     ``2F``, both divided by ``tp_size``), optional ``bias1``/``bias2``. Hugging Face expert
-    weights load with :meth:`load_hf_weights` and come back with :meth:`hf_weights`. They carry ``allreduce = False`` (Megatron's marker
-    for expert parameters: reduce their gradients over the expert-data-parallel group, not the
-    data-parallel group).
+    weights load with :meth:`load_hf_weights` and come back with :meth:`hf_weights`. They
+    carry ``allreduce = False`` (Megatron's marker for expert parameters: reduce their gradients
+    over the expert-data-parallel group, not the data-parallel group).
     """
 
     def __init__(
@@ -174,7 +174,10 @@ class GroupedMLP(nn.Module):
             )
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
-        for name, value in (("activation_limit", activation_limit), ("activation_alpha", activation_alpha)):
+        for name, value in (
+            ("activation_limit", activation_limit),
+            ("activation_alpha", activation_alpha),
+        ):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
             if not (math.isfinite(value) and value > 0):
@@ -184,7 +187,8 @@ class GroupedMLP(nn.Module):
         self.num_local_experts, self.hidden_size = num_local_experts, hidden_size
         self.ffn_hidden_size, self.activation = ffn_hidden_size, activation
         self.backend, self.add_bias = backend, bool(bias)
-        self.activation_limit, self.activation_alpha = float(activation_limit), float(activation_alpha)
+        self.activation_limit = float(activation_limit)
+        self.activation_alpha = float(activation_alpha)
         self.probs_after_fc2 = bool(probs_after_fc2)
         self.tp_size, self.tp_rank = tp_size, tp_rank
         full_fc1 = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size
@@ -269,10 +273,11 @@ class GroupedMLP(nn.Module):
         want1 = (self.hidden_size, self.full_fc1_output_size)
         want2 = (self.ffn_hidden_size, self.hidden_size)
         if weight1.dim() != 3 or tuple(weight1.shape[1:]) != want1:
-            raise ValueError(f"weight1 must be [E, {want1[0]}, {want1[1]}], got {tuple(weight1.shape)}")
+            raise ValueError(f"weight1 must be [E, {want1[0]}, {want1[1]}], got {weight1.shape}")
         if weight2.dim() != 3 or tuple(weight2.shape[1:]) != want2:
-            raise ValueError(f"weight2 must be [E, {want2[0]}, {want2[1]}], got {tuple(weight2.shape)}")
-        if not 0 <= expert_offset <= weight1.shape[0] - local or weight2.shape[0] != weight1.shape[0]:
+            raise ValueError(f"weight2 must be [E, {want2[0]}, {want2[1]}], got {weight2.shape}")
+        total = weight1.shape[0]
+        if not 0 <= expert_offset <= total - local or weight2.shape[0] != total:
             raise ValueError(
                 f"expert_offset={expert_offset} with {local} local experts does not fit weights of "
                 f"{weight1.shape[0]} / {weight2.shape[0]} experts"
@@ -292,7 +297,8 @@ class GroupedMLP(nn.Module):
         :func:`mtp.moe.hf_weights.hf_to_grouped` for the accepted names and layouts."""
         from mtp.moe.hf_weights import hf_to_grouped
 
-        self.load_full_weights(*hf_to_grouped(activation=self.activation, **hf), expert_offset=expert_offset)
+        weights = hf_to_grouped(activation=self.activation, **hf)
+        self.load_full_weights(*weights, expert_offset=expert_offset)
 
     def hf_weights(self, style: str = "stacked_linear") -> dict[str, torch.Tensor]:
         """This rank's experts in a Hugging Face layout (``tp_size == 1`` only), see

@@ -78,8 +78,11 @@ def hf_to_grouped(
         w1 = orient(_stack("gate_up_proj", gate_up_proj))
     elif gated:
         if gate_proj is None or up_proj is None:
-            raise ValueError(f"activation={activation!r} needs gate_up_proj or gate_proj and up_proj")
-        w1 = _join(orient(_stack("gate_proj", gate_proj)), orient(_stack("up_proj", up_proj)), activation)
+            raise ValueError(
+                f"activation={activation!r} needs gate_up_proj or gate_proj and up_proj"
+            )
+        gate = orient(_stack("gate_proj", gate_proj))
+        w1 = _join(gate, orient(_stack("up_proj", up_proj)), activation)
     else:
         if up_proj is None or gate_proj is not None:
             raise ValueError(f"activation={activation!r} (not gated) needs up_proj only")

@@ -23,11 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from mtp.moe.allgather_dispatcher import AllGatherTokenDispatcher
+from mtp.moe._checks import check_bool, check_device, check_float_dtype, check_group
 from mtp.moe.experts import GroupedMLP
 from mtp.moe.router import TopKRouter, check_routing_config
 from mtp.moe.shared_experts import SharedExpertMLP
 from mtp.moe.token_dispatcher import AllToAllTokenDispatcher
 from mtp.moe.workspace import MoEWorkspace
+from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
 from mtp.parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -85,6 +87,7 @@ def _resolve_groups(ep_group, expert_tensor_parallel_group, tp_group):
 
 
 _DISPATCHERS = ("alltoall", "allgather")
+_LAYER_BACKENDS = tuple(dict.fromkeys(("auto", "reference", *GROUPED_GEMM_BACKENDS)))
 
 
 class MoELayer(nn.Module):
@@ -209,7 +212,8 @@ class MoELayer(nn.Module):
         )
         if token_dispatcher_type not in _DISPATCHERS:
             raise ValueError(
-                f"token_dispatcher_type must be one of {_DISPATCHERS}, got {token_dispatcher_type!r}"
+                f"token_dispatcher_type must be one of {_DISPATCHERS}, got "
+                f"{token_dispatcher_type!r}"
             )
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
@@ -217,7 +221,25 @@ class MoELayer(nn.Module):
             raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size")
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        ep_group, etp_group, tp_group = _resolve_groups(ep_group, expert_tensor_parallel_group, tp_group)
+        if backend not in _LAYER_BACKENDS:
+            raise ValueError(f"backend must be one of {_LAYER_BACKENDS}, got {backend!r}")
+        for name, flag in (
+            ("bias", bias),
+            ("probs_after_fc2", probs_after_fc2),
+            ("shared_expert_gate", shared_expert_gate),
+        ):
+            check_bool(name, flag)
+        check_float_dtype("params_dtype", params_dtype)
+        check_device("device", device)
+        for name, group in (
+            ("ep_group", ep_group),
+            ("expert_tensor_parallel_group", expert_tensor_parallel_group),
+            ("tp_group", tp_group),
+        ):
+            check_group(name, group)
+        ep_group, etp_group, tp_group = _resolve_groups(
+            ep_group, expert_tensor_parallel_group, tp_group
+        )
         ep_size, etp_size = _group_size(ep_group), _group_size(etp_group)
         if num_experts % ep_size:
             raise ValueError(
@@ -263,7 +285,11 @@ class MoELayer(nn.Module):
             params_dtype=params_dtype,
             device=device,
         )
-        kind = AllToAllTokenDispatcher if token_dispatcher_type == "alltoall" else AllGatherTokenDispatcher
+        kind = (
+            AllToAllTokenDispatcher
+            if token_dispatcher_type == "alltoall"
+            else AllGatherTokenDispatcher
+        )
         self.token_dispatcher = kind(
             ep_group,
             num_experts,
@@ -393,7 +419,8 @@ class MoELayer(nn.Module):
         """Load a single-process layer's ``state_dict`` (all ``E`` experts, unsharded): this rank
         takes the router, the shared expert and its own experts' slices (and expert-TP shards).
         Returns ``load_state_dict``'s result for the non-expert part."""
-        experts = {k[len("experts."):]: v for k, v in state_dict.items() if k.startswith("experts.")}
+        prefix = "experts."
+        experts = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         own = {k: v for k, v in state_dict.items() if not k.startswith("experts.")}
         for key, value in experts.items():
             if value.shape[0] != self.num_experts:

@@ -57,7 +57,8 @@ class SharedExpertMLP(nn.Module):
         gated = activation in ("swiglu", "clamped_swiglu")
         kw = dict(dtype=params_dtype, device=device)
         self.activation = activation
-        self.linear_fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size if gated else ffn_hidden_size, bias=bias, **kw)
+        fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
+        self.linear_fc1 = nn.Linear(hidden_size, fc1_out, bias=bias, **kw)
         self.linear_fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias, **kw)
         if gate:
             self.gate_weight = nn.Parameter(torch.empty(1, hidden_size, **kw))

@@ -53,7 +53,13 @@ from mtp.ops.moe_permute import unpermute
 from mtp.parallel.errors import RankMismatchError
 from mtp.utils import data_checks_enabled, is_capturing, is_fake
 
-__all__ = ["AllToAllTokenDispatcher", "RankMismatchError", "all_to_all", "gather_v", "reduce_scatter_v"]
+__all__ = [
+    "AllToAllTokenDispatcher",
+    "RankMismatchError",
+    "all_to_all",
+    "gather_v",
+    "reduce_scatter_v",
+]
 
 logger = logging.getLogger("mtp")
 
@@ -377,7 +383,8 @@ class AllToAllTokenDispatcher:
         return tokens, counts, probs
 
     def _dispatch_dropless(self, hidden_states, probs, res, ws, backend):
-        if self._distributed() and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if self._distributed() and capturing:
             raise RuntimeError(
                 "dropless expert parallelism reads the all-to-all split sizes on the host (one "
                 "sync per layer) and cannot be captured in a CUDA graph; set capacity_factor "
