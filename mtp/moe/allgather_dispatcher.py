@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mtp.moe.token_dispatcher import (
+from mtp.moe.comm import (
     _group_ranks,
     all_to_all,
     check_rank_meta,

@@ -2,32 +2,39 @@
 
 ``dispatch(hidden_states [T, H], probs [T, E], routing_map [T, E])`` returns the rows this rank's
 experts must process, grouped by local expert, with their counts and probabilities;
-``combine(expert_output)`` brings the results back and sums them per token.
+``combine(expert_output)`` brings the results back and sums them per token. The dispatcher owns
+the whole flow; the preprocess pieces it calls (:mod:`mtp.moe.preprocess`) are functions of the
+routing and the workspace, and the workspace only holds the fixed buffers.
 
-Steps (``P`` expert-parallel ranks, ``L = E / P`` local experts):
+Steps (``P`` expert-parallel ranks, ``L = E / P`` local experts, ``Q`` expert-tensor-parallel
+ranks):
 
-1. :func:`mtp.moe.preprocess` into the dispatcher's :class:`~mtp.moe.MoEWorkspace` (counts,
-   row map, permuted probs; for ``P > 1`` dropless, a device all-to-all of the per-expert counts).
-2. Permute: gather the token rows in expert-major order (``mtp.ops`` permute kernel).
+1. :func:`~mtp.moe.preprocess.local_preprocess` (counts, row map, permuted probs), copied into
+   the :class:`~mtp.moe.MoEWorkspace`; dropless ``P > 1``: a device all-to-all of the
+   per-expert counts, which also carries each rank's token count, hidden size and dtypes.
+2. Permute: gather the token rows in expert-major order.
 3. ``P > 1``: ``all_to_all_single`` of the rows and of their probabilities, then reorder the
-   received rows from source-major to expert-major (index computed in step 1).
-4. ``combine``: the inverse reorder, the reverse all-to-all, and :func:`mtp.ops.unpermute` (a
-   deterministic per-token sum of the expert outputs).
+   received rows from source-major to expert-major.
+4. ``Q > 1``: all-gather the rows (and probabilities) of the ``Q`` ranks sharing the experts
+   (each holds ``F / Q`` of their features) and reorder them expert-major again.
+5. ``combine``: the inverse of each step (the expert-TP partial outputs are reduce-scattered),
+   then :func:`mtp.ops.unpermute` (a deterministic per-token sum of the expert outputs).
 
 Host synchronisation:
 
-- ``P == 1``, or any ``P`` with ``capacity_factor``: none. With a capacity every expert owns
-  ``C`` slots, so every split size is ``L * C`` rows, known on the host in advance; the whole
-  dispatch is graph-safe.
-- ``P > 1`` dropless: exactly **one** device-to-host copy per layer, of the ``2 * P`` split sizes
-  (rows sent to and received from each rank), placed right before the token all-to-all (after
-  the permutation is queued, as late as possible, like Megatron-Core's ``before_ep_alltoall``
-  sync point). ``all_to_all_single`` needs the split sizes as host integers; the backward reuses
-  them (no sync there).
+- ``P == Q == 1``, or any ``P``/``Q`` with ``capacity_factor``: none (every split size is known
+  in advance; graph-safe), except the one-time rank-agreement check of the first dispatch (see
+  ``check_ranks``).
+- Dropless ``P > 1`` or ``Q > 1``: exactly **one** device-to-host copy per layer, of the split
+  sizes (and the ranks' metadata, checked there: a :class:`RankMismatchError` on every rank when
+  they disagree), placed right before the token all-to-all (after the permutation is queued, as
+  late as possible, like Megatron-Core's ``before_ep_alltoall`` sync point). The backward
+  reuses the sizes (no sync there).
 
-Collectives per forward (``torch.distributed.all_to_all_single`` on the EP group): dropless 4
-(counts, tokens, probs, combine), capacity 3, none for ``P == 1``; the backward runs one
-all-to-all per forward token/probs/combine exchange.
+Collectives per forward on the EP group (``all_to_all_single``): dropless 4 (counts + metadata,
+tokens, probs, combine), capacity 3 (+1 tiny one on the first dispatch), none for ``P == 1``;
+with ``Q > 1`` three more on the expert-TP group (counts, tokens, probs; capacity: two) and one
+in the combine. The backward runs one all-to-all per forward token/probs/combine exchange.
 """
 
 from __future__ import annotations
@@ -47,8 +54,17 @@ from mtp.moe.preprocess import (
     local_preprocess,
     store_preprocess,
 )
+from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported (their first home)
+    _group_ranks,
+    all_to_all,
+    check_rank_meta,
+    gather_rows,
+    gather_v,
+    permute_backend,
+    rank_meta,
+    reduce_scatter_v,
+)
 from mtp.moe.workspace import MoEWorkspace
-from mtp.ops._backend import resolve_backend
 from mtp.ops.moe_permute import unpermute
 from mtp.parallel.errors import RankMismatchError
 from mtp.utils import data_checks_enabled, is_capturing, is_fake
@@ -62,124 +78,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mtp")
-
-_PERMUTE_BACKENDS = ("triton", "reference")
-
-
-def permute_backend(backend: str, device: torch.device) -> str:
-    """The permute/unpermute backend for a layer backend name (grouped-GEMM-only names such as
-    ``"sequential"`` fall back to ``"auto"``)."""
-    name = backend if backend in _PERMUTE_BACKENDS else "auto"
-    return resolve_backend("permute", name, device, _PERMUTE_BACKENDS)
-
-
-def gather_rows(x: torch.Tensor, index: torch.Tensor, backend: str) -> torch.Tensor:
-    """``out[i] = x[index[i]]`` (zero row where ``index[i] < 0``); differentiable in ``x``."""
-    if backend == "triton":
-        return torch.ops.mtp.moe_gather_rows(x, index, None)
-    valid = (index >= 0).unsqueeze(1)
-    if x.shape[0] == 0:  # nothing to gather; keep the autograd link (collectives hang on it)
-        x = torch.cat([x, x.new_zeros((1, x.shape[1]))])
-    rows = x.index_select(0, index.clamp(min=0))
-    return torch.where(valid, rows, rows.new_zeros(()))
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with its adjoint as backward (the reverse exchange)."""
-
-    @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        ctx.in_rows = x.shape[0]
-        rows = x.shape[0] if output_splits is None else sum(output_splits)
-        out = x.new_empty((rows, *x.shape[1:]))
-        if not is_fake(x):  # tracing: shapes only
-            dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_in = grad.new_empty((ctx.in_rows, *grad.shape[1:]))
-        if not is_fake(grad):
-            dist.all_to_all_single(
-                grad_in, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
-            )
-        return grad_in, None, None, None
-
-
-def all_to_all(
-    x: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    output_splits: list[int] | None = None,
-    input_splits: list[int] | None = None,
-) -> torch.Tensor:
-    """Differentiable ``all_to_all_single`` along dim 0 (equal splits when None)."""
-    return _AllToAll.apply(x, group, output_splits, input_splits)
-
-
-def gather_v(x: torch.Tensor, group, sizes: list[int], rank: int) -> torch.Tensor:
-    """Differentiable all-gather along dim 0 of ``sizes[r]`` rows from each rank ``r`` (backward:
-    the reduce-scatter), as an ``all_to_all_single`` of ``x`` sent to every rank."""
-    world = len(sizes)
-    return all_to_all(torch.cat([x] * world), group, list(sizes), [sizes[rank]] * world)
-
-
-def reduce_scatter_v(y: torch.Tensor, group, sizes: list[int], rank: int) -> torch.Tensor:
-    """Differentiable reduce-scatter along dim 0: rank ``r`` gets the sum over the ranks of their
-    ``sizes[r]`` rows at offset ``sum(sizes[:r])`` (backward: :func:`gather_v`)."""
-    world = len(sizes)
-    mine = sizes[rank]
-    out = all_to_all(y, group, [mine] * world, list(sizes))
-    return out.view(world, mine, *y.shape[1:]).sum(dim=0)
-
-
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
-_META_NAMES = ("token count", "hidden size", "hidden_states dtype", "probs dtype")
-
-
-def _dtype_name(code: int) -> str:
-    for dtype, c in _DTYPE_CODES.items():
-        if c == code:
-            return str(dtype)
-    return f"code {code}"
-
-
-def rank_meta(hidden_states: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """``[4]`` int64 on the device: token count, hidden size and the dtype codes of the tokens
-    and the probabilities (what every rank of a token exchange must agree on)."""
-    values = [
-        hidden_states.shape[0],
-        hidden_states.shape[1],
-        _DTYPE_CODES.get(hidden_states.dtype, 0),
-        _DTYPE_CODES.get(probs.dtype, 0),
-    ]
-    return torch.tensor(values, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
-
-
-def check_rank_meta(rows: list[list[int]], ranks: list[int], same_tokens: bool, what: str) -> None:
-    """Raise :class:`RankMismatchError` (on every rank: each holds every row) unless the ranks
-    agree on the hidden size and dtypes, and on the token count when ``same_tokens``."""
-    for i, name in enumerate(_META_NAMES):
-        if i == 0 and not same_tokens:
-            continue
-        values = [row[i] for row in rows]
-        if len(set(values)) > 1:
-            shown = [_dtype_name(v) for v in values] if i >= 2 else values
-            pairs = ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, shown))
-            raise RankMismatchError(
-                f"MoE {what}: the ranks of the group disagree on the {name} ({pairs}); every "
-                "rank must pass the same " + name + (
-                    " (a capacity_factor makes every split static, so all ranks need the same "
-                    "token count)" if i == 0 else ""
-                )
-            )
-
-
-def _group_ranks(group, size: int) -> list[int]:
-    try:
-        return dist.get_process_group_ranks(group)
-    except Exception:  # noqa: BLE001 - only for the message
-        return list(range(size))
 
 
 class AllToAllTokenDispatcher:
