@@ -139,7 +139,8 @@ def test_seq_and_global_aux_loss_closed_form():
     s, b, E, k, coeff = 5, 3, 4, 2, 0.1
     g = torch.Generator().manual_seed(0)
     x = torch.randn(s, b, 8, generator=g, dtype=D)
-    r = _router(E, k, aux_loss_coeff=[coeff, coeff], load_balancing_type=["seq_aux_loss", "global_aux_loss"])
+    types = ["seq_aux_loss", "global_aux_loss"]
+    r = _router(E, k, aux_loss_coeff=[coeff, coeff], load_balancing_type=types)
     r.train()
     r(x)
     logits = r.gating(x).view(s, b, E)
@@ -160,7 +161,8 @@ def test_seq_and_global_aux_loss_closed_form():
     avg = (top.sum((0, 1)) + top2.sum(0)) / 2
     glob2 = E * coeff / (k * T * T) * (sc2.sum(0) * avg).sum()
     seq2 = sum(
-        E * coeff / (k * s * s) * (sc2.view(s, b, E)[:, j].sum(0) * top2.view(s, b, E)[:, j].sum(0)).sum()
+        E * coeff / (k * s * s)
+        * (sc2.view(s, b, E)[:, j].sum(0) * top2.view(s, b, E)[:, j].sum(0)).sum()
         for j in range(b)
     ) / b
     assert_close(r.aux_loss, seq2 + glob2, D)
@@ -434,7 +436,8 @@ def test_bad_inputs_and_expert_options():
     with pytest.raises(ValueError, match="padding_mask"):
         router(torch.randn(3, 8), padding_mask=torch.zeros(4, dtype=torch.bool))
     with pytest.raises(ValueError, match="seq_aux_loss"):
-        TopKRouter(8, 4, 2, aux_loss_coeff=0.1, load_balancing_type="seq_aux_loss")(torch.randn(3, 8))
+        seq = TopKRouter(8, 4, 2, aux_loss_coeff=0.1, load_balancing_type="seq_aux_loss")
+        seq(torch.randn(3, 8))
     with pytest.raises(ValueError, match="tp_size"):
         GroupedMLP(2, 4, 6, tp_size=4)
     with pytest.raises(ValueError, match="tp_rank"):
@@ -442,7 +445,9 @@ def test_bad_inputs_and_expert_options():
     with pytest.raises(ValueError, match="down_proj"):
         hf_to_grouped(gate_up_proj=torch.zeros(2, 8, 4))
     with pytest.raises(ValueError, match="layout"):
-        hf_to_grouped(layout="rows", gate_up_proj=torch.zeros(2, 8, 4), down_proj=torch.zeros(2, 4, 4))
+        hf_to_grouped(
+            layout="rows", gate_up_proj=torch.zeros(2, 8, 4), down_proj=torch.zeros(2, 4, 4)
+        )
     with pytest.raises(ValueError, match="output features"):
         hf_to_grouped(gate_up_proj=torch.zeros(2, 6, 4), down_proj=torch.zeros(2, 4, 4))
 
