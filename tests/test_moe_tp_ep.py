@@ -19,6 +19,7 @@ from mtp.moe.experts import fc1_shard_columns
 from mtp.testing import assert_close, run_distributed
 
 H, FFN, SHARED, E, K = 8, 8, 6, 4, 2
+AUX, ZLOSS = 0.1, 0.05
 S, B = 8, 2  # per data-parallel replica; sequence split over the 2 TP ranks
 
 CASES = [
@@ -78,8 +79,19 @@ def _ref_weights(layer):
 def _make(**kw):
     return MoELayer(
         H, FFN, E, K, activation="swiglu", shared_expert_intermediate_size=SHARED,
-        shared_expert_gate=True, backend="torch", **kw,
+        shared_expert_gate=True, backend="torch", aux_loss_coeff=AUX, z_loss_coeff=ZLOSS, **kw,
     )
+
+
+def _reference_losses(x, w):
+    """Load-balancing + z-loss of one data-parallel replica's tokens ``x [T, H]`` (float64)."""
+    logits = x @ w["router"].t()
+    scores = torch.softmax(logits, dim=-1)
+    top = torch.zeros_like(scores).scatter(1, scores.topk(K, dim=1).indices, 1.0)
+    t = x.shape[0]
+    aux = AUX * E / (K * t * t) * (scores.sum(0) * top.sum(0)).sum()
+    z = ZLOSS * torch.logsumexp(logits, dim=-1).square().mean()
+    return aux, z
 
 
 def _case(etp, sp, cf, dispatcher):
@@ -92,7 +104,11 @@ def _case(etp, sp, cf, dispatcher):
     # Reference over every rank's tokens (capacity per rank: each TP rank's sequence chunk).
     ref_out = torch.zeros(2, S, B, H, dtype=torch.float64)
     xd = xs.double().requires_grad_(True)
+    ref_losses = []
     for d in range(2):
+        aux, z = _reference_losses(xd[d].reshape(-1, H), w)
+        ref_losses.append((aux.detach(), z.detach()))
+        (aux + z).backward()
         for t in range(2):
             chunk = xd[d, t * S // 2 : (t + 1) * S // 2].reshape(-1, H)
             y = _reference_chunk(chunk, w, cf).view(S // 2, B, H)
@@ -101,7 +117,7 @@ def _case(etp, sp, cf, dispatcher):
 
     mp.initialize_model_parallel(
         tensor_model_parallel_size=2, expert_model_parallel_size=2,
-        expert_tensor_parallel_size=etp,
+        expert_tensor_parallel_size=None if etp == 2 else etp,  # default: tp (= 2)
     )
     try:
         torch.manual_seed(0)
@@ -114,6 +130,10 @@ def _case(etp, sp, cf, dispatcher):
         (out * gs[d, rows]).sum().backward()
         assert_close(out, ref_out[d, rows], torch.float32, atol=1e-5, msg=f"{etp=} {sp=} {cf=} out")
         assert_close(x.grad, xd.grad[d, rows], torch.float32, atol=1e-5, msg="input grad")
+        # Each TP rank holds its tokens' share of the replica's auxiliary losses.
+        losses = torch.stack([layer.aux_loss, layer.z_loss]).double()
+        dist.all_reduce(losses, group=mp.get_tensor_model_parallel_group())
+        assert_close(losses, torch.stack(ref_losses[d]), torch.float32, msg="aux / z losses")
         # Ordinary data-parallel gradient sums, nothing else.
         dense = [layer.router.weight, *layer.shared_experts.parameters()]
         for p in dense:
