@@ -23,12 +23,13 @@ AUX, ZLOSS = 0.1, 0.05
 S, B = 8, 2  # per data-parallel replica; sequence split over the 2 TP ranks
 
 CASES = [
-    # (expert_tensor_parallel_size, sequence_parallel, capacity_factor, dispatcher)
-    (1, True, None, "alltoall"),
-    (1, False, 1.0, "alltoall"),
-    (2, True, None, "alltoall"),
-    (2, False, 1.0, "alltoall"),
-    (2, True, 1.0, "allgather"),
+    # (expert_tensor_parallel_size, sequence_parallel, capacity_factor, dispatcher, ep)
+    (1, True, None, "alltoall", 2),
+    (1, False, 1.0, "alltoall", 2),
+    (2, True, None, "alltoall", 2),
+    (2, False, 1.0, "alltoall", 2),
+    (2, True, 1.0, "allgather", 2),
+    (2, False, None, "alltoall", 1),  # tp=2, no EP: experts sharded over the TP ranks
 ]
 
 
@@ -94,7 +95,7 @@ def _reference_losses(x, w):
     return aux, z
 
 
-def _case(etp, sp, cf, dispatcher):
+def _case(etp, sp, cf, dispatcher, ep):
     torch.manual_seed(0)
     ref_layer = _make()  # single process (built before the parallel state exists)
     w = _ref_weights(ref_layer)
@@ -116,13 +117,13 @@ def _case(etp, sp, cf, dispatcher):
             (y * gs[d, t * S // 2 : (t + 1) * S // 2].double()).sum().backward()
 
     mp.initialize_model_parallel(
-        tensor_model_parallel_size=2, expert_model_parallel_size=2,
+        tensor_model_parallel_size=2, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=None if etp == 2 else etp,  # default: tp (= 2)
     )
     try:
         torch.manual_seed(0)
         layer = _make(sequence_parallel=sp, capacity_factor=cf, token_dispatcher_type=dispatcher)
-        assert (layer.ep_size, layer.etp_size, layer.tp_size) == (2, etp, 2)
+        assert (layer.ep_size, layer.etp_size, layer.tp_size) == (ep, etp, 2)
         d, t = mp.get_data_parallel_rank(), mp.get_tensor_model_parallel_rank()
         rows = slice(t * S // 2, (t + 1) * S // 2) if sp else slice(0, S)
         x = xs[d, rows].clone().requires_grad_(True)
