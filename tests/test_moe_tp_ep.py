@@ -19,7 +19,7 @@ from mtp.moe.experts import fc1_shard_columns
 from mtp.testing import assert_close, run_distributed
 
 H, FFN, SHARED, E, K = 8, 8, 6, 4, 2
-AUX, ZLOSS = 0.1, 0.05
+AUX, SEQ_AUX, ZLOSS = 0.1, 0.2, 0.05
 S, B = 8, 2  # per data-parallel replica; sequence split over the 2 TP ranks
 
 CASES = [
@@ -80,17 +80,21 @@ def _ref_weights(layer):
 def _make(**kw):
     return MoELayer(
         H, FFN, E, K, activation="swiglu", shared_expert_intermediate_size=SHARED,
-        shared_expert_gate=True, backend="torch", aux_loss_coeff=AUX, z_loss_coeff=ZLOSS, **kw,
+        shared_expert_gate=True, backend="torch", aux_loss_coeff=[AUX, SEQ_AUX],
+        load_balancing_type=["aux_loss", "seq_aux_loss"], z_loss_coeff=ZLOSS, **kw,
     )
 
 
 def _reference_losses(x, w):
-    """Load-balancing + z-loss of one data-parallel replica's tokens ``x [T, H]`` (float64)."""
+    """Load-balancing (Switch + per-sequence) and z-loss of one data-parallel replica's tokens
+    ``x [S, B, H]`` (float64)."""
     logits = x @ w["router"].t()
     scores = torch.softmax(logits, dim=-1)
-    top = torch.zeros_like(scores).scatter(1, scores.topk(K, dim=1).indices, 1.0)
-    t = x.shape[0]
-    aux = AUX * E / (K * t * t) * (scores.sum(0) * top.sum(0)).sum()
+    top = torch.zeros_like(scores).scatter(-1, scores.topk(K, dim=-1).indices, 1.0)
+    t = S * B
+    aux = AUX * E / (K * t * t) * (scores.sum((0, 1)) * top.sum((0, 1))).sum()
+    per_seq = (scores.sum(0) * top.sum(0)).sum()  # sum over sequences b and experts e
+    aux = aux + SEQ_AUX * E / (K * S * S) * per_seq / B
     z = ZLOSS * torch.logsumexp(logits, dim=-1).square().mean()
     return aux, z
 
@@ -107,7 +111,7 @@ def _case(etp, sp, cf, dispatcher, ep):
     xd = xs.double().requires_grad_(True)
     ref_losses = []
     for d in range(2):
-        aux, z = _reference_losses(xd[d].reshape(-1, H), w)
+        aux, z = _reference_losses(xd[d], w)
         ref_losses.append((aux.detach(), z.detach()))
         (aux + z).backward()
         for t in range(2):

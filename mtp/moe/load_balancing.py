@@ -37,6 +37,7 @@ def sequence_load_balancing_loss_func(
     seq_length: int,
     topk: int,
     moe_aux_loss_coeff: float,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Per-sequence Switch loss, averaged over the sequences (Megatron's ``seq_aux_loss``).
 
@@ -46,6 +47,9 @@ def sequence_load_balancing_loss_func(
         routing_map: ``[s * b, E]`` bool, the unbiased top-k of each token.
         seq_length: ``s``.
         topk, moe_aux_loss_coeff: ``k`` and the coefficient.
+        group: the ranks holding the other chunks of the same sequences (sequence parallel):
+            the counts are summed over it and ``s`` is the full length, so that the ranks'
+            losses add up to the loss of the whole sequences.
 
     Returns ``coeff * E / (k * s**2) * sum_b sum_e P[b, e] * n[b, e] / b`` as a 0-D tensor, where
     ``P[b, e]`` sums sequence ``b``'s scores and ``n[b, e]`` counts its tokens routed to ``e``.
@@ -58,7 +62,12 @@ def sequence_load_balancing_loss_func(
     bsz = tokens // seq_length
     per_seq_probs = probs.reshape(seq_length, bsz, num_experts).sum(dim=0)
     per_seq_counts = routing_map.reshape(seq_length, bsz, num_experts).sum(dim=0)
-    scale = num_experts * moe_aux_loss_coeff / (topk * seq_length**2)
+    full_length = seq_length
+    if group is not None and dist.get_world_size(group) > 1:
+        per_seq_counts = per_seq_counts.to(torch.int64)
+        dist.all_reduce(per_seq_counts, group=group)
+        full_length = seq_length * dist.get_world_size(group)
+    scale = num_experts * moe_aux_loss_coeff / (topk * full_length**2)
     return torch.sum(per_seq_probs * per_seq_counts.to(per_seq_probs.dtype)) * scale / bsz
 
 

@@ -385,6 +385,8 @@ class MoELayer(nn.Module):
                 )
             tokens = scatter_to_sequence_parallel_region(tokens, self.tp_group)
             router_in = tokens
+            if x.dim() == 3 and x.shape[0] % self.tp_size == 0:  # [s/tp, b, h] for seq_aux_loss
+                router_in = tokens.view(x.shape[0] // self.tp_size, x.shape[1], x.shape[2])
         else:
             tokens = x.reshape(-1, self.hidden_size)
             router_in = x

@@ -363,7 +363,7 @@ class TopKRouter(nn.Module):
                 )
             elif kind == "seq_aux_loss":
                 loss = sequence_load_balancing_loss_func(
-                    scores, aux_map, seq_length, self.topk, coeff
+                    scores, aux_map, seq_length, self.topk, coeff, self.tp_group
                 )
             else:
                 loss = self._global_aux_loss(scores, aux_map, num_tokens, coeff)
