@@ -7,6 +7,7 @@ parameters over the expert-data-parallel group): no manual scaling."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -179,9 +180,20 @@ def _mismatch():
         ):
             torch.manual_seed(0)
             layer = MoELayer(H, FFN, E, K, capacity_factor=cf, backend="torch")
-            with pytest.raises(RankMismatchError, match="dtype|token count") as info:
+            with pytest.raises(RuntimeError, match="dtype|token count") as info:
                 layer(x)
-            assert "rank 1" in str(info.value) or "rank 2" in str(info.value)
+            if cf is None:  # dropless: checked at its one host sync, values named
+                assert info.type is RankMismatchError
+                assert "rank 1" in str(info.value) or "rank 2" in str(info.value)
+            else:  # capacity: a device-side assert (no sync); the sync mode names the values
+                assert "ranks [0, 1, 2, 3]" in str(info.value)
+                os.environ["MTP_VALIDATE"] = "sync"
+                try:
+                    layer.token_dispatcher.check_ranks = True
+                    with pytest.raises(RankMismatchError, match="rank 2: 7"):
+                        layer(x)
+                finally:
+                    del os.environ["MTP_VALIDATE"]
     finally:
         mp.destroy_model_parallel()
 

@@ -23,8 +23,8 @@ ranks):
 Host synchronisation:
 
 - ``P == Q == 1``, or any ``P``/``Q`` with ``capacity_factor``: none (every split size is known
-  in advance; graph-safe), except the one-time rank-agreement check of the first dispatch (see
-  ``check_ranks``).
+  in advance; graph-safe). The rank-agreement check of a capacity dispatch (see
+  ``check_ranks``) is a tiny all-to-all and a device-side assert, no host sync.
 - Dropless ``P > 1`` or ``Q > 1``: exactly **one** device-to-host copy per layer, of the split
   sizes (and the ranks' metadata, checked there: a :class:`RankMismatchError` on every rank when
   they disagree), placed right before the token all-to-all (after the permutation is queued, as
@@ -67,7 +67,7 @@ from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported (their f
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops.moe_permute import unpermute
 from mtp.parallel.errors import RankMismatchError
-from mtp.utils import data_checks_enabled, is_capturing, is_fake
+from mtp.utils import check_values, data_checks_enabled, is_capturing, is_fake, validation_mode
 
 __all__ = [
     "AllToAllTokenDispatcher",
@@ -103,9 +103,11 @@ class AllToAllTokenDispatcher:
             :class:`RankMismatchError` on every rank instead of letting the collective fail.
             Dropless folds the check into the count exchange and its one host sync (free, every
             dispatch). With a capacity (no count exchange, no host sync) it costs one tiny
-            all-to-all and a host sync: ``None`` (default) checks the first dispatch only, or
-            every dispatch under ``MTP_CHECK_COLLECTIVES=1``; ``True`` every dispatch; ``False``
-            never. Skipped while capturing or compiling.
+            all-to-all and a device-side assert (no host sync; on CPU it raises at once;
+            ``MTP_VALIDATE=sync`` gives :class:`RankMismatchError` naming the values after a
+            sync): ``None`` (default) checks the first dispatch only, or every dispatch under
+            ``MTP_CHECK_COLLECTIVES=1``; ``True`` every dispatch; ``False`` never. Skipped
+            while capturing or compiling.
 
     The :class:`~mtp.moe.MoEWorkspace` is built on the first :meth:`dispatch` for its token
     count, dtype and device and rebuilt (with an INFO log line) when they change.
@@ -253,10 +255,23 @@ class AllToAllTokenDispatcher:
             return
         self._static_checked = True
         meta = rank_meta(hidden_states, probs)
+        sync = validation_mode(True) == "sync"
         for group, size in ((self.ep_group, self.ep_size), (self.etp_group, self.etp_size)):
             if size > 1:
                 rows = all_to_all(meta.view(1, -1).expand(size, -1).contiguous(), group)
-                check_rank_meta(rows.tolist(), _group_ranks(group, size), True, "dispatch")
+                ranks = _group_ranks(group, size)
+                if sync:  # typed error naming the values, at the cost of a host sync
+                    check_rank_meta(rows.tolist(), ranks, True, "dispatch")
+                    continue
+                check_values(  # no host sync: a device-side assert (CPU: raises at once)
+                    (rows == rows[:1]).all(),
+                    f"MoE dispatch: the ranks {ranks} disagree on the token count, hidden size "
+                    "or dtypes (a capacity_factor makes every split static, so all ranks need "
+                    "the same token count); MTP_VALIDATE=sync names the values",
+                    validate=True,
+                    error=RankMismatchError,
+                    tensors=(rows,),
+                )
 
     def _dispatch_static(self, permuted, res: MoEPreprocessResult, ws: MoEWorkspace):
         local, cap = self.num_local_experts, ws.capacity
