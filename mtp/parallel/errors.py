@@ -1,0 +1,22 @@
+"""Errors raised when the ranks of a process group disagree or a collective cannot finish.
+
+Both are ``RuntimeError`` subclasses (what torch.distributed raises for failed collectives), so
+code that already catches ``RuntimeError`` around communication keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CollectiveAbortedError", "RankMismatchError"]
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks of one group disagree on something they must share (a shape, a dtype, a count, an
+    argument). Raised on every rank of the group, with the same message, which names the
+    quantity, both values and the ranks that hold them."""
+
+
+class CollectiveAbortedError(RuntimeError):
+    """A collective could not finish because a peer left it (raised, timed out or died), or the
+    group was aborted after an earlier error on this rank. The group is unusable afterwards:
+    call ``mtp.parallel.destroy_model_parallel()`` and ``initialize_model_parallel()`` again on
+    every rank, or restart the job."""
