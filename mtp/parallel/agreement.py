@@ -42,6 +42,7 @@ __all__ = [
     "check_collectives_enabled",
     "set_check_collectives",
     "abort_on_error_enabled",
+    "set_abort_on_error",
     "check_collective",
     "exchange_and_compare",
     "collective_region",
@@ -80,6 +81,15 @@ def abort_on_error_enabled() -> bool:
     if _abort is None:
         _abort = os.environ.get(ABORT_ON_ERROR_ENV, "1").strip().lower() not in _OFF
     return _abort
+
+
+def set_abort_on_error(enabled: bool | None) -> None:
+    """Turn the abort-on-error regions on or off for this process (None: read the variable
+    again). Off, an error inside a region leaves the group usable, and peers blocked in a
+    collective wait for the group timeout instead (what a test that expects an error on every
+    rank and goes on using the group wants)."""
+    global _abort
+    _abort = None if enabled is None else bool(enabled)
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ import logging
 
 import torch.distributed as dist
 
-from .agreement import _ABORTED, exchange_and_compare
+from .agreement import _ABORTED, exchange_and_compare, is_aborted
+from .errors import CollectiveAbortedError
 from .rank_generator import (
     DEFAULT_ORDER,
     GROUP_KINDS,
@@ -316,8 +317,18 @@ def get_rank_generators() -> tuple[RankGenerator, RankGenerator]:
 
 
 def get_process_group(kind: str) -> dist.ProcessGroup:
-    """This rank's group of ``kind`` (``"tp"``, ``"dp-cp"``, ``"ep"``... see the module table)."""
-    return _state(kind).groups[kind].group
+    """This rank's group of ``kind`` (``"tp"``, ``"dp-cp"``, ``"ep"``... see the module table).
+
+    Raises ``CollectiveAbortedError`` when an error in a collective region aborted it.
+    """
+    group = _state(kind).groups[kind].group
+    if _ABORTED and is_aborted(group):
+        raise CollectiveAbortedError(
+            f"the {_DESCRIPTIONS[kind]} group ({kind!r}) was aborted after an error on this "
+            "rank; call mtp.parallel.destroy_model_parallel() and initialize_model_parallel() "
+            "again on every rank (or restart)"
+        )
+    return group
 
 
 def get_process_group_ranks(kind: str) -> list[int]:
