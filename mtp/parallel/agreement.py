@@ -10,15 +10,30 @@ Three mechanisms keep a group of ranks from hanging or crashing when they disagr
   :func:`set_check_collectives` overrides it): :func:`check_collective` runs one small
   all-gather of ``(op name, dtype, shape)`` before each mtp collective. Off, it returns after one
   cached flag test. Skipped while ``torch.compile`` traces.
-- :func:`collective_region` (a decorator for functions and methods that run collectives): when
-  the body raises on one rank, that rank aborts the group (``_abort_process_group``, which closes
-  the gloo connections / NCCL communicators) so that its peers' pending collectives fail at once
-  instead of waiting for the timeout; a peer whose collective fails that way gets a
-  :class:`~mtp.parallel.errors.CollectiveAbortedError` naming the group. Errors raised on every
-  rank together (``RankMismatchError``) leave the group intact. ``MTP_ABORT_ON_ERROR=0`` turns
-  the abort off. An aborted group is unusable: later mtp collectives on it raise
-  ``CollectiveAbortedError`` at once; re-create the groups (``destroy_model_parallel()`` then
-  ``initialize_model_parallel()``) or restart.
+- :func:`collective_region` (a decorator for functions and methods that run collectives): what
+  happens when the body raises on this rank is set by ``MTP_ABORT_ON_ERROR`` (read once;
+  :func:`set_abort_on_error` overrides it):
+
+  ``abort`` (default)
+      the group is aborted (``_abort_process_group``: NCCL communicators are aborted, the group
+      is unregistered) and marked unusable: later mtp calls on it raise
+      :class:`~mtp.parallel.errors.CollectiveAbortedError` at once instead of issuing
+      collectives that no longer match the peers'. Peers blocked in a collective on it fail at
+      the group's timeout (``initialize_model_parallel(timeout=...)``, 10 minutes by default),
+      with a ``CollectiveAbortedError`` naming the group. With gloo (torch 2.13) no abort call
+      releases a blocked peer earlier: ``ProcessGroup.abort()``/``shutdown()`` leave the
+      connections open and gloo has no ``suspend``; only closing the sockets does, which
+      happens when the process exits (or the last reference to the group goes away).
+  ``exit``
+      log the error with its traceback and end the process (``os._exit(1)``): the OS closes
+      its connections and every peer's pending collective fails at once (gloo: "Connection
+      closed by peer", re-raised as ``CollectiveAbortedError``). For jobs under a launcher.
+  ``0``
+      nothing: the group stays usable (for code that expects an error on every rank together
+      and goes on). Errors that every rank raises together (``RankMismatchError``) never abort.
+
+  To use an aborted group again, re-create the groups on every rank
+  (``destroy_model_parallel()`` then ``initialize_model_parallel()``), or restart.
 """
 
 from __future__ import annotations
@@ -42,9 +57,11 @@ __all__ = [
     "check_collectives_enabled",
     "set_check_collectives",
     "abort_on_error_enabled",
+    "abort_on_error_mode",
     "set_abort_on_error",
     "check_collective",
     "exchange_and_compare",
+    "value_field",
     "collective_region",
     "abort_group",
     "is_aborted",
@@ -58,7 +75,8 @@ ABORT_ON_ERROR_ENV = "MTP_ABORT_ON_ERROR"
 
 _OFF = ("", "0", "false", "no", "off")
 _check: bool | None = None
-_abort: bool | None = None
+_abort: str | None = None
+_ABORT_MODES = ("abort", "exit", "off")
 
 
 def check_collectives_enabled() -> bool:
@@ -75,21 +93,38 @@ def set_check_collectives(enabled: bool | None) -> None:
     _check = None if enabled is None else bool(enabled)
 
 
-def abort_on_error_enabled() -> bool:
-    """False when ``MTP_ABORT_ON_ERROR=0`` (read once, then cached); default True."""
+def abort_on_error_mode() -> str:
+    """``"abort"`` (default), ``"exit"`` or ``"off"``, from ``MTP_ABORT_ON_ERROR`` (read once,
+    then cached; ``1``/``true`` mean ``abort``, ``0``/``false`` mean ``off``)."""
     global _abort
     if _abort is None:
-        _abort = os.environ.get(ABORT_ON_ERROR_ENV, "1").strip().lower() not in _OFF
+        _abort = _parse_mode(os.environ.get(ABORT_ON_ERROR_ENV, "abort"), ABORT_ON_ERROR_ENV)
     return _abort
 
 
-def set_abort_on_error(enabled: bool | None) -> None:
-    """Turn the abort-on-error regions on or off for this process (None: read the variable
-    again). Off, an error inside a region leaves the group usable, and peers blocked in a
-    collective wait for the group timeout instead (what a test that expects an error on every
-    rank and goes on using the group wants)."""
+def abort_on_error_enabled() -> bool:
+    """True unless ``MTP_ABORT_ON_ERROR`` is off."""
+    return abort_on_error_mode() != "off"
+
+
+def _parse_mode(value: object, what: str) -> str:
+    text = str(value).strip().lower()
+    if text in _OFF or value is False:
+        return "off"
+    if text in ("1", "true", "yes", "on", "abort") or value is True:
+        return "abort"
+    if text == "exit":
+        return "exit"
+    raise ValueError(f"{what} must be one of 'abort', 'exit', '0' (off), got {value!r}")
+
+
+def set_abort_on_error(mode: bool | str | None) -> None:
+    """Set what an error inside a collective region does in this process: ``"abort"`` (or
+    True), ``"exit"``, ``"off"`` (or False); None reads ``MTP_ABORT_ON_ERROR`` again. Off, the
+    group stays usable after an error (what a test that expects an error on every rank and goes
+    on using the group wants)."""
     global _abort
-    _abort = None if enabled is None else bool(enabled)
+    _abort = None if mode is None else _parse_mode(mode, "set_abort_on_error(mode)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,6 +193,10 @@ def _all_gather_ints(values: list[int], group, device: torch.device) -> list[lis
     return out.view(world, len(values)).tolist()
 
 
+#: int64 values every rank sends in one agreement exchange (fixed, whatever the operation).
+SLOTS = 64
+_PAD = -(1 << 62)
+
 #: A field of an agreement check: (name, this rank's ints, formatter of one rank's ints).
 Field = tuple[str, Sequence[int], Callable[[list[int]], str]]
 
@@ -168,10 +207,15 @@ def exchange_and_compare(
     """All-gather ``fields`` once over ``group`` and raise the same error on every rank if any
     field differs between ranks.
 
+    Every rank sends :data:`SLOTS` int64 values whatever the operation (a code of ``what``
+    first, then the fields, padded), so ranks that are in different operations still exchange
+    messages of the same size and get an "operation" mismatch rather than a crash.
+
     Args:
         what: the operation, for the message (``"gather_from_sequence_parallel_region"``).
         fields: ``(name, ints, format)``: each rank's ints for the quantity ``name`` (the same
-            length on every rank) and how to print one rank's ints.
+            length on every rank for the same ``what``; at most ``SLOTS - 1`` in all) and how
+            to print one rank's ints.
         group: the process group (None: the default group).
         like: a tensor whose device the exchange uses (default: the group's device).
 
@@ -182,10 +226,16 @@ def exchange_and_compare(
     """
     if dist.get_world_size(group) == 1:
         return
-    flat, spans = [], []
+    flat = [_code(what)]
+    spans: list[tuple[str, int, int, Callable[[list[int]], str]]] = [
+        ("operation", 0, 1, lambda v: _name_text(v[0]))
+    ]
     for name, ints, fmt in fields:
         spans.append((name, len(flat), len(flat) + len(ints), fmt))
         flat.extend(int(v) for v in ints)
+    if len(flat) > SLOTS:
+        raise ValueError(f"{what}: {len(flat) - 1} values to agree on; at most {SLOTS - 1}")
+    flat += [_PAD] * (SLOTS - len(flat))
     rows = _all_gather_ints(flat, group, _comm_device(group, like))
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     for name, lo, hi, fmt in spans:
@@ -194,13 +244,46 @@ def exchange_and_compare(
         if odd is None:
             continue
         values = {ranks[i]: fmt(row[lo:hi]) for i, row in enumerate(rows)}
+        prefix = "mtp collective agreement check" if name == "operation" else what
         exc = RankMismatchError(
-            f"{what}: the ranks of the {group_description(group)} disagree on the {name}: "
+            f"{prefix}: the ranks of the {group_description(group)} disagree on the {name}: "
             f"rank {ranks[0]} has {values[ranks[0]]}, rank {ranks[odd]} has "
             f"{values[ranks[odd]]}; every rank of the group must pass the same {name}"
         )
         exc.field, exc.values = name, values
         raise exc
+
+
+_TEXT_BYTES = 7  # bytes of text per int64 slot (stays positive)
+
+
+def _pack_text(text: str, slots: int) -> list[int]:
+    data = text.encode()[: slots * _TEXT_BYTES].ljust(slots * _TEXT_BYTES, b"\0")
+    return [int.from_bytes(data[i : i + _TEXT_BYTES], "little") for i in range(0, len(data), 7)]
+
+
+def _unpack_text(ints: list[int]) -> str:
+    data = b"".join(int(v).to_bytes(_TEXT_BYTES, "little") for v in ints)
+    return data.rstrip(b"\0").decode(errors="replace")
+
+
+def value_field(name: str, value: object, slots: int = 4) -> Field:
+    """A field for :func:`exchange_and_compare` holding any Python value: ints in
+    ``[0, 2**62)`` travel as themselves, anything else as a checksum of its ``repr`` plus the
+    first ``7 * slots`` bytes of it (so every rank can print every rank's value)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < (1 << 62):
+        ints = [0, value] + [0] * slots
+    else:
+        text = repr(value)
+        ints = [1, zlib.crc32(text.encode())] + _pack_text(text, slots)
+
+    def fmt(v: list[int]) -> str:
+        if v[0] == 0:
+            return str(v[1])
+        text = _unpack_text(v[2:])
+        return text if len(text) < slots * _TEXT_BYTES else text + "..."
+
+    return name, ints, fmt
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,9 +307,9 @@ def _shape_text(ints: list[int]) -> str:
     return str(tuple(dims[:ndim]))
 
 
-def check_collective(op: str, x: torch.Tensor, group, **extra: int) -> None:
+def check_collective(op: str, x: torch.Tensor, group, dim: int = -1) -> None:
     """Debug mode only: check that every rank of ``group`` enters the same collective ``op``
-    with the same ``x.dtype`` and ``x.shape`` (and the same ``extra`` ints, e.g. ``dim=1``).
+    with the same ``x.dtype`` and ``x.shape`` (and the same ``dim`` for gathers and scatters).
 
     A no-op (one cached flag test) unless ``MTP_CHECK_COLLECTIVES=1``; also skipped while
     ``torch.compile`` traces and for single-rank groups. Raises :class:`RankMismatchError` on
@@ -237,11 +320,10 @@ def check_collective(op: str, x: torch.Tensor, group, **extra: int) -> None:
     if dist.get_world_size(group) == 1:
         return
     fields: list[Field] = [
-        ("operation", [_code(op)], lambda v: _name_text(v[0])),
         ("dtype", [_dtype_code(x.dtype)], lambda v: _dtype_text(v[0])),
         ("shape", _shape_ints(x.shape), _shape_text),
+        ("dimension", [dim], lambda v: str(v[0])),
     ]
-    fields += [(name, [int(v)], lambda v: str(v[0])) for name, v in sorted(extra.items())]
     exchange_and_compare(op, fields, group, like=x)
 
 
@@ -265,9 +347,10 @@ def is_aborted(group) -> bool:
 def abort_group(group, reason: str) -> bool:
     """Abort ``group`` so that peers blocked in a collective on it fail at once.
 
-    Uses ``torch.distributed.distributed_c10d._abort_process_group`` (closes the gloo pairs or
-    aborts the NCCL communicators, and unregisters the group), falling back to
-    ``ProcessGroup.abort()``. Idempotent. Returns True when this call aborted the group.
+    Uses ``torch.distributed.distributed_c10d._abort_process_group`` (aborts the NCCL
+    communicators and unregisters the group; with gloo the connections close only when the
+    last reference to the group goes), falling back to ``ProcessGroup.abort()``. Idempotent.
+    Returns True when this call aborted the group.
     ``group=None`` (or the world group) aborts every group of the process.
     """
     key = _key(group)
@@ -288,6 +371,23 @@ def abort_group(group, reason: str) -> bool:
     return True
 
 
+def _exit_process(what: str, description: str, exc: BaseException) -> None:
+    """Log ``exc`` and end the process, so that the OS closes its connections to the peers."""
+    import sys
+
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    logger.critical("%s raised on this rank; exiting (MTP_ABORT_ON_ERROR=exit) so that the "
+                    "peers of the %s do not wait:\n%s", what, description, text)  # fmt: skip
+    sys.stderr.write(f"mtp: {what} raised; exiting so that the peers of the {description} do "
+                     f"not wait (MTP_ABORT_ON_ERROR=exit):\n{text}")  # fmt: skip
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(1)
+
+
 def _raised_by_collective(exc: BaseException) -> bool:
     frames = traceback.extract_tb(exc.__traceback__)
     return bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
@@ -305,7 +405,8 @@ def _on_error(what: str, group, exc: BaseException) -> BaseException | None:
     """Abort ``group`` after ``exc``; a replacement exception to raise, or None (re-raise)."""
     if isinstance(exc, (RankMismatchError, CollectiveAbortedError)) or not dist.is_initialized():
         return None
-    if not abort_on_error_enabled():
+    mode = abort_on_error_mode()
+    if mode == "off":
         return None
     try:
         if dist.get_world_size(group) == 1:
@@ -314,13 +415,15 @@ def _on_error(what: str, group, exc: BaseException) -> BaseException | None:
     except Exception:  # noqa: BLE001 - the group is gone already
         return None
     from_peer = isinstance(exc, RuntimeError) and _raised_by_collective(exc)
+    if mode == "exit" and not from_peer:  # a peer's failure is reported, not propagated
+        _exit_process(what, description, exc)
     abort_group(group, f"{type(exc).__name__} in {what}: {exc}")
     if not from_peer:
         return None
     return CollectiveAbortedError(
         f"{what}: a collective on the {description} failed: {str(exc).splitlines()[0][:300]}. "
-        "A peer rank probably raised or died before joining it (see the other ranks' errors); "
-        "the group has been aborted on this rank too"
+        "A peer rank probably raised, died or took another path instead of joining it (see the "
+        "other ranks' errors); the group has been aborted on this rank too"
     )
 
 
@@ -348,9 +451,10 @@ def collective_region(name: str | None = None, *, group_arg: str | None = None):
     the tensor-parallel group) or a method (default: ``self.group``) that runs collectives.
 
     Before the call: ``CollectiveAbortedError`` at once if the group was aborted. When the body
-    raises on this rank, the group is aborted (see the module docstring) and the error
-    re-raised; a collective that failed because a peer left is re-raised as
-    ``CollectiveAbortedError``. Under ``torch.compile`` tracing the function runs unwrapped.
+    raises on this rank, ``MTP_ABORT_ON_ERROR`` decides (see the module docstring: abort the
+    group, exit the process, or nothing) and the error is re-raised; a collective that failed
+    because a peer left or timed out is re-raised as ``CollectiveAbortedError``. Under
+    ``torch.compile`` tracing the function runs unwrapped.
     """
 
     def decorate(fn: Callable) -> Callable:

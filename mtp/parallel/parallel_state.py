@@ -33,7 +33,7 @@ import logging
 
 import torch.distributed as dist
 
-from .agreement import _ABORTED, exchange_and_compare, is_aborted
+from .agreement import _ABORTED, exchange_and_compare, is_aborted, value_field
 from .errors import CollectiveAbortedError
 from .rank_generator import (
     DEFAULT_ORDER,
@@ -187,7 +187,6 @@ def initialize_model_parallel(
         raise ParallelStateError(
             "model parallel groups are already initialized; call destroy_model_parallel() first"
         )
-    timeout = _check_timeout(timeout)
     _agree_on_arguments(
         {
             "tensor_model_parallel_size": tensor_model_parallel_size,
@@ -197,8 +196,10 @@ def initialize_model_parallel(
             "expert_tensor_parallel_size": expert_tensor_parallel_size,
             "order": order,
             "backend": backend,
+            "timeout": timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout,
         }
     )
+    timeout = _check_timeout(timeout)
     world_size, me = dist.get_world_size(), dist.get_rank()
     dense, expert = make_rank_generators(
         world_size,
@@ -247,30 +248,9 @@ def _check_timeout(timeout) -> datetime.timedelta:
     return timeout
 
 
-_INT_LIMIT = 1 << 62
-
-
-def _argument_field(name: str, value: object):
-    """``(name, ints, format)``: small non-negative ints travel as themselves, anything else
-    as a checksum of its ``repr`` (printed back when this rank knows it)."""
-    from .agreement import _CODE_NAME, _code
-
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _INT_LIMIT:
-        code = value
-    else:
-        code = _INT_LIMIT + _code(repr(value))
-
-    def text(v: list[int]) -> str:
-        if v[0] < _INT_LIMIT:
-            return str(v[0])
-        return _CODE_NAME.get(v[0] - _INT_LIMIT, "a different non-int value")
-
-    return name, [code], text
-
-
 def _agree_on_arguments(arguments: dict[str, object]) -> None:
     """All-gather the arguments once; the same RankMismatchError on every rank if they differ."""
-    fields = [_argument_field(name, value) for name, value in arguments.items()]
+    fields = [value_field(name, value) for name, value in arguments.items()]
     exchange_and_compare("initialize_model_parallel", fields, None)
 
 
