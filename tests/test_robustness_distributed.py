@@ -146,7 +146,8 @@ def test_debug_mode_mismatches_fail_on_every_rank():
     for results in per_rank:
         kind, value, _ = results["agreeing_all_reduce"]
         assert kind == "ok", value
-        torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), expected, rtol=0, atol=1e-12)
+        got = torch.tensor(value, dtype=torch.float64)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
 # --------------------------------------------------------------------------------------------

@@ -550,7 +550,7 @@ def _check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor]) -> Non
                 "input (the rows of one expert would overwrite what the others still read): "
                 "pass a separate buffer"
             )
-    if out.device.type != "meta" and not is_fake(out) and torch._debug_has_internal_overlap(out) == 1:
+    if not is_fake(out) and torch._debug_has_internal_overlap(out) == 1:
         raise ValueError(
             f"out (shape {tuple(out.shape)}, strides {out.stride()}) has elements that share "
             "memory (an expanded or broadcast tensor); pass a dense buffer"

@@ -19,7 +19,13 @@ import textwrap
 
 import numpy as np
 
-from .rank_generator import DEFAULT_ORDER, GROUP_KINDS, ParallelConfigError, RankGenerator, make_rank_generators
+from .rank_generator import (
+    DEFAULT_ORDER,
+    GROUP_KINDS,
+    ParallelConfigError,
+    RankGenerator,
+    make_rank_generators,
+)
 
 # Group kinds that should stay inside a node, most bandwidth-hungry first.
 _INTRA_NODE_KINDS = ("tp", "cp", "etp", "ep")

@@ -196,7 +196,9 @@ def initialize_model_parallel(
             "expert_tensor_parallel_size": expert_tensor_parallel_size,
             "order": order,
             "backend": backend,
-            "timeout": timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout,
+            "timeout": (
+                timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+            ),
         }
     )
     timeout = _check_timeout(timeout)

@@ -216,7 +216,9 @@ def check_layer_args(
         if not isinstance(value, bool):
             raise TypeError(f"{layer}: {name} must be a bool, got {type(value).__name__} {value!r}")
     if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-        raise TypeError(f"{layer}: seq_dim must be an int, got {type(seq_dim).__name__} {seq_dim!r}")
+        raise TypeError(
+            f"{layer}: seq_dim must be an int, got {type(seq_dim).__name__} {seq_dim!r}"
+        )
     if isinstance(stride, bool) or not (
         isinstance(stride, int)
         or (isinstance(stride, Sequence) and stride and all(
