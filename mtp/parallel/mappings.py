@@ -21,6 +21,11 @@ Collectives are called through the ``torch.distributed`` module (so
 :func:`mtp.testing.count_collectives` sees them); all-gather and reduce-scatter use one flat
 collective (``all_gather_single`` / ``reduce_scatter_single``, or their older names
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on torch releases without them).
+
+Ranks that disagree (:mod:`mtp.parallel.agreement`): with ``MTP_CHECK_COLLECTIVES=1`` each
+collective is preceded by an all-gather of (op, dtype, shape, dim) and a mismatch raises
+``RankMismatchError`` on every rank; an exception inside a mapping follows
+``MTP_ABORT_ON_ERROR`` (abort the group by default).
 """
 
 from __future__ import annotations
