@@ -106,10 +106,26 @@ def _mismatch_scenarios(rank: int):
     }
 
 
+def _per_head_mask_error(rank: int, world: int) -> float:
+    """A ``[b, num_heads, s, s]`` mask at tp=2 (each rank keeps its heads' part) against the
+    same attention on one rank (same seed, so the same full weights)."""
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    x = _local(0, (5, 2, 8), torch.float64)  # the same input on every rank
+    mask = torch.rand(2, 4, 5, 5, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask[..., 0] = True
+    outs = []
+    for group in (None, singles[rank]):
+        torch.manual_seed(0)
+        attn = tp.ParallelSelfAttention(8, 4, group=group, dtype=torch.float64)
+        outs.append(attn(x, mask))
+    return float((outs[0] - outs[1]).abs().max())
+
+
 def _debug_mode_worker(rank: int, world: int):
     agreement.set_check_collectives(True)
     mp.initialize_model_parallel(tensor_model_parallel_size=world, timeout=TIMEOUT)
     out = {name: _record(fn) for name, fn in _mismatch_scenarios(rank).items()}
+    out["per_head_mask"] = _record(lambda: _per_head_mask_error(rank, world))
     mp.destroy_model_parallel()
     agreement.set_check_collectives(None)
     return out
@@ -141,6 +157,9 @@ def test_debug_mode_mismatches_fail_on_every_rank():
             assert seconds < FAST, (name, rank, seconds)
             messages.add(message)
         assert len(messages) == 1, f"{name}: the ranks raised different messages {messages}"
+    for results in per_rank:
+        kind, error, _ = results["per_head_mask"]
+        assert kind == "ok" and error < 1e-12, (kind, error)
     # after all those errors the group is intact and computes the right sum
     expected = sum(_local(r, (3, 5), torch.float64) for r in range(WORLD))
     for results in per_rank:
