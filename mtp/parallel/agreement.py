@@ -477,7 +477,10 @@ def collective_region(name: str | None = None, *, group_arg: str | None = None):
             try:
                 return fn(*args, **kwargs)
             except BaseException as exc:
-                group = find(args, kwargs)
+                try:
+                    group = find(args, kwargs)
+                except Exception:  # noqa: BLE001 - no group to act on: the original error
+                    group = None
                 if group is None:
                     raise
                 replacement = _on_error(what, group, exc)

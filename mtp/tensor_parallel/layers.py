@@ -10,6 +10,13 @@ Initialisation (default): every rank builds the full ("master") weight exactly a
 single-device layer would from the same random state (``nn.Linear`` / ``nn.Embedding``
 defaults, or ``init_method``), then keeps its shard. A tensor-parallel model is therefore the
 same model at every tp size, and equal to the plain PyTorch model built from the same seed.
+
+Argument checks: constructor arguments of the wrong type raise ``TypeError`` naming them
+(sizes must be ints, flags bools, ``dtype`` a floating dtype); inputs that are not floating, or
+not of the weight's dtype outside ``torch.autocast``, raise ``TypeError`` naming ``input_``.
+An exception inside ``forward`` follows ``MTP_ABORT_ON_ERROR`` (see
+:mod:`mtp.parallel.agreement`): by default the group is aborted so that it is not used with
+collectives that no longer match the peers'.
 """
 
 from __future__ import annotations
