@@ -169,6 +169,33 @@ def test_debug_mode_mismatches_fail_on_every_rank():
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+def _four_rank_worker(rank: int, world: int):
+    """tp=2 over 4 ranks; only rank 3 has another batch: its tp group ([2, 3]) fails, the other
+    ([0, 1]) sums correctly."""
+    agreement.set_check_collectives(True)
+    mp.initialize_model_parallel(tensor_model_parallel_size=2, timeout=TIMEOUT)
+    x = _local(rank, (4 if rank == 3 else 3, 4), torch.float64)
+    out = _record(lambda: mp.reduce_from_tensor_model_parallel_region(x))
+    mp.destroy_model_parallel()
+    agreement.set_check_collectives(None)
+    return out
+
+
+def test_debug_mode_four_ranks_names_the_group():
+    per_rank = run_distributed(_four_rank_worker, 4, timeout=150)
+    expected = _local(0, (3, 4), torch.float64) + _local(1, (3, 4), torch.float64)
+    for rank in (0, 1):
+        kind, value, _ = per_rank[rank]
+        assert kind == "ok", value
+        got = torch.tensor(value, dtype=torch.float64)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    for rank in (2, 3):
+        kind, message, seconds = per_rank[rank]
+        assert kind == "RankMismatchError" and seconds < FAST, message
+        assert "global ranks [2, 3]" in message, message
+        assert "rank 2 has (3, 4), rank 3 has (4, 4)" in message, message
+
+
 # --------------------------------------------------------------------------------------------
 # initialize_model_parallel arguments, one rank raising inside a region, recovery
 # --------------------------------------------------------------------------------------------
