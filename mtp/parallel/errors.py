@@ -1,25 +1,32 @@
-"""Errors raised when the ranks of a group disagree.
+"""Errors raised when the ranks of a process group disagree or a collective cannot finish.
 
-:class:`RankMismatchError` is raised (on every rank) when ranks that must agree on a shape, a
-count or the data itself (e.g. the targets of a vocab-parallel loss) do not. It is a
-``RuntimeError``: the arguments of each rank are valid on their own, the program as a whole is
-not. Its message names the quantity, the values and the ranks that hold them.
+Both are ``RuntimeError`` subclasses (what torch.distributed raises for failed collectives), so
+code that already catches ``RuntimeError`` around communication keeps working.
 """
 
 from __future__ import annotations
 
-__all__ = ["RankMismatchError"]
+__all__ = ["CollectiveAbortedError", "RankMismatchError"]
 
 
 class RankMismatchError(RuntimeError):
-    """Ranks of a process group disagree on something they must share.
+    """Ranks of one group disagree on something they must share (a shape, a dtype, a count, an
+    argument, the targets of a vocab-parallel loss). Raised on every rank of the group, with the
+    same message, which names the quantity, the values and the ranks that hold them.
 
     Attributes:
-        what: the quantity (``"target checksum"``, ``"vocab shard size"``...).
-        values: ``{rank: value}`` as each rank reported it.
+        what: the quantity (``"target checksum"``, ``"vocab shard size"``...), when given.
+        values: ``{rank: value}`` as each rank reported it, when given.
     """
 
-    def __init__(self, message: str, *, what: str = "", values: dict | None = None) -> None:
+    def __init__(self, message: str = "", *, what: str = "", values: dict | None = None) -> None:
         super().__init__(message)
         self.what = what
         self.values = dict(values or {})
+
+
+class CollectiveAbortedError(RuntimeError):
+    """A collective could not finish because a peer left it (raised, timed out or died), or the
+    group was aborted after an earlier error on this rank. The group is unusable afterwards:
+    call ``mtp.parallel.destroy_model_parallel()`` and ``initialize_model_parallel()`` again on
+    every rank, or restart the job."""
