@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import mtp.parallel as mp
 import mtp.tensor_parallel as tp
+import mtp.tensor_parallel.layers as layers_module
 from mtp.parallel import agreement
 from mtp.testing import free_port, run_distributed
 
@@ -204,6 +205,19 @@ def test_debug_mode_four_ranks_names_the_group():
 SHORT = datetime.timedelta(seconds=4)  # group timeout where a peer is expected to time out
 
 
+class _FailingFunctional:
+    """``torch.nn.functional`` whose ``linear`` fails like a kernel error would."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def linear(self, *args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+
 def _init_and_abort_worker(rank: int, world: int):
     out = {}
     out["init_tp"] = _record(
@@ -226,14 +240,22 @@ def _init_and_abort_worker(rank: int, world: int):
         lambda: mp.initialize_model_parallel(timeout=SHORT if rank else TIMEOUT)
     )
     out["initialized_after_mismatch"] = mp.model_parallel_is_initialized()
-    # One rank raises a ValueError in RowParallelLinear (wrong width) while its peer is in the
-    # all-reduce: the failing rank aborts its group (unusable from then on, a clear error), the
-    # peer ends at the group timeout with a clear error (gloo: see mtp.parallel.agreement).
     mp.initialize_model_parallel(tensor_model_parallel_size=world, timeout=SHORT)
     torch.manual_seed(0)
     row = tp.RowParallelLinear(8, 4, dtype=torch.float64)
-    width = 5 if rank == 0 else 4
-    out["one_rank_raises"] = _record(lambda: row(torch.ones(3, width, dtype=torch.float64)))
+    # A bad argument on every rank: a ValueError everywhere, no abort, the group goes on.
+    out["all_ranks_bad_input"] = _record(lambda: row(torch.ones(3, 5, dtype=torch.float64)))
+    out["after_bad_input"] = _record(lambda: row(torch.ones(3, 4, dtype=torch.float64)).tolist())
+    # One rank fails inside RowParallelLinear (a simulated kernel error) while its peer is in the
+    # all-reduce: the failing rank aborts its group (unusable from then on, a clear error), the
+    # peer ends at the group timeout with a clear error (gloo: see mtp.parallel.agreement).
+    real_f = layers_module.F
+    if rank == 0:
+        layers_module.F = _FailingFunctional(real_f)
+    try:
+        out["one_rank_raises"] = _record(lambda: row(torch.ones(3, 4, dtype=torch.float64)))
+    finally:
+        layers_module.F = real_f
     out["after_abort"] = _record(lambda: row(torch.ones(3, 4, dtype=torch.float64)))
     out["getter_after_abort"] = _record(mp.get_tensor_model_parallel_group)
     # recovery: re-create the groups, and they compute the right sum
@@ -259,9 +281,12 @@ def test_initialize_disagreement_and_abort_on_error():
             assert f"disagree on the {field}" in message and values in message, message
             assert "initialize_model_parallel" in message and seconds < FAST
         assert out["initialized_after_mismatch"] is False
+        kind, message, _ = out["all_ranks_bad_input"]
+        assert kind == "ValueError" and "must have 4 features" in message, message
+        assert out["after_bad_input"][0] == "ok", out["after_bad_input"]
         kind, message, seconds = out["one_rank_raises"]
-        if rank == 0:  # the rank with the bad input: its own clear error, at once
-            assert kind == "ValueError" and "must have 4 features" in message, message
+        if rank == 0:  # the failing rank: its own error, at once
+            assert kind == "RuntimeError" and "simulated kernel failure" in message, message
             assert seconds < 1.0
         else:  # the peer: a clear error at the group timeout (4 s), never a hang
             assert kind == "CollectiveAbortedError", message

@@ -15,8 +15,11 @@ Three mechanisms keep a group of ranks from hanging or crashing when they disagr
   :func:`set_abort_on_error` overrides it):
 
   ``abort`` (default)
-      the group is aborted (``_abort_process_group``: NCCL communicators are aborted, the group
-      is unregistered) and marked unusable: later mtp calls on it raise
+      after any error but a bad-argument ``ValueError``/``TypeError`` (mtp raises those before
+      the region's first collective, on every rank alike, and a caller may catch them and go
+      on; ``exit`` covers a bad argument on one rank only), the group is aborted
+      (``_abort_process_group``: NCCL communicators are aborted, the group is unregistered)
+      and marked unusable: later mtp calls on it raise
       :class:`~mtp.parallel.errors.CollectiveAbortedError` at once instead of issuing
       collectives that no longer match the peers'. Peers blocked in a collective on it fail at
       the group's timeout (``initialize_model_parallel(timeout=...)``, 10 minutes by default),
@@ -412,6 +415,10 @@ def _on_error(what: str, group, exc: BaseException) -> BaseException | None:
         return None
     mode = abort_on_error_mode()
     if mode == "off":
+        return None
+    if mode == "abort" and isinstance(exc, (ValueError, TypeError)):
+        # mtp's bad-argument errors: raised by checks that run before the region's first
+        # collective, on every rank alike; the caller may catch them and go on using the group
         return None
     try:
         if dist.get_world_size(group) == 1:
