@@ -594,7 +594,7 @@ def test_gpu_kernel_counts():
         names = kernels_launched(
             lambda: ops.grouped_gemm(x, w, counts, backend="triton", out=out, validate=False)
         )
-        assert len(names) == 1 and "grouped_gemm_kernel" in names[0], names
+        assert len(names) == 1 and "grouped_gemm" in names[0], names  # TMA or pointer kernel
         for backend in ("sequential", "multistream"):
             names = kernels_launched(
                 lambda b=backend: ops.grouped_gemm(x, w, counts, backend=b, out=out)
