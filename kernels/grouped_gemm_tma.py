@@ -45,6 +45,7 @@ __all__ = [
     "grouped_gemm_tma_kernel",
     "grouped_wgrad_tma_kernel",
     "split_reduce_kernel",
+    "tile_map_kernel",
     "supports_warp_specialize",
     "tma_forward_config",
     "tma_wgrad_config",
@@ -58,35 +59,62 @@ def supports_warp_specialize() -> bool:
     return "warp_specialize" in params and "flatten" in params
 
 
-@triton.jit
-def _expert_of_tile(tile, lane, counts, m_tiles, tile_ends, num_n, BLOCK_M: tl.constexpr):
-    """(expert, first row of the tile, end of the expert's rows, column tile) of ``tile``.
+#: Tile map layout (int32): ``[expert row tiles, routed rows, then per row tile r:
+#: expert, first row of the expert, rows of the expert, first row tile of the expert]``.
+MAP_HEADER = tl.constexpr(2)
+MAP_FIELDS = tl.constexpr(4)
 
-    Tiles are expert-major, row tiles of one expert in order, column tiles innermost."""
-    row_tile = tile // num_n
-    expert = tl.sum((tile_ends <= row_tile).to(tl.int32), axis=0)
-    before = lane < expert
-    row0 = tl.sum(tl.where(before, counts, 0), axis=0)
-    first = tl.sum(tl.where(before, m_tiles, 0), axis=0)
-    rows_e = tl.sum(tl.where(lane == expert, counts, 0), axis=0)
-    return expert, row0 + (row_tile - first) * BLOCK_M, row0 + rows_e, tile % num_n
+
+def tile_map_size(M: int, E: int, block_m: int) -> int:
+    """int32 entries of the tile map for the worst case ``cdiv(M, BM) + E`` row tiles."""
+    return MAP_HEADER.value + MAP_FIELDS.value * (triton.cdiv(M, block_m) + E)
+
+
+@triton.jit
+def tile_map_kernel(
+    counts_ptr, map_ptr, M, E, row_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """The tile -> expert map of one call (grid ``cdiv(row_tiles, BLOCK_T)``): row tile ``r``
+    of the expert-major order belongs to the expert whose prefix sum of row tiles passes ``r``.
+    Entries past the experts' tiles are never read."""
+    lane = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + lane, mask=lane < E, other=0).to(tl.int32)
+    counts = tl.maximum(counts, 0)
+    starts = tl.cumsum(counts, axis=0) - counts  # first row of each expert
+    m_tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(m_tiles, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(map_ptr, tl.sum(m_tiles, axis=0))
+        tl.store(map_ptr + 1, tl.minimum(tl.sum(counts, axis=0), M))
+    r = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    expert = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), axis=1)
+    pick = lane[None, :] == expert[:, None]
+    base = map_ptr + MAP_HEADER + r * MAP_FIELDS
+    keep = r < row_tiles
+    tl.store(base, expert, mask=keep)
+    tl.store(base + 1, tl.sum(tl.where(pick, starts[None, :], 0), axis=1), mask=keep)
+    tl.store(base + 2, tl.sum(tl.where(pick, counts[None, :], 0), axis=1), mask=keep)
+    tl.store(base + 3, tl.sum(tl.where(pick, (ends - m_tiles)[None, :], 0), axis=1), mask=keep)
 
 
 @triton.jit
 def grouped_gemm_tma_kernel(
-    a_ptr, b_ptr, c_ptr, counts_ptr,
+    a_ptr, b_ptr, c_ptr, map_ptr,
     M, N, K, E,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, TRANS_B: tl.constexpr,
+    GROUP_M: tl.constexpr, TRANS_B: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """``c[M, N]``: rows of expert ``e`` get ``a[rows] @ b[e]``; rows past the routed ones get 0.
 
     ``a`` is ``[M, K]`` with unit column stride; ``b`` is ``[E, K, N]`` with unit N stride, or
     with ``TRANS_B`` an ``[E, N, K]`` tensor with unit K stride (``stride_bk`` / ``stride_bn``
-    then name its K / N strides). ``c`` has unit column stride. Any grid: program ``p`` handles
-    tiles ``p, p + grid, ...``.
+    then name its K / N strides). ``c`` has unit column stride. ``map_ptr``: the tile map of
+    :func:`tile_map_kernel` (no reductions here: Hopper's automatic warp specialisation does
+    not take them). Any grid: program ``p`` handles tiles ``p, p + grid, ...``; inside an expert
+    ``GROUP_M`` row tiles share each column tile of ``b[e]`` (L2 reuse).
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -103,22 +131,23 @@ def grouped_gemm_tma_kernel(
             b_ptr, shape=[E, K, N], strides=[stride_be, stride_bk, 1],
             block_shape=[1, BLOCK_K, BLOCK_N],
         )
-    # The tile -> expert map: counts loaded once per program, a prefix sum of row tiles.
-    lane = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + lane, mask=lane < E, other=0).to(tl.int32)
-    counts = tl.maximum(counts, 0)
-    routed = tl.minimum(tl.sum(counts, axis=0), M)
-    m_tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_ends = tl.cumsum(m_tiles, axis=0)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
-    expert_tiles = tl.sum(m_tiles, axis=0) * num_n
+    expert_tiles = tl.load(map_ptr) * num_n
+    routed = tl.load(map_ptr + 1)
     for tile in tl.range(pid, expert_tiles, programs, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
-        expert, row, row_end, pid_n = _expert_of_tile(
-            tile, lane, counts, m_tiles, tile_ends, num_n, BLOCK_M
-        )
-        col = pid_n * BLOCK_N
+        entry = map_ptr + MAP_HEADER + (tile // num_n) * MAP_FIELDS
+        expert = tl.load(entry)
+        row0 = tl.load(entry + 1)
+        rows_e = tl.load(entry + 2)
+        # Grouped order inside the expert: GROUP_M row tiles per column tile of b[e].
+        local = tile - tl.load(entry + 3) * num_n
+        first_m = (local // (GROUP_M * num_n)) * GROUP_M
+        size_m = tl.minimum((rows_e + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
+        within = local % (GROUP_M * num_n)
+        row = row0 + (first_m + within % size_m) * BLOCK_M
+        col = (within // size_m) * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kt in range(k_tiles):
             k = kt * BLOCK_K
@@ -135,7 +164,7 @@ def grouped_gemm_tma_kernel(
         rows = row + tl.arange(0, BLOCK_M)
         cols = col + tl.arange(0, BLOCK_N)
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-        mask = (rows < tl.minimum(row_end, M))[:, None] & (cols < N)[None, :]
+        mask = (rows < tl.minimum(row0 + rows_e, M))[:, None] & (cols < N)[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
     # The zero tail: rows [routed, M).
     tail_tiles = (M - routed + BLOCK_M - 1) // BLOCK_M * num_n
@@ -242,6 +271,7 @@ class TmaGemmConfig:
     block_m: int
     block_n: int
     block_k: int
+    group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
     warp_specialize: bool = True
@@ -266,13 +296,14 @@ class TmaWgradConfig:
 # more ("large": 128 x 256 tiles, the widest that fit 3 TMA stages in shared memory). UNTUNED:
 # chosen from the wgmma / tcgen05 shapes and the shared-memory budget, not measured (no GPU was
 # available when they were written); bench/bench_grouped_gemm.py is the place to tune them.
-# Warp specialisation is on for sm_100 only: Triton 3.6 / 3.9's automatic warp specialisation of
-# ``tl.range(warp_specialize=True)`` splits this kernel into producer / consumer partitions for
-# sm_100a (setmaxnreg in the SASS) but leaves the sm_90a code unspecialised, so Hopper gets the
-# flattened persistent loop with TMA and wgmma.
+# Warp specialisation: Triton 3.6 / 3.9 specialise the persistent loop on sm_100a with or without
+# flattening. On sm_90a their (separate) Hopper pass only acts on an unflattened loop in a 4-warp
+# kernel (one consumer warpgroup) and aborts on reductions in the kernel, hence the tile map
+# computed by its own kernel; 128 x 256 tiles need two consumer warpgroups (8 warps), which that
+# pass leaves unspecialised, so Hopper's large tiles take the flattened loop instead.
 FORWARD_TABLE: dict[tuple[int, str], TmaGemmConfig] = {
-    (9, "small"): TmaGemmConfig(64, 128, 64, num_warps=4, num_stages=4, warp_specialize=False),
-    (9, "medium"): TmaGemmConfig(128, 128, 64, num_warps=8, num_stages=4, warp_specialize=False),
+    (9, "small"): TmaGemmConfig(64, 128, 64, num_warps=4, num_stages=4, flatten=False),
+    (9, "medium"): TmaGemmConfig(128, 128, 64, num_warps=4, num_stages=4, flatten=False),
     (9, "large"): TmaGemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=False),
     (10, "small"): TmaGemmConfig(64, 128, 64, num_warps=4, num_stages=4),
     (10, "medium"): TmaGemmConfig(128, 128, 64, num_warps=4, num_stages=4),
@@ -397,17 +428,26 @@ def wgrad_eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 def launch_forward(a, b, counts, out, config: TmaGemmConfig, programs: int, upcast: bool):
-    """Persistent TMA forward on ``programs`` programs (see :func:`grouped_gemm_tma_kernel`)."""
+    """Two launches: :func:`tile_map_kernel`, then the persistent TMA forward on ``programs``
+    programs (see :func:`grouped_gemm_tma_kernel`)."""
     M, K = a.shape
     E, _, N = b.shape
     trans_b = not (b.stride(2) == 1 and _aligned(b, 2))
     if a.device.type == "cuda":
         _ensure_allocator()
+    row_tiles = triton.cdiv(M, config.block_m) + E
+    tile_map = torch.empty(tile_map_size(M, E, config.block_m), dtype=torch.int32,
+                           device=a.device)
+    block_t = 32
+    tile_map_kernel[(triton.cdiv(row_tiles, block_t),)](
+        counts, tile_map, M, E, row_tiles,
+        BLOCK_M=config.block_m, BLOCK_E=next_power_of_2(E), BLOCK_T=block_t,
+    )
     grouped_gemm_tma_kernel[(programs,)](
-        a, b, out, counts, M, N, K, E,
+        a, b, out, tile_map, M, N, K, E,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_E=next_power_of_2(E), TRANS_B=trans_b,
+        GROUP_M=config.group_m, TRANS_B=trans_b,
         FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize, UPCAST_DOT=upcast,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

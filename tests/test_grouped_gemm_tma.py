@@ -26,7 +26,7 @@ from mtp.testing import _find_ptxas, assert_close, compile_for_targets
 SIZES = [0, 37, 3, 0, 21, 0]
 M, K, N = 70, 40, 24
 FAMILIES = {  # one per regime of the table, at interpreter scale
-    "small": tma.TmaGemmConfig(16, 16, 16, warp_specialize=False, flatten=False),
+    "small": tma.TmaGemmConfig(16, 16, 16, group_m=2, warp_specialize=False, flatten=False),
     "large": tma.TmaGemmConfig(32, 32, 16, warp_specialize=True, flatten=True),
 }
 
@@ -134,6 +134,8 @@ def test_config_table_by_regime_and_split():
     assert (medium.block_m, medium.block_n) == (128, 128)
     large = tma.tma_forward_config(9, 8 * 4096, 14336, 4096, 8)
     assert (large.block_m, large.block_n) == (128, 256) and not large.warp_specialize
+    assert tma.tma_forward_config(9, 8 * 64, 4096, 4096, 8).warp_specialize == (
+        tma.supports_warp_specialize())  # 4-warp tiles: Hopper's pass specialises them
     bw = tma.tma_forward_config(10, 8 * 4096, 14336, 4096, 8)
     assert bw.warp_specialize == tma.supports_warp_specialize()
     assert tma.tma_forward_config(9, 100, 24, 40, 8).block_n == 32  # narrow N shrinks the tile
@@ -170,13 +172,13 @@ def _sass(build) -> tuple[str, str]:
 
 def _forward_build(cc: int, cfg: tma.TmaGemmConfig, trans_b: bool):
     signature = {
-        "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "counts_ptr": "*i32",
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "map_ptr": "*i32",
         "M": "i32", "N": "i32", "K": "i32", "E": "i32", "stride_am": "i32", "stride_be": "i32",
         "stride_cm": "i32", ("stride_bn" if trans_b else "stride_bk"): "i32",
     }
     constexprs = {
         ("stride_bk" if trans_b else "stride_bn"): 1, "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_E": 64, "TRANS_B": trans_b,
+        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "TRANS_B": trans_b,
         "FLATTEN": cfg.flatten, "WARP_SPECIALIZE": cfg.warp_specialize, "UPCAST_DOT": False,
     }
     divisible = [k for k in signature if k.startswith("stride")] + ["N", "K"]
@@ -220,7 +222,14 @@ def _check(build, cc: int, warp_specialized: bool) -> None:
 @pytest.mark.parametrize("cc", [90, 100])
 def test_aot_forward_large_groups(cc):
     cfg = tma.tma_forward_config(cc // 10, 8 * 4096, 14336, 4096, 8)  # Mixtral fc1
+    assert cfg.warp_specialize == (cc == 100 and tma.supports_warp_specialize())
     _check(_forward_build(cc, cfg, trans_b=False), cc, cfg.warp_specialize)
+
+
+def test_aot_forward_small_groups_warp_specialized_on_hopper():
+    cfg = tma.tma_forward_config(9, 128 * 64, 768, 2048, 128)  # Qwen3-30B-A3B decode-like
+    assert cfg.block_m == 64 and cfg.warp_specialize == tma.supports_warp_specialize()
+    _check(_forward_build(90, cfg, trans_b=True), 90, cfg.warp_specialize)
 
 
 @pytest.mark.parametrize("cc", [90, 100])
