@@ -247,3 +247,75 @@ def test_aot_every_forward_variant(cc):
         for trans_b in (False, True):
             _check(_forward_build(cc, cfg, trans_b), cc, cfg.warp_specialize)
     _check(_wgrad_build(cc, dataclasses.replace(tma.WGRAD_TABLE[cc // 10], split=1)), cc, False)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (sm_90+): the default configs of every regime, split-K, CUDA graphs
+# --------------------------------------------------------------------------------------------
+
+
+def _needs_tma_gpu():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an sm_90+ GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trans_b", [False, True], ids=["w_KN", "w_NK"])
+@pytest.mark.parametrize("E, rows", [(16, 40), (8, 512), (4, 3000)],
+                         ids=["small", "medium", "large"])
+def test_gpu_default_configs_match_float64(E, rows, trans_b):
+    _needs_tma_gpu()
+    g = torch.Generator().manual_seed(E)
+    sizes = torch.randint(0, 2 * rows, (E,), generator=g).tolist()
+    sizes[1] = 0
+    m = sum(sizes) + 77  # a zero tail
+    Kd, Nd = 264, 392
+    a = torch.randn(m, Kd, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn((E, Nd, Kd) if trans_b else (E, Kd, Nd), generator=g) / Kd**0.5).to(
+        "cuda", torch.bfloat16)
+    b = _w_kn(w, trans_b)
+    counts = torch.tensor(sizes, device="cuda")
+    out = torch.full((m, Nd), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.grouped_gemm(a, b, counts, out, tma=True)
+    assert_close(out, _expected_forward(a.cpu(), b.cpu(), sizes).cuda())
+    assert torch.equal(out[sum(sizes):], torch.zeros_like(out[sum(sizes):]))
+
+
+@pytest.mark.gpu
+def test_gpu_wgrad_split_matches_float64():
+    _needs_tma_gpu()
+    g = torch.Generator().manual_seed(3)
+    sizes = [1500, 0, 37, 2600]
+    m, P, Q = sum(sizes), 256, 128
+    a = torch.randn(m, P, generator=g).to("cuda", torch.bfloat16)
+    dy = torch.randn(m, Q, generator=g).to("cuda", torch.bfloat16)
+    counts = torch.tensor(sizes, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = tma.tma_wgrad_config(torch.cuda.get_device_capability()[0], m, P, Q, len(sizes), sms)
+    assert cfg.split > 1
+    out = torch.full((len(sizes), P, Q), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.grouped_wgrad(a, dy, counts, out, tma=True)
+    assert_close(out, _expected_wgrad(a.cpu(), dy.cpu(), sizes).cuda())
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    again = torch.full_like(out, float("nan"))
+    kernels.grouped_wgrad(a, dy, counts, again, tma=True)
+    assert torch.equal(out, again), "split-K must be deterministic"
+
+
+@pytest.mark.gpu
+def test_gpu_tma_graph_replay_with_new_routing():
+    _needs_tma_gpu()
+    a, w, counts, _ = _data(torch.bfloat16, False)
+    a, w, counts = a.cuda(), w.cuda(), counts.cuda()
+    out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+    kernels.grouped_gemm(a, w, counts, out, tma=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.grouped_gemm(a, w, counts, out, tma=True)
+    for new in ([0, 40, 2, 7, 0, 0], [70, 0, 0, 0, 0, 0], [0] * 6):
+        counts.copy_(torch.tensor(new))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, _expected_forward(a.cpu(), w.cpu(), new).cuda(), msg=str(new))
