@@ -23,6 +23,12 @@ Kernels
 
 Both accumulate in fp32 and store in the output dtype. Row offsets are int64 (``M * K`` may exceed
 2^31 elements).
+
+On sm_90 / sm_100, fp16/bf16 operands whose strides TMA accepts take the kernels of
+:mod:`mtp.kernels.grouped_gemm_tma` instead (TMA descriptors, a persistent warp-specialised loop,
+configs by group-size regime and architecture, split-K weight gradient); ``tma=`` on the
+launchers and ``MTP_TRITON_TMA=0/1`` choose explicitly. The kernels here stay the path for fp32,
+unaligned operands, older GPUs and, by default, the interpreter.
 """
 
 from __future__ import annotations

@@ -5,15 +5,18 @@ on the device, zeros written past the routed rows) for 16-bit inputs whose last 
 contiguous and whose other strides are 16-byte multiples; the launchers there fall back to the
 pointer kernels otherwise.
 
-- :func:`grouped_gemm_tma_kernel`: persistent. Each program loads the counts once and turns them
-  into per-expert row-tile ends (the tile -> expert map, a prefix sum in registers), then strides
-  over the output tiles with ``tl.range(..., flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE)``:
-  the compiler fuses the tile loop with the K loop (so the next tile's loads overlap this tile's
-  epilogue) and, with warp specialisation, splits producer (TMA) and consumer (MMA) warps.
-  ``a`` and ``b`` are read through device-side descriptors (``tl.make_tensor_descriptor``);
-  ``b`` as a 3-d ``[E, K, N]`` (or ``[E, N, K]``) descriptor so a partial K tile never reads the
-  next expert. A row tile may run past its expert into the next one's rows: those rows are
-  computed but masked out in the epilogue store. A second loop writes the zero tail.
+- :func:`tile_map_kernel` + :func:`grouped_gemm_tma_kernel` (two launches per call). The first
+  turns the device counts into the tile -> expert map (per row tile of the expert-major order:
+  expert, its first row, its rows, its first row tile), so the GEMM kernel holds no reductions
+  (Hopper's automatic warp specialisation rejects kernels with them). The GEMM kernel is
+  persistent: each program strides over the output tiles with
+  ``tl.range(..., flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE)``; flattening fuses the tile
+  loop with the K loop (the next tile's loads overlap this tile's epilogue), warp specialisation
+  splits producer (TMA) and consumer (MMA) warps (``setmaxnreg``). ``a`` and ``b`` are read
+  through device-side descriptors (``tl.make_tensor_descriptor``); ``b`` as a 3-d ``[E, K, N]``
+  (or ``[E, N, K]``) descriptor so a partial K tile never reads the next expert. A row tile may
+  run past its expert into the next one's rows: those rows are computed but masked out in the
+  epilogue store. A second loop writes the zero tail (rows past the routed ones).
 - :func:`grouped_wgrad_tma_kernel`: ``c[e] = a_e^T @ b_e`` with per-expert descriptors whose row
   count ends at the expert's (or the split's) last row, so TMA zero-fills the rows past it. With
   ``SPLIT > 1`` (few output tiles for the SMs) each expert's rows are cut into ``SPLIT`` chunks
