@@ -441,10 +441,11 @@ def launch_forward(a, b, counts, out, config: TmaGemmConfig, programs: int, upca
     row_tiles = triton.cdiv(M, config.block_m) + E
     tile_map = torch.empty(tile_map_size(M, E, config.block_m), dtype=torch.int32,
                            device=a.device)
-    block_t = 32
+    block_e = next_power_of_2(E)
+    block_t = max(2, min(32, 4096 // block_e))  # [BLOCK_T, BLOCK_E] compares without spills
     tile_map_kernel[(triton.cdiv(row_tiles, block_t),)](
         counts, tile_map, M, E, row_tiles,
-        BLOCK_M=config.block_m, BLOCK_E=next_power_of_2(E), BLOCK_T=block_t,
+        BLOCK_M=config.block_m, BLOCK_E=block_e, BLOCK_T=block_t,
     )
     grouped_gemm_tma_kernel[(programs,)](
         a, b, out, tile_map, M, N, K, E,

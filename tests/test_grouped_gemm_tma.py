@@ -75,6 +75,20 @@ def test_forward_matches_float64(family, trans_b, dtype):
     assert torch.equal(out[routed:], torch.zeros_like(out[routed:])), "rows past the routed ones"
 
 
+def test_forward_many_small_experts():
+    """40 experts of 0-20 rows: the tile map spans several programs of its kernel."""
+    g = torch.Generator().manual_seed(5)
+    sizes = torch.randint(0, 21, (40,), generator=g).tolist()
+    sizes[:3] = [0, 0, 17]
+    m = sum(sizes) + 5
+    a = torch.randn(m, 16, generator=g).to(torch.bfloat16)
+    b = torch.randn(40, 16, 16, generator=g).to(torch.bfloat16)
+    out = torch.full((m, 16), float("nan"), dtype=torch.bfloat16)
+    kernels.grouped_gemm(a, b, torch.tensor(sizes), out, config=FAMILIES["small"], tma=True)
+    assert_close(out, _expected_forward(a, b, sizes))
+    assert torch.equal(out[sum(sizes):], torch.zeros_like(out[sum(sizes):]))
+
+
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_wgrad_matches_float64_with_split(split, dtype):
@@ -319,3 +333,15 @@ def test_gpu_tma_graph_replay_with_new_routing():
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, _expected_forward(a.cpu(), w.cpu(), new).cuda(), msg=str(new))
+
+
+@pytest.mark.parametrize("E", [256, 4096])
+def test_aot_tile_map_no_spills(E):
+    block_t = max(2, min(32, 4096 // E))  # as launch_forward picks it
+    build = compile_for_targets(
+        tma.tile_map_kernel,
+        {"counts_ptr": "*i64", "map_ptr": "*i32", "M": "i32", "E": "i32", "row_tiles": "i32"},
+        {"BLOCK_M": 64, "BLOCK_E": E, "BLOCK_T": block_t}, targets=(90,),
+    )[90]
+    info = build.ptxas()
+    assert info is None or not info.spills, info.output
