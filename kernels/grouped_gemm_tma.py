@@ -48,8 +48,8 @@ __all__ = [
     "grouped_gemm_tma_kernel",
     "grouped_wgrad_tma_kernel",
     "split_reduce_kernel",
-    "tile_map_kernel",
     "supports_warp_specialize",
+    "tile_map_kernel",
     "tma_forward_config",
     "tma_wgrad_config",
     "use_tma",
@@ -351,12 +351,12 @@ def tma_wgrad_config(arch: int, M: int, P: int, Q: int, E: int, sms: int) -> Tma
     return dataclasses.replace(cfg, split=max(1, split))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
