@@ -17,7 +17,8 @@ pointer kernels otherwise.
   (or ``[E, N, K]``) descriptor so a partial K tile never reads the next expert. A row tile may
   run past its expert into the next one's rows: those rows are computed but masked out in the
   epilogue store. A second loop writes the zero tail (rows past the routed ones).
-- :func:`grouped_wgrad_tma_kernel`: ``c[e] = a_e^T @ b_e`` with per-expert descriptors whose row
+- :func:`expert_rows_kernel` + :func:`grouped_wgrad_tma_kernel` (warp-specialised reduction
+  loop): ``c[e] = a_e^T @ b_e`` with per-expert descriptors whose row
   count ends at the expert's (or the split's) last row, so TMA zero-fills the rows past it. With
   ``SPLIT > 1`` (few output tiles for the SMs) each expert's rows are cut into ``SPLIT`` chunks
   that write fp32 partial sums to a workspace, and :func:`split_reduce_kernel` adds them in a
@@ -46,6 +47,7 @@ __all__ = [
     "TmaGemmConfig",
     "TmaWgradConfig",
     "grouped_gemm_tma_kernel",
+    "expert_rows_kernel",
     "grouped_wgrad_tma_kernel",
     "split_reduce_kernel",
     "supports_warp_specialize",
@@ -181,12 +183,12 @@ def grouped_gemm_tma_kernel(
 
 @triton.jit
 def grouped_wgrad_tma_kernel(
-    a_ptr, b_ptr, c_ptr, counts_ptr,
+    a_ptr, b_ptr, c_ptr, rows_ptr,
     M, P, Q, E,
     stride_am, stride_bm, stride_ce, stride_cp, stride_cs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_E: tl.constexpr, GROUP_P: tl.constexpr, SPLIT: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    GROUP_P: tl.constexpr, SPLIT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     """``c[e] = a[rows of e]^T @ b[rows of e]`` (``[P, Q]``; zeros for empty experts).
 
@@ -209,11 +211,9 @@ def grouped_wgrad_tma_kernel(
     p0 = (first_p + (local % per_group) % size_p) * BLOCK_P
     q0 = ((local % per_group) // size_p) * BLOCK_Q
 
-    lane = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + lane, mask=lane < expert, other=0).to(tl.int32)
-    row0 = tl.minimum(tl.sum(tl.maximum(counts, 0), axis=0), M)
-    rows_e = tl.maximum(tl.load(counts_ptr + expert).to(tl.int32), 0)
-    rows_e = tl.minimum(rows_e, M - row0)
+    # Expert rows from :func:`expert_rows_kernel` (no reductions here, as in the forward).
+    row0 = tl.load(rows_ptr + expert)
+    rows_e = tl.load(rows_ptr + E + expert)
     # This split's rows, whole BLOCK_R chunks each (the last split may get fewer or none).
     chunk = ((rows_e + SPLIT - 1) // SPLIT + BLOCK_R - 1) // BLOCK_R * BLOCK_R
     r_start = row0 + split * chunk
@@ -228,7 +228,7 @@ def grouped_wgrad_tma_kernel(
         block_shape=[BLOCK_R, BLOCK_Q],
     )
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    for r in range(r_start, r_end, BLOCK_R):
+    for r in tl.range(r_start, r_end, BLOCK_R, warp_specialize=WARP_SPECIALIZE):
         a = a_desc.load([r, p0]).T
         b = b_desc.load([r, q0])
         if UPCAST_DOT:
@@ -242,6 +242,17 @@ def grouped_wgrad_tma_kernel(
         + ps.to(tl.int64)[:, None] * stride_cp + qs[None, :]
     )
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+
+
+@triton.jit
+def expert_rows_kernel(counts_ptr, rows_ptr, M, E, BLOCK_E: tl.constexpr):
+    """``rows[e]`` = first row of expert ``e``, ``rows[E + e]`` = its rows, both clamped to
+    ``[0, M]`` (negative counts read as 0). One program."""
+    lane = tl.arange(0, BLOCK_E)
+    counts = tl.maximum(tl.load(counts_ptr + lane, mask=lane < E, other=0).to(tl.int32), 0)
+    starts = tl.minimum(tl.cumsum(counts, axis=0) - counts, M)
+    tl.store(rows_ptr + lane, starts, mask=lane < E)
+    tl.store(rows_ptr + E + lane, tl.minimum(counts, M - starts), mask=lane < E)
 
 
 @triton.jit
@@ -291,6 +302,7 @@ class TmaWgradConfig:
     group_p: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    warp_specialize: bool = True
     split: int = 1
 
 
@@ -312,10 +324,12 @@ FORWARD_TABLE: dict[tuple[int, str], TmaGemmConfig] = {
     (10, "medium"): TmaGemmConfig(128, 128, 64, num_warps=4, num_stages=4),
     (10, "large"): TmaGemmConfig(128, 256, 64, num_warps=8, num_stages=3),
 }
-# Weight-gradient tiles by architecture (also untuned).
+# Weight-gradient tiles by architecture (also untuned); warp-specialised on both (4 warps: the
+# form Hopper's pass takes; 8 on sm_100, where the epilogue's TMEM loads then need fewer
+# registers per thread).
 WGRAD_TABLE: dict[int, TmaWgradConfig] = {
-    9: TmaWgradConfig(128, 128, 64, num_warps=8, num_stages=3),
-    10: TmaWgradConfig(128, 128, 64, num_warps=4, num_stages=3),
+    9: TmaWgradConfig(128, 128, 64, num_warps=4, num_stages=3),
+    10: TmaWgradConfig(128, 128, 64, num_warps=8, num_stages=3),
 }
 _MAX_SPLIT = 16
 _MIN_ROWS_PER_SPLIT = 256
@@ -472,13 +486,16 @@ def launch_wgrad(a, b, counts, out, config: TmaWgradConfig, upcast: bool):
     )
     strides = (out.stride(0), out.stride(1), 0) if split == 1 else (
         target.stride(1), target.stride(2), target.stride(0))
+    rows = torch.empty(2 * E, dtype=torch.int32, device=a.device)
+    expert_rows_kernel[(1,)](counts, rows, M, E, BLOCK_E=next_power_of_2(E))
     grid = (split * E * triton.cdiv(P, config.block_p) * triton.cdiv(Q, config.block_q),)
     grouped_wgrad_tma_kernel[grid](
-        a, b, target, counts, M, P, Q, E,
+        a, b, target, rows, M, P, Q, E,
         a.stride(0), b.stride(0), *strides,
         BLOCK_P=config.block_p, BLOCK_Q=config.block_q, BLOCK_R=config.block_r,
-        BLOCK_E=next_power_of_2(E), GROUP_P=config.group_p, SPLIT=split, UPCAST_DOT=upcast,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_P=config.group_p, SPLIT=split,
+        WARP_SPECIALIZE=config.warp_specialize and supports_warp_specialize(),
+        UPCAST_DOT=upcast, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
         numel = E * P * Q

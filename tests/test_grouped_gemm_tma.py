@@ -205,13 +205,14 @@ def _forward_build(cc: int, cfg: tma.TmaGemmConfig, trans_b: bool):
 def _wgrad_build(cc: int, cfg: tma.TmaWgradConfig):
     signature = {
         "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32" if cfg.split > 1 else "*bf16",
-        "counts_ptr": "*i32", "M": "i32", "P": "i32", "Q": "i32", "E": "i32",
+        "rows_ptr": "*i32", "M": "i32", "P": "i32", "Q": "i32", "E": "i32",
         "stride_am": "i32", "stride_bm": "i32", "stride_ce": "i32", "stride_cp": "i32",
         "stride_cs": "i32",
     }
     constexprs = {
-        "BLOCK_P": cfg.block_p, "BLOCK_Q": cfg.block_q, "BLOCK_R": cfg.block_r, "BLOCK_E": 64,
-        "GROUP_P": cfg.group_p, "SPLIT": cfg.split, "UPCAST_DOT": False,
+        "BLOCK_P": cfg.block_p, "BLOCK_Q": cfg.block_q, "BLOCK_R": cfg.block_r,
+        "GROUP_P": cfg.group_p, "SPLIT": cfg.split, "WARP_SPECIALIZE": cfg.warp_specialize,
+        "UPCAST_DOT": False,
     }
     divisible = [k for k in signature if k.startswith("stride")] + ["P", "Q"]
     return compile_for_targets(
@@ -250,7 +251,7 @@ def test_aot_forward_small_groups_warp_specialized_on_hopper():
 def test_aot_wgrad_split(cc):
     cfg = tma.tma_wgrad_config(cc // 10, 4 * 8192, 512, 256, 4, 132)
     assert cfg.split > 1
-    _check(_wgrad_build(cc, cfg), cc, False)
+    _check(_wgrad_build(cc, cfg), cc, cfg.warp_specialize and tma.supports_warp_specialize())
 
 
 @pytest.mark.slow
@@ -260,7 +261,8 @@ def test_aot_every_forward_variant(cc):
         cfg = tma.tma_forward_config(cc // 10, M, 4096, 4096, 8)
         for trans_b in (False, True):
             _check(_forward_build(cc, cfg, trans_b), cc, cfg.warp_specialize)
-    _check(_wgrad_build(cc, dataclasses.replace(tma.WGRAD_TABLE[cc // 10], split=1)), cc, False)
+    cfg = dataclasses.replace(tma.WGRAD_TABLE[cc // 10], split=1)
+    _check(_wgrad_build(cc, cfg), cc, tma.supports_warp_specialize())
 
 
 # --------------------------------------------------------------------------------------------
