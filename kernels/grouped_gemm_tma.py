@@ -306,7 +306,8 @@ class TmaWgradConfig:
     split: int = 1
 
 
-# Forward tiles for fp16/bf16 by (architecture, regime). Regime: average rows per expert
+# Forward tiles by (architecture, regime), shared by fp16 and bf16 (same element size, same MMA
+# rates; fp32 keeps the pointer kernels). Regime: average rows per expert
 # M / E < 128 ("small": 64-row tiles waste at most 63 rows per expert), < 1024 ("medium") or
 # more ("large": 128 x 256 tiles, the widest that fit 3 TMA stages in shared memory). UNTUNED:
 # chosen from the wgmma / tcgen05 shapes and the shared-memory budget, not measured (no GPU was
