@@ -3,9 +3,9 @@
 Every backend of the op (``triton``, ``cutlass`` when built, ``torch`` =
 ``F.grouped_mm``, ``multistream``, ``sequential``, ``reference``) on
 
-- Mixtral-like: E=8, top-2, H=4096, F=14336 (few large groups);
-- DeepSeek-like: E=256, top-8, H=7168, F=2048 (many small groups);
-- Qwen3-MoE-like: E=128, top-8, H=4096, F=1536;
+- Mixtral-like: E=8, top-2, H=4096, F=14336 (few large groups; fc1 is K=4096, N=14336);
+- DeepSeek-like (V3): E=256, top-8, H=7168, F=2048 (many small groups; K=7168, N=2048);
+- Qwen3-30B-A3B: E=128, top-8, H=2048, F=768 (K=2048, N=768: small GEMMs, launch-bound);
 
 each with balanced routing (equal rows per expert) and skewed routing (Zipf-like: rows per
 expert proportional to ``1 / (rank + 1) ** 1.2`` over a shuffled expert order, some experts
@@ -14,6 +14,11 @@ empty), forward and forward+backward. ``fc1`` is ``[M, H] x [E, H, F]``; the ful
 backends (``sequential``, ``multistream``, ``reference``) copy them to the host once per call
 (one sync), the single-launch backends read them on the device. Calls use ``validate=False``,
 as :class:`mtp.moe.GroupedMLP` does.
+
+On sm_90+ the ``triton`` backend takes the TMA kernels (:mod:`mtp.kernels.grouped_gemm_tma`);
+the ``triton-ptr`` provider (GPU only) times the pointer kernels on the same case
+(``MTP_TRITON_TMA=0`` set around each call, a few host µs), to compare the two paths and tune
+the TMA config table.
 
 Peers when installed: Transformer Engine's ``GroupedLinear`` (multi-stream cuBLAS, host
 ``m_splits``) and the ``grouped_gemm`` package's ``gmm`` (CUTLASS, host batch sizes; the one
@@ -31,6 +36,8 @@ forward ``M*K*s + E*K*N*s + M*N*s + 8*E``; the backward adds
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, grouped_gemm, grouped_gemm_reference
@@ -45,7 +52,7 @@ BACKENDS = tuple(GROUPED_GEMM_BACKENDS)
 MODELS = {
     "Mixtral-like": (8, 2, 4096, 14336),
     "DeepSeek-like": (256, 8, 7168, 2048),
-    "Qwen3-MoE-like": (128, 8, 4096, 1536),
+    "Qwen3-30B-A3B": (128, 8, 2048, 768),
 }
 
 #: size -> (tokens per model, gemms); smoke sizes are below.
@@ -57,7 +64,7 @@ _SMOKE = [
     ("Mixtral-like", 8, 2, 24, 40, 24, True),
     ("tiny-E16", 16, 4, 12, 24, 40, True),
     ("Mixtral-like", 8, 2, 64, 16, 16, False),
-    ("Qwen3-MoE-like", 128, 8, 64, 16, 16, False),
+    ("Qwen3-30B-A3B", 128, 8, 64, 16, 16, False),
     ("DeepSeek-like", 256, 8, 64, 16, 16, False),
 ]
 
@@ -147,6 +154,8 @@ def providers(op: str = "grouped_gemm") -> list[Provider]:
         kind = "baseline" if name == "reference" else "mtp"
         out.append(Provider(name, kind, cpu=name != "cutlass", needs=backend_ready(name)))
     out += [
+        Provider("triton-ptr", "mtp", cpu=False,
+                 needs=lambda d: needs_cuda(d) or backend_ready("triton")(d)),
         Provider("torch.compile", "baseline", cpu=False,
                  needs=lambda d: "not timed: the reference's per-expert loop reads the sizes on "
                                  "the host (see the 'torch' backend for PyTorch's grouped GEMM)"),
@@ -171,6 +180,24 @@ def _te_layer(w: torch.Tensor):
     return layer
 
 
+def _tma_off(fn):
+    """``fn`` with the TMA kernels off (``MTP_TRITON_TMA=0``) for the call, forward and backward
+    (read by the grouped GEMM launchers only), restored afterwards."""
+
+    def call():
+        old = os.environ.get("MTP_TRITON_TMA")
+        os.environ["MTP_TRITON_TMA"] = "0"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop("MTP_TRITON_TMA", None)
+            else:
+                os.environ["MTP_TRITON_TMA"] = old
+
+    return call
+
+
 def _provider_fn(provider: str, w: torch.Tensor):
     """``(f(x, counts) -> y, the weight tensors to differentiate)``."""
     if provider == FLOAT64:
@@ -182,7 +209,8 @@ def _provider_fn(provider: str, w: torch.Tensor):
     if provider == "grouped_gemm_pkg":
         gmm = peer_attr("grouped_gemm", "ops.gmm")
         return (lambda x, c: gmm(x, w, c.cpu(), trans_b=False)), [w]
-    return (lambda x, c: grouped_gemm(x, w, c, backend=provider, validate=False)), [w]
+    backend = "triton" if provider == "triton-ptr" else provider
+    return (lambda x, c: grouped_gemm(x, w, c, backend=backend, validate=False)), [w]
 
 
 def setup_grouped_gemm(case: Case, provider: str, device: torch.device) -> Run:
@@ -199,7 +227,8 @@ def setup_grouped_gemm(case: Case, provider: str, device: torch.device) -> Run:
     counts = torch.tensor(expert_counts(M, E, p["skew"]), dtype=torch.int64, device=device)
     f, weights = _provider_fn(provider, w)
     if not grad:
-        return Run(lambda: (f(x, counts),), inputs=[x, w, counts])
+        fwd = (lambda: (f(x, counts),))
+        return Run(_tma_off(fwd) if provider == "triton-ptr" else fwd, inputs=[x, w, counts])
 
     def fwd_bwd():
         y = f(x, counts)
@@ -208,7 +237,8 @@ def setup_grouped_gemm(case: Case, provider: str, device: torch.device) -> Run:
             dw = [torch.stack(dw).transpose(1, 2)]
         return (y, dx, *dw)
 
-    return Run(fwd_bwd, inputs=[x, w, counts, dy])
+    return Run(_tma_off(fwd_bwd) if provider == "triton-ptr" else fwd_bwd,
+               inputs=[x, w, counts, dy])
 
 
 SETUP = {"grouped_gemm": setup_grouped_gemm}

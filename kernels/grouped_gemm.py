@@ -23,6 +23,12 @@ Kernels
 
 Both accumulate in fp32 and store in the output dtype. Row offsets are int64 (``M * K`` may exceed
 2^31 elements).
+
+On sm_90 / sm_100, fp16/bf16 operands whose strides TMA accepts take the kernels of
+:mod:`mtp.kernels.grouped_gemm_tma` instead (TMA descriptors, a persistent warp-specialised loop,
+configs by group-size regime and architecture, split-K weight gradient); ``tma=`` on the
+launchers and ``MTP_TRITON_TMA=0/1`` choose explicitly. The kernels here stay the path for fp32,
+unaligned operands, older GPUs and, by default, the interpreter.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtp.kernels import grouped_gemm_tma as _tma
 from mtp.kernels._common import dot_upcast, fp32_dot_precision, next_power_of_2
 
 __all__ = [
@@ -367,8 +374,9 @@ def grouped_gemm(
     counts: torch.Tensor,
     out: torch.Tensor,
     *,
-    config: GemmConfig | None = None,
+    config: GemmConfig | _tma.TmaGemmConfig | None = None,
     persistent: bool | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """One launch: ``out[rows of e] = a[rows of e] @ b[e]``, zeros past ``sum(counts)``.
 
@@ -382,11 +390,24 @@ def grouped_gemm(
         persistent: launch one wave of programs (as many as fit on the GPU) that stride over
             the tiles, instead of one program per worst-case tile. Default (None): persistent
             on CUDA when the worst case's idle programs (``E * cdiv(N, BLOCK_N)``) exceed one
-            wave, i.e. many experts for the number of rows.
+            wave, i.e. many experts for the number of rows. (The TMA kernel is always
+            persistent.)
+        tma: use the TMA kernel (:mod:`mtp.kernels.grouped_gemm_tma`, always persistent).
+            Default (None): on sm_90+ for fp16/bf16 TMA-aligned operands (see
+            :func:`mtp.kernels.grouped_gemm_tma.use_tma`); True forces it (ValueError if the
+            operands are not eligible).
     """
     M, K = a.shape
     E, _, N = b.shape
     _check_counts(counts, E, a.device)
+    if _tma.use_tma(tma, a.device, _tma.forward_eligible(a, b, out) and K > 0):
+        if M == 0 or N == 0:
+            return out
+        if not isinstance(config, _tma.TmaGemmConfig):
+            config = _tma.forward_default(a.device, M, N, K, E)
+        bound = num_row_tiles_bound(M, E, config.block_m) * triton.cdiv(N, config.block_n)
+        programs = min(bound, _tma.sm_count(a.device))
+        return _tma.launch_forward(a, b, counts, out, config, programs, dot_upcast(a.dtype))
     if config is None:
         config = (_INTERPRETER_GEMM if a.device.type != "cuda"
                   else forward_config(a.dtype, M, N, K, E))
@@ -420,7 +441,8 @@ def grouped_wgrad(
     counts: torch.Tensor,
     out: torch.Tensor,
     *,
-    config: WgradConfig | None = None,
+    config: WgradConfig | _tma.TmaWgradConfig | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """One launch: ``out[e] = a[rows of e]^T @ b[rows of e]``; exact zeros for empty experts.
 
@@ -429,11 +451,20 @@ def grouped_wgrad(
         counts: ``[E]`` int32/int64 on the device.
         out: ``[E, P, Q]``; every element is written.
         config: tiles (default: :func:`wgrad_config`, small tiles under the interpreter).
+        tma: as in :func:`grouped_gemm`; the TMA kernel splits each expert's rows over several
+            programs (fp32 partials, then a fixed-order sum) when the output tiles are fewer
+            than the SMs.
     """
     M, P = a.shape
     Q = b.shape[1]
     E = out.shape[0]
     _check_counts(counts, E, a.device)
+    if _tma.use_tma(tma, a.device, _tma.wgrad_eligible(a, b, out)):
+        if E == 0 or P == 0 or Q == 0:
+            return out
+        if not isinstance(config, _tma.TmaWgradConfig):
+            config = _tma.wgrad_default(a.device, M, P, Q, E)
+        return _tma.launch_wgrad(a, b, counts, out, config, dot_upcast(a.dtype))
     if config is None:
         config = _INTERPRETER_WGRAD if a.device.type != "cuda" else wgrad_config(a.dtype, P, Q)
     if E == 0 or P == 0 or Q == 0:

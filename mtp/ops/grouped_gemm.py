@@ -13,7 +13,7 @@ Backends (``backend=``, or ``MTP_BACKEND`` when ``"auto"``):
 =============== ========================================================== ==================
 name            what runs                                                  host syncs
 =============== ========================================================== ==================
-``triton``      one launch per GEMM, counts read on the device             none
+``triton``      one GEMM launch (+ tile map on sm_90+), counts on device   none
 ``cutlass``     the CUTLASS extension (``mtp.ops._cutlass``, sm_90/sm_100) none
 ``torch``       ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` none for bf16 [1]_
 ``multistream`` one ``torch.mm`` per expert over 4 CUDA streams (TE style) one (sizes)

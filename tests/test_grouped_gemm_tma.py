@@ -1,0 +1,349 @@
+"""The TMA grouped GEMM (mtp.kernels.grouped_gemm_tma): float64 checks under the interpreter
+(descriptors run there), the per-arch config table, and sm_90a / sm_100a SASS built ahead of time.
+
+Interpreter tiles are tiny (16 / 32) so that the small shapes below still span several row tiles
+per expert, partial tiles in K and N, and the persistent loop's stride (4 programs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from mtp import ops
+from mtp.kernels import grouped_gemm as kernels
+from mtp.kernels import grouped_gemm_tma as tma
+from mtp.testing import _find_ptxas, assert_close, compile_for_targets
+
+# Skewed, empty experts (first, middle and last), one expert over several row tiles; K and N are
+# multiples of 8 (TMA's 16-byte strides) but not of the 16-wide tiles. 61 routed of 70 rows.
+SIZES = [0, 37, 3, 0, 21, 0]
+M, K, N = 70, 40, 24
+FAMILIES = {  # one per regime of the table, at interpreter scale
+    "small": tma.TmaGemmConfig(16, 16, 16, group_m=2, warp_specialize=False, flatten=False),
+    "large": tma.TmaGemmConfig(32, 32, 16, warp_specialize=True, flatten=True),
+}
+
+
+def _data(dtype, trans_b, seed=0, sizes=SIZES, m=M):
+    g = torch.Generator().manual_seed(seed)
+    E = len(sizes)
+    a = torch.randn(m, K, generator=g).to(dtype)
+    w = torch.randn((E, N, K) if trans_b else (E, K, N), generator=g).to(dtype) / K**0.5
+    dy = torch.randn(m, N, generator=g).to(dtype)
+    return a, w, torch.tensor(sizes, dtype=torch.int32), dy
+
+
+def _w_kn(w, trans_b):
+    return w.transpose(1, 2) if trans_b else w
+
+
+def _expected_forward(a, b, sizes):
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
+    row = 0
+    for e, m in enumerate(sizes):
+        out[row : row + m] = a[row : row + m].double() @ b[e].double()
+        row += m
+    return out
+
+
+def _expected_wgrad(a, dy, sizes):
+    out = torch.zeros(len(sizes), a.shape[1], dy.shape[1], dtype=torch.float64)
+    row = 0
+    for e, m in enumerate(sizes):
+        out[e] = a[row : row + m].double().T @ dy[row : row + m].double()
+        row += m
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("trans_b", [False, True], ids=["w_KN", "w_NK"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forward_matches_float64(family, trans_b, dtype):
+    a, w, counts, _ = _data(dtype, trans_b)
+    b = _w_kn(w, trans_b)
+    out = torch.full((M, N), float("nan"), dtype=dtype)
+    kernels.grouped_gemm(a, b, counts, out, config=FAMILIES[family], tma=True)
+    assert_close(out, _expected_forward(a, b, SIZES), msg=family)
+    routed = sum(SIZES)
+    assert torch.equal(out[routed:], torch.zeros_like(out[routed:])), "rows past the routed ones"
+
+
+def test_forward_many_small_experts():
+    """40 experts of 0-20 rows: the tile map spans several programs of its kernel."""
+    g = torch.Generator().manual_seed(5)
+    sizes = torch.randint(0, 21, (40,), generator=g).tolist()
+    sizes[:3] = [0, 0, 17]
+    m = sum(sizes) + 5
+    a = torch.randn(m, 16, generator=g).to(torch.bfloat16)
+    b = torch.randn(40, 16, 16, generator=g).to(torch.bfloat16)
+    out = torch.full((m, 16), float("nan"), dtype=torch.bfloat16)
+    kernels.grouped_gemm(a, b, torch.tensor(sizes), out, config=FAMILIES["small"], tma=True)
+    assert_close(out, _expected_forward(a, b, sizes))
+    assert torch.equal(out[sum(sizes):], torch.zeros_like(out[sum(sizes):]))
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_wgrad_matches_float64_with_split(split, dtype):
+    # Ragged reduction lengths (37, 3, 21 rows: none a multiple of the 16-row chunk), empty
+    # experts, and splits that leave some programs without rows.
+    a, _, counts, dy = _data(dtype, False, seed=1)
+    out = torch.full((len(SIZES), K, N), float("nan"), dtype=dtype)
+    cfg = tma.TmaWgradConfig(16, 16, 16, group_p=2, split=split)
+    kernels.grouped_wgrad(a, dy, counts, out, config=cfg, tma=True)
+    assert_close(out, _expected_wgrad(a, dy, SIZES), msg=f"split={split}")
+    for e, m in enumerate(SIZES):
+        if m == 0:
+            assert torch.equal(out[e], torch.zeros_like(out[e])), f"dW[{e}] of an empty expert"
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["w_KN", "w_NK"])
+def test_op_forward_backward_through_tma(monkeypatch, trans_b):
+    """ops.grouped_gemm with MTP_TRITON_TMA=1: forward, dX and dW all take the TMA kernels."""
+    monkeypatch.setenv("MTP_TRITON_TMA", "1")
+    calls = []
+    for name in ("launch_forward", "launch_wgrad"):
+        original = getattr(tma, name)
+        monkeypatch.setattr(tma, name, lambda *a, _o=original, _n=name, **k: (
+            calls.append(_n), _o(*a, **k))[1])
+    a, w, counts, dy = _data(torch.bfloat16, trans_b, seed=2)
+    a.requires_grad_()
+    w.requires_grad_()
+    y = ops.grouped_gemm(a, w, counts, trans_b=trans_b, backend="triton")
+    b = _w_kn(w.detach(), trans_b)
+    assert_close(y, _expected_forward(a.detach(), b, SIZES))
+    y.backward(dy)
+    dx = _expected_forward(dy, b.transpose(1, 2), SIZES)
+    dw = _expected_wgrad(a.detach(), dy, SIZES)
+    assert_close(a.grad, dx, msg="dx")
+    assert_close(w.grad, dw.transpose(1, 2) if trans_b else dw, msg="dw")
+    assert calls.count("launch_forward") == 2 and calls.count("launch_wgrad") == 1, calls
+
+
+def test_tma_true_rejects_ineligible_operands():
+    a, w, counts, _ = _data(torch.float32, False)
+    out = torch.empty(M, N)
+    with pytest.raises(ValueError, match="tma=True needs fp16/bf16"):
+        kernels.grouped_gemm(a, w, counts, out, tma=True)
+    a16 = torch.randn(M, K + 1, dtype=torch.bfloat16)[:, :K]  # 82-byte row stride
+    with pytest.raises(ValueError, match="16-byte"):
+        kernels.grouped_gemm(a16, w.bfloat16(), counts, out.bfloat16(), tma=True)
+    # Default: the pointer kernels take them, still correct.
+    out16 = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+    kernels.grouped_gemm(a16, w.bfloat16(), counts, out16)
+    assert_close(out16, _expected_forward(a16, w.bfloat16(), SIZES))
+
+
+def test_config_table_by_regime_and_split():
+    # Regime by average rows per expert.
+    assert tma.tma_forward_config(9, 8 * 64, 4096, 4096, 8).block_m == 64
+    medium = tma.tma_forward_config(9, 8 * 512, 4096, 4096, 8)
+    assert (medium.block_m, medium.block_n) == (128, 128)
+    large = tma.tma_forward_config(9, 8 * 4096, 14336, 4096, 8)
+    assert (large.block_m, large.block_n) == (128, 256) and not large.warp_specialize
+    assert tma.tma_forward_config(9, 8 * 64, 4096, 4096, 8).warp_specialize == (
+        tma.supports_warp_specialize())  # 4-warp tiles: Hopper's pass specialises them
+    bw = tma.tma_forward_config(10, 8 * 4096, 14336, 4096, 8)
+    assert bw.warp_specialize == tma.supports_warp_specialize()
+    assert tma.tma_forward_config(9, 100, 24, 40, 8).block_n == 32  # narrow N shrinks the tile
+    # Split-K for wgrad only while the output tiles leave SMs idle and experts have rows.
+    assert tma.tma_wgrad_config(9, 8 * 4096, 2048, 2048, 8, 132).split == 1  # 2048 tiles
+    few = tma.tma_wgrad_config(9, 4 * 8192, 512, 256, 4, 132)  # 4 * 8 tiles
+    assert few.split == 4
+    assert tma.tma_wgrad_config(9, 4 * 300, 512, 256, 4, 132).split == 1  # too few rows
+
+
+# --------------------------------------------------------------------------------------------
+# Ahead-of-time compilation: TMA, wgmma / tcgen05 and warp specialisation in the SASS
+# --------------------------------------------------------------------------------------------
+
+_CUDA_BIN = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia", "cu13", "bin")
+
+
+def _sass(build) -> tuple[str, str]:
+    """(ptxas -v output, SASS) of a build, or pytest.skip without ptxas / cuobjdump."""
+    ptxas = _find_ptxas(build.arch)
+    cuobjdump = os.path.join(_CUDA_BIN, "cuobjdump")
+    if ptxas is None or not os.path.exists(cuobjdump):
+        pytest.skip("needs ptxas and cuobjdump (nvidia-cuda-* wheels)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(build.ptx)
+        info = subprocess.run([ptxas, "-v", f"--gpu-name={build.arch}", src, "-o", cubin],
+                              capture_output=True, text=True, check=True)
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    return info.stdout + info.stderr, sass
+
+
+def _forward_build(cc: int, cfg: tma.TmaGemmConfig, trans_b: bool):
+    signature = {
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "map_ptr": "*i32",
+        "M": "i32", "N": "i32", "K": "i32", "E": "i32", "stride_am": "i32", "stride_be": "i32",
+        "stride_cm": "i32", ("stride_bn" if trans_b else "stride_bk"): "i32",
+    }
+    constexprs = {
+        ("stride_bk" if trans_b else "stride_bn"): 1, "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "TRANS_B": trans_b,
+        "FLATTEN": cfg.flatten, "WARP_SPECIALIZE": cfg.warp_specialize, "UPCAST_DOT": False,
+    }
+    divisible = [k for k in signature if k.startswith("stride")] + ["N", "K"]
+    return compile_for_targets(
+        tma.grouped_gemm_tma_kernel, signature, constexprs, targets=(cc,),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, divisible_by_16=divisible,
+    )[cc]
+
+
+def _wgrad_build(cc: int, cfg: tma.TmaWgradConfig):
+    signature = {
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32" if cfg.split > 1 else "*bf16",
+        "rows_ptr": "*i32", "M": "i32", "P": "i32", "Q": "i32", "E": "i32",
+        "stride_am": "i32", "stride_bm": "i32", "stride_ce": "i32", "stride_cp": "i32",
+        "stride_cs": "i32",
+    }
+    constexprs = {
+        "BLOCK_P": cfg.block_p, "BLOCK_Q": cfg.block_q, "BLOCK_R": cfg.block_r,
+        "GROUP_P": cfg.group_p, "SPLIT": cfg.split, "WARP_SPECIALIZE": cfg.warp_specialize,
+        "UPCAST_DOT": False,
+    }
+    divisible = [k for k in signature if k.startswith("stride")] + ["P", "Q"]
+    return compile_for_targets(
+        tma.grouped_wgrad_tma_kernel, signature, constexprs, targets=(cc,),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, divisible_by_16=divisible,
+    )[cc]
+
+
+def _check(build, cc: int, warp_specialized: bool) -> None:
+    info, sass = _sass(build)
+    assert build.arch == f"sm_{cc}a" and build.fits_shared_memory, build.shared
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", info), info
+    assert "UTMALDG" in sass, "no TMA loads in the SASS"
+    if cc == 90:
+        assert "HGMMA" in sass, "no wgmma in the sm_90a SASS"
+    else:
+        assert "tcgen05.mma" in build.ptx and re.search(r"UTC\w*MMA", sass), "no tcgen05 MMA"
+    if warp_specialized:
+        assert "setmaxnreg" in build.ptx and "USETMAXREG" in sass, "not warp-specialised"
+
+
+@pytest.mark.parametrize("cc", [90, 100])
+def test_aot_forward_large_groups(cc):
+    cfg = tma.tma_forward_config(cc // 10, 8 * 4096, 14336, 4096, 8)  # Mixtral fc1
+    assert cfg.warp_specialize == (cc == 100 and tma.supports_warp_specialize())
+    _check(_forward_build(cc, cfg, trans_b=False), cc, cfg.warp_specialize)
+
+
+def test_aot_forward_small_groups_warp_specialized_on_hopper():
+    cfg = tma.tma_forward_config(9, 128 * 64, 768, 2048, 128)  # Qwen3-30B-A3B decode-like
+    assert cfg.block_m == 64 and cfg.warp_specialize == tma.supports_warp_specialize()
+    _check(_forward_build(90, cfg, trans_b=True), 90, cfg.warp_specialize)
+
+
+@pytest.mark.parametrize("cc", [90, 100])
+def test_aot_wgrad_split(cc):
+    cfg = tma.tma_wgrad_config(cc // 10, 4 * 8192, 512, 256, 4, 132)
+    assert cfg.split > 1
+    _check(_wgrad_build(cc, cfg), cc, cfg.warp_specialize and tma.supports_warp_specialize())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cc", [90, 100])
+def test_aot_every_forward_variant(cc):
+    for M in (8 * 64, 8 * 512, 8 * 4096):
+        cfg = tma.tma_forward_config(cc // 10, M, 4096, 4096, 8)
+        for trans_b in (False, True):
+            _check(_forward_build(cc, cfg, trans_b), cc, cfg.warp_specialize)
+    cfg = dataclasses.replace(tma.WGRAD_TABLE[cc // 10], split=1)
+    _check(_wgrad_build(cc, cfg), cc, tma.supports_warp_specialize())
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (sm_90+): the default configs of every regime, split-K, CUDA graphs
+# --------------------------------------------------------------------------------------------
+
+
+def _needs_tma_gpu():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs an sm_90+ GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trans_b", [False, True], ids=["w_KN", "w_NK"])
+@pytest.mark.parametrize("E, rows", [(16, 40), (8, 512), (4, 3000)],
+                         ids=["small", "medium", "large"])
+def test_gpu_default_configs_match_float64(E, rows, trans_b):
+    _needs_tma_gpu()
+    g = torch.Generator().manual_seed(E)
+    sizes = torch.randint(0, 2 * rows, (E,), generator=g).tolist()
+    sizes[1] = 0
+    m = sum(sizes) + 77  # a zero tail
+    Kd, Nd = 264, 392
+    a = torch.randn(m, Kd, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.randn((E, Nd, Kd) if trans_b else (E, Kd, Nd), generator=g) / Kd**0.5).to(
+        "cuda", torch.bfloat16)
+    b = _w_kn(w, trans_b)
+    counts = torch.tensor(sizes, device="cuda")
+    out = torch.full((m, Nd), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.grouped_gemm(a, b, counts, out, tma=True)
+    assert_close(out, _expected_forward(a.cpu(), b.cpu(), sizes).cuda())
+    assert torch.equal(out[sum(sizes):], torch.zeros_like(out[sum(sizes):]))
+
+
+@pytest.mark.gpu
+def test_gpu_wgrad_split_matches_float64():
+    _needs_tma_gpu()
+    g = torch.Generator().manual_seed(3)
+    sizes = [1500, 0, 37, 2600]
+    m, P, Q = sum(sizes), 256, 128
+    a = torch.randn(m, P, generator=g).to("cuda", torch.bfloat16)
+    dy = torch.randn(m, Q, generator=g).to("cuda", torch.bfloat16)
+    counts = torch.tensor(sizes, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = tma.tma_wgrad_config(torch.cuda.get_device_capability()[0], m, P, Q, len(sizes), sms)
+    assert cfg.split > 1
+    out = torch.full((len(sizes), P, Q), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.grouped_wgrad(a, dy, counts, out, tma=True)
+    assert_close(out, _expected_wgrad(a.cpu(), dy.cpu(), sizes).cuda())
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    again = torch.full_like(out, float("nan"))
+    kernels.grouped_wgrad(a, dy, counts, again, tma=True)
+    assert torch.equal(out, again), "split-K must be deterministic"
+
+
+@pytest.mark.gpu
+def test_gpu_tma_graph_replay_with_new_routing():
+    _needs_tma_gpu()
+    a, w, counts, _ = _data(torch.bfloat16, False)
+    a, w, counts = a.cuda(), w.cuda(), counts.cuda()
+    out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+    kernels.grouped_gemm(a, w, counts, out, tma=True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.grouped_gemm(a, w, counts, out, tma=True)
+    for new in ([0, 40, 2, 7, 0, 0], [70, 0, 0, 0, 0, 0], [0] * 6):
+        counts.copy_(torch.tensor(new))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, _expected_forward(a.cpu(), w.cpu(), new).cuda(), msg=str(new))
+
+
+@pytest.mark.parametrize("E", [256, 4096])
+def test_aot_tile_map_no_spills(E):
+    block_t = max(2, min(32, 4096 // E))  # as launch_forward picks it
+    build = compile_for_targets(
+        tma.tile_map_kernel,
+        {"counts_ptr": "*i64", "map_ptr": "*i32", "M": "i32", "E": "i32", "row_tiles": "i32"},
+        {"BLOCK_M": 64, "BLOCK_E": E, "BLOCK_T": block_t}, targets=(90,),
+    )[90]
+    info = build.ptxas()
+    assert info is None or not info.spills, info.output
