@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from mtp.ops._backend import resolve_backend
 from mtp.ops._cross_entropy_reference import reference_forward
+from mtp.parallel.agreement import check_collective
 from mtp.parallel.errors import RankMismatchError
 from mtp.utils import (
     check_tensor,
@@ -89,6 +90,7 @@ def _all_gather_stats(stats: torch.Tensor, group_name: str) -> torch.Tensor:
     """``[world, rows + 2, 3]``: every rank's ``stats`` (one collective, also with 0 rows)."""
     group = _GROUPS[group_name]
     world = dist.get_world_size(group)
+    check_collective("vocab_parallel_cross_entropy all_gather", stats, group)
     gathered = torch.empty((world, *stats.shape), dtype=stats.dtype, device=stats.device)
     dist.all_gather(list(gathered.unbind(0)), stats, group=group)
     return gathered

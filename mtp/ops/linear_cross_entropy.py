@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mtp.parallel.agreement import check_collective
 from mtp.utils import check_tensor, check_values
 
 __all__ = ["linear_cross_entropy", "default_chunk_size", "REDUCTIONS"]
@@ -152,6 +153,7 @@ def _exchange_meta(ctx_meta: torch.Tensor, group, world: int, rank: int, validat
     """All-gather ``[vocab_local, rows, hidden, dtype, target checksum, chunk]`` and check that
     every rank agrees on everything but the vocab shard size; returns the gathered ``[world, 6]``.
     """
+    check_collective("linear_cross_entropy metadata", ctx_meta, group)
     gathered = _all_gather(ctx_meta, group, world)
     same = (gathered[:, 1:] == gathered[0:1, 1:]).all()
     check_values(
