@@ -198,3 +198,230 @@ def combine_rows(
         BLOCK_H=block,
         num_warps=warps,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Token-major kernels: each token's rows come from the map of :mod:`mtp.kernels.moe_row_map`
+# (token_count[t] rows token_rows[t, :count], experts token_experts[t, :count], ascending).
+# --------------------------------------------------------------------------------------------
+
+#: Up to this many rows per token the row loop is unrolled (all data loads issued together).
+UNROLL_ROWS = 16
+
+
+@triton.jit
+def _pick(vec, sel):
+    """The element of ``vec`` where ``sel`` (one-hot) is set."""
+    return tl.sum(tl.where(sel, vec, 0), axis=0)
+
+
+@triton.jit
+def _scatter_tokens_kernel(
+    x_ptr, trows_ptr, tcount_ptr, row_id_ptr, out_ptr, T, hidden, S,
+    S_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # Programs [0, T): token t reads its row once and writes it to each of its rows.
+    # Programs [T, T + N): row r is written with zeros when it holds no token.
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < hidden
+    if p < T:
+        t = p.to(tl.int64)
+        cnt = tl.load(tcount_ptr + t)
+        js = tl.arange(0, S_BLOCK)
+        rows = tl.load(trows_ptr + t * S + js, mask=js < cnt, other=0).to(tl.int64)
+        v = tl.load(x_ptr + t * hidden + cols, mask=cols < tl.where(cnt > 0, hidden, 0), other=0.0)
+        if S_BLOCK <= 16:  # UNROLL_ROWS
+            for j in tl.static_range(S_BLOCK):
+                r = _pick(rows, js == j)
+                tl.store(out_ptr + r * hidden + cols, v, mask=cols < tl.where(j < cnt, hidden, 0))
+        else:
+            j = 0
+            while j < cnt:
+                tl.store(out_ptr + _pick(rows, js == j) * hidden + cols, v, mask=cmask)
+                j += 1
+    else:
+        r = (p - T).to(tl.int64)
+        rid = tl.load(row_id_ptr + r)
+        zero = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + r * hidden + cols, zero, mask=cols < tl.where(rid < 0, hidden, 0))
+
+
+@triton.jit
+def _combine_tokens_kernel(
+    x_ptr, trows_ptr, texp_ptr, tcount_ptr, probs_ptr, out_ptr, gpp_ptr, gprobs_ptr,
+    T, E, hidden, S,
+    HAS_PROBS: tl.constexpr, GRAD_PROBS: tl.constexpr, S_BLOCK: tl.constexpr,
+    E_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # out[t] = sum_j probs[t, e_j] * x[r_j] (fp32, ascending j); with GRAD_PROBS also
+    # gprobs[t, e] = gpp[r_j] where e == e_j, 0 elsewhere (the permute backward).
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < hidden
+    cnt = tl.load(tcount_ptr + t)
+    js = tl.arange(0, S_BLOCK)
+    jmask = js < cnt
+    # Every index (and weight) load of the token before its data loads.
+    rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
+    if HAS_PROBS or GRAD_PROBS:
+        exps = tl.load(texp_ptr + t * S + js, mask=jmask, other=0)
+    if HAS_PROBS:
+        w = tl.load(probs_ptr + t * E + exps, mask=jmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if S_BLOCK <= 16:
+        for j in tl.static_range(S_BLOCK):
+            sel = js == j
+            v = tl.load(x_ptr + _pick(rows, sel) * hidden + cols, mask=cols < tl.where(j < cnt, hidden, 0),
+                        other=0.0).to(tl.float32)
+            if HAS_PROBS:
+                v = v * _pick(w, sel)
+            acc += v
+    else:
+        j = 0
+        while j < cnt:
+            sel = js == j
+            v = tl.load(x_ptr + _pick(rows, sel) * hidden + cols, mask=cmask, other=0.0)
+            v = v.to(tl.float32)
+            if HAS_PROBS:
+                v = v * _pick(w, sel)
+            acc += v
+            j += 1
+    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    if GRAD_PROBS:
+        g = tl.load(gpp_ptr + rows, mask=jmask, other=0.0).to(tl.float32)
+        ex = tl.arange(0, E_BLOCK)
+        vals = tl.zeros([E_BLOCK], dtype=tl.float32)
+        j = 0
+        while j < cnt:
+            sel = js == j
+            vals = tl.where(ex == _pick(exps, sel), _pick(g, sel), vals)
+            j += 1
+        tl.store(gprobs_ptr + t * E + ex, vals, mask=ex < tl.where(tl.program_id(1) == 0, E, 0))
+
+
+@triton.jit
+def _unpermute_bwd_kernel(
+    g_ptr, x_ptr, trows_ptr, texp_ptr, tcount_ptr, row_id_ptr, probs_ptr, gx_ptr, gprobs_ptr,
+    T, E, hidden, S,
+    HAS_PROBS: tl.constexpr, NEED_GX: tl.constexpr, NEED_GPROBS: tl.constexpr,
+    S_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # Programs [0, T): token t reads grad[t] once per column block, writes
+    # gx[r_j] = probs[t, e_j] * grad[t] and accumulates <x[r_j], grad[t]> for gprobs[t, e_j].
+    # Programs [T, T + N): zero gx rows that hold no token.
+    p = tl.program_id(0)
+    if p < T:
+        t = p.to(tl.int64)
+        cnt = tl.load(tcount_ptr + t)
+        js = tl.arange(0, S_BLOCK)
+        jmask = js < cnt
+        rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
+        exps = tl.load(texp_ptr + t * S + js, mask=jmask, other=0)
+        if HAS_PROBS:
+            w = tl.load(probs_ptr + t * E + exps, mask=jmask, other=0.0).to(tl.float32)
+        dots = tl.zeros([S_BLOCK], dtype=tl.float32)
+        h0 = 0
+        while h0 < hidden:
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < hidden
+            g = tl.load(g_ptr + t * hidden + cols, mask=cols < tl.where(cnt > 0, hidden, 0), other=0.0)
+            g = g.to(tl.float32)
+            j = 0
+            while j < cnt:
+                sel = js == j
+                r = _pick(rows, sel)
+                if NEED_GX:
+                    gx = g
+                    if HAS_PROBS:
+                        gx = g * _pick(w, sel)
+                    tl.store(gx_ptr + r * hidden + cols, gx.to(gx_ptr.dtype.element_ty), mask=cmask)
+                if NEED_GPROBS:
+                    xv = tl.load(x_ptr + r * hidden + cols, mask=cmask, other=0.0).to(tl.float32)
+                    dots = tl.where(sel, dots + tl.sum(xv * g, axis=0), dots)
+                j += 1
+            h0 += BLOCK_H
+        if NEED_GPROBS:
+            ex = tl.arange(0, E_BLOCK)
+            vals = tl.zeros([E_BLOCK], dtype=tl.float32)
+            j = 0
+            while j < cnt:
+                sel = js == j
+                vals = tl.where(ex == _pick(exps, sel), _pick(dots, sel), vals)
+                j += 1
+            tl.store(gprobs_ptr + t * E + ex, vals, mask=ex < E)
+    elif NEED_GX:
+        r = (p - T).to(tl.int64)
+        rid = tl.load(row_id_ptr + r)
+        h0 = 0
+        while h0 < hidden:
+            cols = h0 + tl.arange(0, BLOCK_H)
+            zero = tl.zeros([BLOCK_H], dtype=gx_ptr.dtype.element_ty)
+            tl.store(gx_ptr + r * hidden + cols, zero, mask=cols < tl.where(rid < 0, hidden, 0))
+            h0 += BLOCK_H
+
+
+def _s_block(token_rows: torch.Tensor) -> int:
+    return next_power_of_2(max(token_rows.shape[1], 1))
+
+
+def scatter_tokens(x, token_rows, token_count, row_id_map, out, *, zero_empty: bool) -> None:
+    """``out[token_rows[t, j]] = x[t]`` for ``j < token_count[t]``; with ``zero_empty`` also
+    ``out[r] = 0`` where ``row_id_map[r] < 0``. One launch."""
+    tokens, hidden = x.shape
+    programs = tokens + (out.shape[0] if zero_empty else 0)
+    if programs == 0 or hidden == 0:
+        return
+    block, warps = block_config(hidden)
+    _scatter_tokens_kernel[(programs, triton.cdiv(hidden, block))](
+        x, token_rows, token_count, row_id_map, out, tokens, hidden, token_rows.shape[1],
+        S_BLOCK=_s_block(token_rows), BLOCK_H=block, num_warps=warps,
+    )  # fmt: skip
+
+
+def combine_tokens(x, token_rows, token_experts, token_count, out, *, probs=None,
+                   grad_permuted_probs=None, grad_probs=None) -> None:
+    """``out[t] = sum_j w_j * x[token_rows[t, j]]`` with ``w_j = probs[t, token_experts[t, j]]``
+    (1 without probs); with ``grad_probs`` (``[T, E]``) also ``grad_probs[t, e_j] =
+    grad_permuted_probs[r_j]`` and 0 elsewhere. One launch."""
+    tokens, hidden = out.shape
+    if tokens == 0:
+        return
+    num_experts = grad_probs.shape[1] if grad_probs is not None else (
+        probs.shape[1] if probs is not None else 1)
+    block, warps = block_config(hidden)
+    cblocks = triton.cdiv(hidden, block) if hidden else (1 if grad_probs is not None else 0)
+    if cblocks == 0:
+        return
+    _combine_tokens_kernel[(tokens, cblocks)](
+        x, token_rows, token_experts, token_count,
+        probs if probs is not None else x, out,
+        grad_permuted_probs if grad_permuted_probs is not None else x,
+        grad_probs if grad_probs is not None else out,
+        tokens, num_experts, hidden, token_rows.shape[1],
+        HAS_PROBS=probs is not None, GRAD_PROBS=grad_probs is not None,
+        S_BLOCK=_s_block(token_rows), E_BLOCK=next_power_of_2(num_experts), BLOCK_H=block,
+        num_warps=warps,
+    )  # fmt: skip
+
+
+def unpermute_backward(grad, x, token_rows, token_experts, token_count, row_id_map, *,
+                       probs=None, grad_x=None, grad_probs=None) -> None:
+    """The unpermute backward in one launch: ``grad_x[r_j] = w_j * grad[t]`` (zero rows that
+    hold no token) and ``grad_probs[t, e_j] = <x[r_j], grad[t]>`` (fp32, 0 elsewhere)."""
+    tokens, hidden = grad.shape
+    programs = tokens + (grad_x.shape[0] if grad_x is not None else 0)
+    if programs == 0:
+        return
+    num_experts = probs.shape[1] if probs is not None else 1
+    block, warps = block_config(hidden)
+    _unpermute_bwd_kernel[(programs,)](
+        grad, x, token_rows, token_experts, token_count, row_id_map,
+        probs if probs is not None else grad,
+        grad_x if grad_x is not None else grad,
+        grad_probs if grad_probs is not None else grad,
+        tokens, num_experts, hidden, token_rows.shape[1],
+        HAS_PROBS=probs is not None, NEED_GX=grad_x is not None,
+        NEED_GPROBS=grad_probs is not None, S_BLOCK=_s_block(token_rows),
+        E_BLOCK=next_power_of_2(num_experts), BLOCK_H=block, num_warps=warps,
+    )  # fmt: skip
