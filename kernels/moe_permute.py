@@ -205,23 +205,27 @@ def combine_rows(
 # (token_count[t] rows token_rows[t, :count], experts token_experts[t, :count], ascending).
 # --------------------------------------------------------------------------------------------
 
-#: Up to this many rows per token the row loop is unrolled (all data loads issued together).
-UNROLL_ROWS = 16
+#: Elements of one ``[rows of a token, BLOCK_H]`` tile of the token-major kernels.
+TOKEN_TILE = 8192
+#: Rows per program that zero the rows holding no token.
+ZERO_ROWS = 16
 
 
-@triton.jit
-def _pick(vec, sel):
-    """The element of ``vec`` where ``sel`` (one-hot) is set."""
-    return tl.sum(tl.where(sel, vec, 0), axis=0)
+def token_block(hidden: int, s_block: int) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` of the token-major kernels: the ``[S_BLOCK, BLOCK_H]`` tile of a
+    token's rows stays within :data:`TOKEN_TILE` elements."""
+    block, warps = block_config(hidden)
+    block = max(16, min(block, TOKEN_TILE // s_block))
+    return block, max(warps, min(8, s_block * block // 1024))
 
 
 @triton.jit
 def _scatter_tokens_kernel(
-    x_ptr, trows_ptr, tcount_ptr, row_id_ptr, out_ptr, T, hidden, S,
-    S_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, trows_ptr, tcount_ptr, row_id_ptr, out_ptr, T, N, hidden, S,
+    S_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_ROWS: tl.constexpr,
 ):
     # Programs [0, T): token t reads its row once and writes it to each of its rows.
-    # Programs [T, T + N): row r is written with zeros when it holds no token.
+    # Programs [T, T + N / ZERO_ROWS): rows that hold no token are written with zeros.
     p = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < hidden
@@ -229,22 +233,18 @@ def _scatter_tokens_kernel(
         t = p.to(tl.int64)
         cnt = tl.load(tcount_ptr + t)
         js = tl.arange(0, S_BLOCK)
-        rows = tl.load(trows_ptr + t * S + js, mask=js < cnt, other=0).to(tl.int64)
+        jmask = js < cnt
+        rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
         v = tl.load(x_ptr + t * hidden + cols, mask=cols < tl.where(cnt > 0, hidden, 0), other=0.0)
-        if S_BLOCK <= 16:  # UNROLL_ROWS
-            for j in tl.static_range(S_BLOCK):
-                r = _pick(rows, js == j)
-                tl.store(out_ptr + r * hidden + cols, v, mask=cols < tl.where(j < cnt, hidden, 0))
-        else:
-            j = 0
-            while j < cnt:
-                tl.store(out_ptr + _pick(rows, js == j) * hidden + cols, v, mask=cmask)
-                j += 1
+        v2 = v[None, :] + tl.zeros([S_BLOCK, BLOCK_H], dtype=v.dtype)
+        tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], v2,
+                 mask=jmask[:, None] & cmask[None, :])
     else:
-        r = (p - T).to(tl.int64)
-        rid = tl.load(row_id_ptr + r)
-        zero = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
-        tl.store(out_ptr + r * hidden + cols, zero, mask=cols < tl.where(rid < 0, hidden, 0))
+        r = (p - T).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
+        rid = tl.load(row_id_ptr + r, mask=r < N, other=0)
+        zero = tl.zeros([ZERO_ROWS, BLOCK_H], dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + r[:, None] * hidden + cols[None, :], zero,
+                 mask=((rid < 0) & (r < N))[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -254,7 +254,7 @@ def _combine_tokens_kernel(
     HAS_PROBS: tl.constexpr, GRAD_PROBS: tl.constexpr, S_BLOCK: tl.constexpr,
     E_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    # out[t] = sum_j probs[t, e_j] * x[r_j] (fp32, ascending j); with GRAD_PROBS also
+    # out[t] = sum_j probs[t, e_j] * x[r_j] (fp32, fixed order); with GRAD_PROBS also
     # gprobs[t, e] = gpp[r_j] where e == e_j, 0 elsewhere (the permute backward).
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -262,54 +262,38 @@ def _combine_tokens_kernel(
     cnt = tl.load(tcount_ptr + t)
     js = tl.arange(0, S_BLOCK)
     jmask = js < cnt
-    # Every index (and weight) load of the token before its data loads.
+    # Every index (and weight) load of the token, then all its data loads.
     rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
     if HAS_PROBS or GRAD_PROBS:
         exps = tl.load(texp_ptr + t * S + js, mask=jmask, other=0)
+    m2 = jmask[:, None] & cmask[None, :]
+    v = tl.load(x_ptr + rows[:, None] * hidden + cols[None, :], mask=m2, other=0.0)
+    v = v.to(tl.float32)
     if HAS_PROBS:
         w = tl.load(probs_ptr + t * E + exps, mask=jmask, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if S_BLOCK <= 16:
-        for j in tl.static_range(S_BLOCK):
-            sel = js == j
-            v = tl.load(x_ptr + _pick(rows, sel) * hidden + cols, mask=cols < tl.where(j < cnt, hidden, 0),
-                        other=0.0).to(tl.float32)
-            if HAS_PROBS:
-                v = v * _pick(w, sel)
-            acc += v
-    else:
-        j = 0
-        while j < cnt:
-            sel = js == j
-            v = tl.load(x_ptr + _pick(rows, sel) * hidden + cols, mask=cmask, other=0.0)
-            v = v.to(tl.float32)
-            if HAS_PROBS:
-                v = v * _pick(w, sel)
-            acc += v
-            j += 1
-    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        v = v * w[:, None]
+    tl.store(out_ptr + t * hidden + cols, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty),
+             mask=cmask)
     if GRAD_PROBS:
-        g = tl.load(gpp_ptr + rows, mask=jmask, other=0.0).to(tl.float32)
-        ex = tl.arange(0, E_BLOCK)
-        vals = tl.zeros([E_BLOCK], dtype=tl.float32)
-        j = 0
-        while j < cnt:
-            sel = js == j
-            vals = tl.where(ex == _pick(exps, sel), _pick(g, sel), vals)
-            j += 1
-        tl.store(gprobs_ptr + t * E + ex, vals, mask=ex < tl.where(tl.program_id(1) == 0, E, 0))
+        if tl.program_id(1) == 0:
+            g = tl.load(gpp_ptr + rows, mask=jmask, other=0.0)
+            ex = tl.arange(0, E_BLOCK)
+            tl.store(gprobs_ptr + t * E + ex, tl.zeros([E_BLOCK], dtype=tl.float32), mask=ex < E)
+            tl.debug_barrier()  # the zeros land before the routed entries overwrite theirs
+            tl.store(gprobs_ptr + t * E + exps, g, mask=jmask)
 
 
 @triton.jit
 def _unpermute_bwd_kernel(
     g_ptr, x_ptr, trows_ptr, texp_ptr, tcount_ptr, row_id_ptr, probs_ptr, gx_ptr, gprobs_ptr,
-    T, E, hidden, S,
+    T, N, E, hidden, S,
     HAS_PROBS: tl.constexpr, NEED_GX: tl.constexpr, NEED_GPROBS: tl.constexpr,
     S_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
 ):
-    # Programs [0, T): token t reads grad[t] once per column block, writes
-    # gx[r_j] = probs[t, e_j] * grad[t] and accumulates <x[r_j], grad[t]> for gprobs[t, e_j].
-    # Programs [T, T + N): zero gx rows that hold no token.
+    # Programs [0, T): token t reads grad[t] once, writes gx[r_j] = probs[t, e_j] * grad[t]
+    # and the dots <x[r_j], grad[t]> into gprobs[t, e_j] (0 elsewhere).
+    # Programs [T, T + N / ZERO_ROWS): zero the gx rows that hold no token.
     p = tl.program_id(0)
     if p < T:
         t = p.to(tl.int64)
@@ -321,43 +305,37 @@ def _unpermute_bwd_kernel(
         if HAS_PROBS:
             w = tl.load(probs_ptr + t * E + exps, mask=jmask, other=0.0).to(tl.float32)
         dots = tl.zeros([S_BLOCK], dtype=tl.float32)
+        limit = tl.where(cnt > 0, hidden, 0)
         h0 = 0
-        while h0 < hidden:
+        while h0 < limit:
             cols = h0 + tl.arange(0, BLOCK_H)
             cmask = cols < hidden
-            g = tl.load(g_ptr + t * hidden + cols, mask=cols < tl.where(cnt > 0, hidden, 0), other=0.0)
-            g = g.to(tl.float32)
-            j = 0
-            while j < cnt:
-                sel = js == j
-                r = _pick(rows, sel)
-                if NEED_GX:
-                    gx = g
-                    if HAS_PROBS:
-                        gx = g * _pick(w, sel)
-                    tl.store(gx_ptr + r * hidden + cols, gx.to(gx_ptr.dtype.element_ty), mask=cmask)
-                if NEED_GPROBS:
-                    xv = tl.load(x_ptr + r * hidden + cols, mask=cmask, other=0.0).to(tl.float32)
-                    dots = tl.where(sel, dots + tl.sum(xv * g, axis=0), dots)
-                j += 1
+            m2 = jmask[:, None] & cmask[None, :]
+            g = tl.load(g_ptr + t * hidden + cols, mask=cmask, other=0.0).to(tl.float32)
+            if NEED_GX:
+                gx = g[None, :] + tl.zeros([S_BLOCK, BLOCK_H], dtype=tl.float32)
+                if HAS_PROBS:
+                    gx = gx * w[:, None]
+                tl.store(gx_ptr + rows[:, None] * hidden + cols[None, :],
+                         gx.to(gx_ptr.dtype.element_ty), mask=m2)
+            if NEED_GPROBS:
+                xv = tl.load(x_ptr + rows[:, None] * hidden + cols[None, :], mask=m2, other=0.0)
+                dots += tl.sum(xv.to(tl.float32) * g[None, :], axis=1)
             h0 += BLOCK_H
         if NEED_GPROBS:
             ex = tl.arange(0, E_BLOCK)
-            vals = tl.zeros([E_BLOCK], dtype=tl.float32)
-            j = 0
-            while j < cnt:
-                sel = js == j
-                vals = tl.where(ex == _pick(exps, sel), _pick(dots, sel), vals)
-                j += 1
-            tl.store(gprobs_ptr + t * E + ex, vals, mask=ex < E)
+            tl.store(gprobs_ptr + t * E + ex, tl.zeros([E_BLOCK], dtype=tl.float32), mask=ex < E)
+            tl.debug_barrier()  # the zeros land before the routed entries overwrite theirs
+            tl.store(gprobs_ptr + t * E + exps, dots, mask=jmask)
     elif NEED_GX:
-        r = (p - T).to(tl.int64)
-        rid = tl.load(row_id_ptr + r)
+        r = (p - T).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
+        empty = tl.load(row_id_ptr + r, mask=r < N, other=0) < 0
         h0 = 0
         while h0 < hidden:
             cols = h0 + tl.arange(0, BLOCK_H)
-            zero = tl.zeros([BLOCK_H], dtype=gx_ptr.dtype.element_ty)
-            tl.store(gx_ptr + r * hidden + cols, zero, mask=cols < tl.where(rid < 0, hidden, 0))
+            zero = tl.zeros([ZERO_ROWS, BLOCK_H], dtype=gx_ptr.dtype.element_ty)
+            tl.store(gx_ptr + r[:, None] * hidden + cols[None, :], zero,
+                     mask=(empty & (r < N))[:, None] & (cols < hidden)[None, :])
             h0 += BLOCK_H
 
 
@@ -369,13 +347,15 @@ def scatter_tokens(x, token_rows, token_count, row_id_map, out, *, zero_empty: b
     """``out[token_rows[t, j]] = x[t]`` for ``j < token_count[t]``; with ``zero_empty`` also
     ``out[r] = 0`` where ``row_id_map[r] < 0``. One launch."""
     tokens, hidden = x.shape
-    programs = tokens + (out.shape[0] if zero_empty else 0)
+    n = out.shape[0]
+    programs = tokens + (triton.cdiv(n, ZERO_ROWS) if zero_empty else 0)
     if programs == 0 or hidden == 0:
         return
-    block, warps = block_config(hidden)
+    s_block = _s_block(token_rows)
+    block, warps = token_block(hidden, max(s_block, ZERO_ROWS))
     _scatter_tokens_kernel[(programs, triton.cdiv(hidden, block))](
-        x, token_rows, token_count, row_id_map, out, tokens, hidden, token_rows.shape[1],
-        S_BLOCK=_s_block(token_rows), BLOCK_H=block, num_warps=warps,
+        x, token_rows, token_count, row_id_map, out, tokens, n, hidden, token_rows.shape[1],
+        S_BLOCK=s_block, BLOCK_H=block, ZERO_ROWS=ZERO_ROWS, num_warps=warps,
     )  # fmt: skip
 
 
@@ -389,7 +369,8 @@ def combine_tokens(x, token_rows, token_experts, token_count, out, *, probs=None
         return
     num_experts = grad_probs.shape[1] if grad_probs is not None else (
         probs.shape[1] if probs is not None else 1)
-    block, warps = block_config(hidden)
+    s_block = _s_block(token_rows)
+    block, warps = token_block(hidden, s_block)
     cblocks = triton.cdiv(hidden, block) if hidden else (1 if grad_probs is not None else 0)
     if cblocks == 0:
         return
@@ -400,7 +381,7 @@ def combine_tokens(x, token_rows, token_experts, token_count, out, *, probs=None
         grad_probs if grad_probs is not None else out,
         tokens, num_experts, hidden, token_rows.shape[1],
         HAS_PROBS=probs is not None, GRAD_PROBS=grad_probs is not None,
-        S_BLOCK=_s_block(token_rows), E_BLOCK=next_power_of_2(num_experts), BLOCK_H=block,
+        S_BLOCK=s_block, E_BLOCK=next_power_of_2(num_experts), BLOCK_H=block,
         num_warps=warps,
     )  # fmt: skip
 
@@ -410,18 +391,21 @@ def unpermute_backward(grad, x, token_rows, token_experts, token_count, row_id_m
     """The unpermute backward in one launch: ``grad_x[r_j] = w_j * grad[t]`` (zero rows that
     hold no token) and ``grad_probs[t, e_j] = <x[r_j], grad[t]>`` (fp32, 0 elsewhere)."""
     tokens, hidden = grad.shape
-    programs = tokens + (grad_x.shape[0] if grad_x is not None else 0)
+    n = row_id_map.shape[0]
+    programs = tokens + (triton.cdiv(n, ZERO_ROWS) if grad_x is not None else 0)
     if programs == 0:
         return
     num_experts = probs.shape[1] if probs is not None else 1
-    block, warps = block_config(hidden)
+    s_block = _s_block(token_rows)
+    block, warps = token_block(hidden, max(s_block, ZERO_ROWS))
     _unpermute_bwd_kernel[(programs,)](
         grad, x, token_rows, token_experts, token_count, row_id_map,
         probs if probs is not None else grad,
         grad_x if grad_x is not None else grad,
         grad_probs if grad_probs is not None else grad,
-        tokens, num_experts, hidden, token_rows.shape[1],
+        tokens, n, num_experts, hidden, token_rows.shape[1],
         HAS_PROBS=probs is not None, NEED_GX=grad_x is not None,
-        NEED_GPROBS=grad_probs is not None, S_BLOCK=_s_block(token_rows),
-        E_BLOCK=next_power_of_2(num_experts), BLOCK_H=block, num_warps=warps,
+        NEED_GPROBS=grad_probs is not None, S_BLOCK=s_block,
+        E_BLOCK=next_power_of_2(num_experts), BLOCK_H=block, ZERO_ROWS=ZERO_ROWS,
+        num_warps=warps,
     )  # fmt: skip
