@@ -39,8 +39,9 @@ __all__ = ["build_row_map", "map_config", "MAX_CHUNKS"]
 #: Most chunks (programs) of the two kernels: each place program reads the whole
 #: ``[chunks, E + 1]`` count table, so the table is kept small.
 MAX_CHUNKS = 64
-#: Elements of one ``[tokens, experts]`` tile.
-TILE = 4096
+#: Elements of one ``[tokens, experts]`` tile, and the warps of the two kernels.
+TILE = 2048
+NUM_WARPS = 8
 
 
 def map_config(num_tokens: int, num_experts: int) -> tuple[int, int, int, int]:
@@ -210,7 +211,8 @@ def build_row_map(
     e_block, sub_t, per_chunk, chunks = map_config(num_tokens, num_experts)
     counts = torch.empty((chunks, num_experts + 1), dtype=torch.int32, device=routing.device)
     common = dict(IS_INDICES=is_indices, K=k, SUB_T=sub_t, E_BLOCK=e_block)
-    _count_kernel[(chunks,)](routing, counts, num_tokens, num_experts, per_chunk, **common)
+    _count_kernel[(chunks,)](routing, counts, num_tokens, num_experts, per_chunk, **common,
+                             num_warps=NUM_WARPS)
     rows_per_chunk = triton.cdiv(num_out_tokens, chunks)
     _place_kernel[(chunks,)](
         routing, probs if probs is not None else counts, counts, row_id_map,
@@ -220,5 +222,5 @@ def build_row_map(
         num_tokens, num_experts, num_out_tokens, capacity or 0, per_chunk, chunks,
         rows_per_chunk, token_rows.shape[1],
         DROP=capacity is not None, HAS_PROBS=probs is not None, WRITE_PAIR=pair is not None,
-        ROW_BLOCK=max(1, TILE // e_block), **common,
+        ROW_BLOCK=max(1, TILE // e_block), num_warps=NUM_WARPS, **common,
     )  # fmt: skip
