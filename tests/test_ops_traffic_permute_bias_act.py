@@ -34,7 +34,7 @@ def _routing(seed=0, tokens=T):
     g = torch.Generator().manual_seed(seed)
     top = torch.randn(tokens, E, generator=g).topk(K, dim=1)
     routing_map = torch.zeros(tokens, E, dtype=torch.bool).scatter_(1, top.indices, True)
-    probs = torch.zeros(T, E).scatter_(1, top.indices, top.values.softmax(1))
+    probs = torch.zeros(tokens, E).scatter_(1, top.indices, top.values.softmax(1))
     return routing_map, probs
 
 
@@ -94,7 +94,7 @@ def _experts_of_rows(routing_map):
 @pytest.mark.parametrize("act", ["gelu", "swiglu"])
 def test_bias_act_bytes_launches_syncs(act):
     dtype, s = torch.bfloat16, 2
-    M, W = 128, 1024
+    M, W = 256, 1024
     width = 2 * W if act == "swiglu" else W
     x = torch.randn(M, width, dtype=dtype, requires_grad=True)
     b = torch.randn(width, dtype=dtype, requires_grad=True)
