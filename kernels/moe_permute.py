@@ -12,6 +12,19 @@ Two kernels carry every data movement of :mod:`mtp.ops.moe_permute` (forward and
   a per-token gather, no atomics, deterministic. Grid (tokens, column blocks). This is the
   unpermute forward and the permute backward.
 
+The token-major kernels take the map of :mod:`mtp.kernels.moe_row_map` (``token_count[t]``
+rows ``token_rows[t, :count]``, experts ``token_experts[t, :count]``, ascending) and work on a
+``[rows of a token, BLOCK_H]`` tile, so that all index loads of a token are issued before its
+data loads:
+
+- :func:`scatter_tokens`: each token row is read once and written to its rows; extra programs
+  zero the rows that hold no token. The permute forward.
+- :func:`combine_tokens`: ``out[t] = sum_j probs[t, e_j] * x[r_j]`` in fp32 (fixed order,
+  deterministic), optionally the ``[T, E]`` gradient of the permuted probabilities. The
+  unpermute forward and the permute backward.
+- :func:`unpermute_backward`: each token reads its output gradient once and writes its rows'
+  gradients and its probs gradient (the dots ``<x[r_j], grad[t]>``).
+
 All address arithmetic is int64: a DeepSeek-size ``num_out_tokens * hidden`` exceeds 2**31.
 The launchers take contiguous tensors and preallocated outputs; they do no autograd.
 """

@@ -281,13 +281,20 @@ def bias_gelu(
         ``[..., H]`` in ``x.dtype``; math in fp32.
 
     Autograd saves ``x`` and ``bias`` only; backward recomputes ``x + bias``, writes ``dx``
-    (``x.dtype``) and ``dbias`` (``bias.dtype``, fp32 two-stage row reduction, deterministic).
+    (``x.dtype``) and ``dbias`` (``bias.dtype``, fp32 two-stage row reduction, deterministic on
+    a given device). With ``create_graph=True`` the backward runs as differentiable fp32 aten
+    formulas, so double backward works. ``gelu(+inf) = +inf``, ``gelu(-inf) = 0`` (finite
+    derivatives 1 and 0); NaN propagates. Zero-width ``x`` gives an empty result.
 
-    Bytes (``s`` = element size of ``x``, ``sb`` of ``bias``, ``M`` rows):
-    forward reads ``M*H*s + H*sb`` and writes ``M*H*s``; backward reads ``dy``, ``x``, ``bias``
-    (``2*M*H*s + H*sb``) and writes ``dx`` and ``dbias`` (``M*H*s + H*sb``), plus an fp32
-    partial-sum workspace of ``G*H*4`` bytes written and read once (``G <= 1024`` row groups,
-    ``G*H <= 2**20 + H``, about 4 MiB; none without bias).
+    Launches: one forward; backward one, two with ``dbias``. The grid is persistent: about as
+    many programs as fit on the device at once (``SMs x`` resident blocks for the kernel's
+    registers), each owning a column block, loading its bias slice once and walking the rows.
+
+    Bytes (``s`` = element size of ``x``, ``sb`` of ``bias``, ``M`` rows, ``P`` programs):
+    forward reads ``M*H*s`` plus the bias once per program and writes ``M*H*s``; backward reads
+    ``dy``, ``x`` (``2*M*H*s``) and the bias, writes ``dx`` and ``dbias`` (``M*H*s + H*sb``),
+    plus an fp32 partial-sum workspace (one ``H``-row per row program, about ``P*4`` bytes per
+    column) written and read once (none without bias).
     """
     _check_approximate(approximate)
     backend = _check_inputs("bias_gelu", x, bias, backend, gated=False)
@@ -311,12 +318,13 @@ def bias_swiglu(
         ``[..., H]`` in ``x.dtype``; math in fp32.
 
     Autograd saves ``x`` and ``bias``; backward writes ``dx`` ``[..., 2*H]`` and ``dbias``
-    ``[2*H]`` (fp32 two-stage reduction, deterministic).
+    ``[2*H]`` (fp32 two-stage reduction, deterministic). Launches, grid, non-finite inputs and
+    double backward as in :func:`bias_gelu` (``silu(-inf) = 0``, ``silu(+inf) = +inf``).
 
     Bytes (``s`` = element size of ``x``, ``sb`` of ``bias``, ``M`` rows): forward reads
-    ``2*M*H*s + 2*H*sb`` and writes ``M*H*s``; backward reads ``dy`` and ``x`` and ``bias``
-    (``3*M*H*s + 2*H*sb``) and writes ``dx`` and ``dbias`` (``2*M*H*s + 2*H*sb``), plus the
-    fp32 partial-sum workspace (``G*2*H*4`` bytes, ``G*H <= 2**20 + H``; none without bias).
+    ``2*M*H*s`` plus the bias once per program and writes ``M*H*s``; backward reads ``dy`` and
+    ``x`` (``3*M*H*s``) and the bias, writes ``dx`` and ``dbias`` (``2*M*H*s + 2*H*sb``), plus the
+    fp32 partial-sum workspace (none without bias).
     """
     backend = _check_inputs("bias_swiglu", x, bias, backend, gated=True)
     return torch.ops.mtp.bias_swiglu(x, bias, backend)

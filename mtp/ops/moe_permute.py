@@ -25,13 +25,20 @@ Where this differs from Megatron-Core (on purpose, following mtp's issue 5):
 - ``num_out_tokens`` is checked against the routing (data check) instead of silently cutting or
   padding; ``indices=[T, k]`` is accepted in place of ``routing_map``.
 
-Everything runs on the device with static shapes (graph-safe): the per-expert counts and the
-row map come from cumulative sums and ``searchsorted``; nothing reads a value on the host except
-the data-dependent validation (:func:`mtp.utils.data_checks_enabled`), and, only when
-``num_out_tokens`` is omitted for a routing map, the count of routed pairs.
+Everything runs on the device with static shapes (graph-safe) and without a host sync: the
+data checks are device-side asserts by default (:func:`mtp.utils.check_values`;
+``validate="sync"`` gives typed errors with the values at the cost of a sync). The one exception
+is ``num_out_tokens=None`` with a routing map: the output shape is the routed count, read on the
+host.
 
-Backends: ``"triton"`` (the kernels of :mod:`mtp.kernels.moe_permute`) and ``"reference"``
-(plain PyTorch, same signature), chosen by :func:`mtp.ops._backend.resolve_backend`.
+Backends: ``"triton"`` and ``"reference"`` (plain PyTorch, same signature), chosen by
+:func:`mtp.ops._backend.resolve_backend`. Triton: :func:`permute` builds the row map on the
+device without a sort (:mod:`mtp.kernels.moe_row_map`: count per expert, then scan and place)
+and reads each token row once, writing it to its rows; the token-major map built with it rides
+on the returned ``row_id_map`` (:mod:`mtp.ops._moe_token_map`), so :func:`unpermute` and both
+backwards run in one launch each. A ``row_id_map`` from elsewhere (Megatron's
+``sorted_indices``, :func:`moe_permute_row_map`, a modified copy) is inverted on the device with
+a sort and handled by the row kernels of :mod:`mtp.kernels.moe_permute`.
 """
 
 from __future__ import annotations
