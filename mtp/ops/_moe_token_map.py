@@ -204,6 +204,40 @@ def _permute_backward(ctx, g_permuted, g_pprobs, *_):
 _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
+@torch.library.custom_op("mtp::moe_row_map", mutates_args=())
+def _row_map_op(
+    routing_map: torch.Tensor, num_out_tokens: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row_id_map, pair, token_rows, token_experts, token_count)`` of a ``[T, E]`` bool
+    routing map (``capacity < 0``: dropless); two launches, no checks."""
+    device, (num_tokens, num_experts), n = routing_map.device, routing_map.shape, num_out_tokens
+    row_id_map = empty((n,), dtype=torch.int64, device=device)
+    pair = empty((n,), dtype=torch.int64, device=device)
+    rows = empty((num_tokens, num_experts), dtype=torch.int32, device=device)
+    experts = empty((num_tokens, num_experts), dtype=torch.int32, device=device)
+    count = empty((num_tokens,), dtype=torch.int32, device=device)
+    ok = empty((), dtype=torch.bool, device=device)
+    _map_kernels.build_row_map(
+        routing_map.contiguous(), num_experts, n, capacity=capacity if capacity >= 0 else None,
+        probs=None, row_id_map=row_id_map, pair=pair, permuted_probs=None, token_rows=rows,
+        token_experts=experts, token_count=count, status=ok,
+    )  # fmt: skip
+    return row_id_map, pair, rows, experts, count
+
+
+@_row_map_op.register_fake
+def _(routing_map, num_out_tokens, capacity):
+    (num_tokens, num_experts), n = routing_map.shape, num_out_tokens
+    i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
+    return (
+        routing_map.new_empty((n,), **i64),
+        routing_map.new_empty((n,), **i64),
+        routing_map.new_empty((num_tokens, num_experts), **i32),
+        routing_map.new_empty((num_tokens, num_experts), **i32),
+        routing_map.new_empty((num_tokens,), **i32),
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # mtp::moe_unpermute
 # --------------------------------------------------------------------------------------------

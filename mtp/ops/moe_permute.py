@@ -213,6 +213,8 @@ def moe_permute_row_map(
     num_out_tokens: int,
     drop_and_pad: bool = False,
     capacity: int | None = None,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The row map of :func:`permute`, computed on the device without a host sync.
 
@@ -222,11 +224,21 @@ def moe_permute_row_map(
         drop_and_pad: keep the first ``capacity`` tokens (token order) of each expert, in slots
             ``[e * capacity, (e + 1) * capacity)``.
         capacity: slots per expert (with ``drop_and_pad``).
+        backend: ``"triton"`` (two launches, no sort; the token-major map rides on the returned
+            ``row_id_map`` so that :func:`unpermute` runs in one launch), ``"reference"``
+            (cumulative sums and ``searchsorted``) or ``"auto"``.
 
     Returns:
         ``(row_id_map, pair)``, both int64 ``[N]``: the token of each row (``-1``: no token) and
         its flat ``(token, expert)`` index ``t * E + e`` (``T * E`` for an empty row).
     """
+    if resolve_backend("permute", backend, routing_map.device, _BACKENDS) == "triton":
+        cap = capacity if drop_and_pad else None
+        row_id_map, pair, rows, experts_, count = torch.ops.mtp.moe_row_map(
+            routing_map, num_out_tokens, -1 if cap is None else cap
+        )
+        attach(row_id_map, rows, experts_, count, routing_map.shape[1], drop_and_pad, routing_map)
+        return row_id_map, pair
     tokens, experts = routing_map.shape
     device = routing_map.device
     if drop_and_pad:
