@@ -414,6 +414,29 @@ def test_custom_ops_pass_opcheck():
     )
 
 
+def test_token_map_custom_ops_pass_opcheck():
+    """The fused ops (row map + scatter, token-major combine, both backwards)."""
+    routing_map, probs, indices = topk_routing(12, 5, 2, seed=14)
+    probs.requires_grad_(True)
+    x = torch.randn(12, 6, requires_grad=True)
+    ops = torch.ops.mtp
+    torch.library.opcheck(ops.moe_permute.default, (x, routing_map, probs, 24, 5, -1, True))
+    torch.library.opcheck(ops.moe_permute.default, (x, indices, None, 15, 5, 3, True))
+    torch.library.opcheck(ops.moe_row_map.default, (routing_map, 24, -1))
+    out = ops.moe_permute(x.detach(), routing_map, probs.detach(), 24, 5, -1, True)
+    rid, rows, experts, count = out[2:6]
+    y = torch.randn(24, 6, requires_grad=True)
+    torch.library.opcheck(ops.moe_unpermute.default, (y, rows, experts, count, rid, probs))
+    torch.library.opcheck(
+        ops.moe_permute_backward.default,
+        (y.detach(), torch.randn(24), rows, experts, count, 6, 5, torch.float32, torch.float32),
+    )
+    torch.library.opcheck(
+        ops.moe_unpermute_backward.default,
+        (torch.randn(12, 6), y.detach(), rows, experts, count, rid, probs.detach(), True),
+    )
+
+
 def test_torch_compile_fullgraph():
     routing_map, probs, _ = topk_routing(12, 4, 2, seed=13)
 
