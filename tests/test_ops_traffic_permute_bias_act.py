@@ -218,8 +218,12 @@ def test_permute_non_contiguous_and_meta_inputs(backend):
         assert torch.equal(a, b)
     out = unpermute(got[0], got[2], x.shape, probs, routing_map, backend=backend)
     assert_close(out, x.double() * probs.sum(1, keepdim=True).double())
-    meta = permute(x.to("meta"), routing_map.to("meta"), None, N)
+    meta = permute(x.to("meta"), routing_map.to("meta"), probs.to("meta"), N, backend=backend)
     assert meta[0].shape == (N, 40) and meta[0].device.type == "meta"
+    assert meta[1].shape == (N,) and meta[2].shape == (N,)
+    out = unpermute(meta[0], meta[2], (T, 40), probs.to("meta"), routing_map.to("meta"),
+                    backend=backend)
+    assert out.shape == (T, 40) and out.device.type == "meta"
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
