@@ -186,14 +186,22 @@ def _finish_row(m, log_s, c, valid, z_loss_weight):
 
 @triton.jit
 def _reduce_epilogue(loss_ptr, partial_ptr, counter_ptr, pid, n_programs, partial, denom,
+                     target_ptr, n_rows, ignore_index, V, SCAN: tl.constexpr,
                      MAX_G: tl.constexpr):
-    """The last program to finish sums the per-program partials (in program order)."""
+    """The last program to finish sums the per-program partials (in program order); with
+    ``SCAN`` it counts the valid targets itself (a mean whose programs did not need it)."""
     tl.store(partial_ptr + pid, partial)
     done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
     if done == n_programs - 1:
         idx = tl.arange(0, MAX_G)
         parts = tl.load(partial_ptr + idx, mask=idx < n_programs, other=0.0, volatile=True)
-        tl.store(loss_ptr, tl.sum(parts, axis=0) / denom)
+        total = tl.sum(parts, axis=0)
+        if SCAN:
+            n_valid, _, _ = _scan_targets(target_ptr, n_rows, ignore_index, V, False)
+            total = total / n_valid.to(tl.float32)
+        else:
+            total = total / denom
+        tl.store(loss_ptr, total)
         tl.atomic_xchg(counter_ptr, 0, sem="acq_rel")
 
 
@@ -209,7 +217,7 @@ def _ce_fused_kernel(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     denom = 1.0
-    if MEAN:
+    if MEAN and GRAD:  # every program scales its gradient rows by 1 / N
         n_valid, _, _ = _scan_targets(target_ptr, n_rows, ignore_index, V, False)
         denom = n_valid.to(tl.float32)
     if CHECK:
@@ -245,7 +253,7 @@ def _ce_fused_kernel(
                       tl.where(valid, scale, 0.0), SAME_LAYOUT, NT, VEC)
     if REDUCE:
         _reduce_epilogue(loss_ptr, partial_ptr, counter_ptr, pid, n_programs, partial, denom,
-                         MAX_G)
+                         target_ptr, n_rows, ignore_index, V, MEAN and not GRAD, MAX_G)
 
 
 @triton.jit
@@ -344,7 +352,7 @@ def _ce_finish_kernel(
                       tl.where(valid, scale, 0.0), SAME_LAYOUT, NT, VEC)
     if REDUCE:
         _reduce_epilogue(loss_ptr, partial_ptr, counter_ptr, pid, n_programs, partial, denom,
-                         MAX_G)
+                         target_ptr, n_rows, ignore_index, 0, False, MAX_G)
 
 
 @triton.jit

@@ -410,6 +410,124 @@ def test_compiles_for_sm90_and_sm100_without_spills():
         assert stores == loads == 0, f"{name} spills on {arch}: {stores} B stored, {loads} B loaded"
 
 
+# --- bytes, launches, host syncs (the structural floor) ----------------------------------------
+
+
+def ce_floor(rows, vocab, elem, target_elem, grad=True):
+    """Fewest bytes: the logits once, the targets, the loss out; with grad the gradient out and
+    the upstream gradient in (as bench_cross_entropy.cross_entropy_bytes)."""
+    if not grad:
+        return rows * vocab * elem + rows * target_elem + 4 * rows
+    return 2 * rows * vocab * elem + rows * target_elem + 8 * rows
+
+
+@pytest.mark.parametrize("rows,vocab,dtype,reduction,inplace", [
+    pytest.param(64, 8192, torch.float32, "none", False, marks=pytest.mark.slow),
+    (64, 8192, torch.bfloat16, "mean", True),
+    (4, 50257, torch.bfloat16, "mean", False),  # rows not 16-byte aligned: head + tail apart
+])  # fmt: skip
+def test_bytes_launches_and_syncs(rows, vocab, dtype, reduction, inplace, monkeypatch):
+    from mtp.testing.traffic import count_traffic
+
+    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")  # the NaN fill of outputs is a test extra
+    logits, target = make_inputs((rows,), vocab, dtype, "cpu", ignore_every=7)
+    kwargs = dict(reduction=reduction, label_smoothing=0.1, inplace_backward=inplace,
+                  backend="triton")
+    vocab_parallel_cross_entropy(logits[:1], target[:1], **kwargs)  # warm-up (reduction counter)
+    leaf = logits.clone().requires_grad_(True)
+    x = leaf.view_as(leaf) if inplace else leaf  # a view: its backward moves no data
+    with count_traffic() as fwd:
+        loss = vocab_parallel_cross_entropy(x, target, **kwargs)
+    upstream = torch.ones_like(loss)
+    with count_traffic() as bwd:
+        loss.backward(upstream)
+    ref, x64 = reference_loss(logits, target, reduction=reduction, label_smoothing=0.1)
+    ref.backward(upstream.double())
+    assert_close(leaf.grad, x64.grad, dtype)
+    floor = ce_floor(rows, vocab, logits.element_size(), 8)
+    ratio = (fwd.bytes_program + bwd.bytes_program) / floor
+    assert ratio <= 1.10, (ratio, fwd.by_kernel(), bwd.by_kernel())
+    assert ratio >= 0.99, ratio  # the logits are read once and the gradient written once
+    assert fwd.num_launches == 1 and [a.name for a in fwd.aten] == ["aten::_assert_async"]
+    assert bwd.device_ops == 1, bwd.by_kernel()
+    assert fwd.num_host_syncs == bwd.num_host_syncs == 0, (fwd.host_syncs, bwd.host_syncs)
+    # a non-unit upstream gradient: one scaled pass over the gradient (read + write)
+    leaf.grad = None
+    if inplace:
+        leaf = logits.clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(leaf.view_as(leaf), target, **kwargs)
+    with count_traffic() as scaled:
+        loss.backward(upstream * 3)
+    grad_bytes = rows * vocab * logits.element_size()
+    assert 2 * grad_bytes <= scaled.bytes_program <= 2.02 * grad_bytes, scaled.by_kernel()
+    assert_close(leaf.grad, 3 * x64.grad, dtype)
+
+
+def test_forward_without_grad_reads_the_logits_once(monkeypatch):
+    from mtp.testing.traffic import count_traffic
+
+    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+    logits, target = make_inputs((32,), 4099, torch.float32, "cpu")
+    with count_traffic() as t:
+        loss = vocab_parallel_cross_entropy(logits, target, backend="triton", validate=False)
+    assert_close(loss, reference_loss(logits, target)[0], torch.float32)
+    ratio = t.ratio(ce_floor(32, 4099, 4, 8, grad=False))
+    assert 0.99 <= ratio <= 1.10 and t.device_ops == 1 and t.num_host_syncs == 0, t.summary()
+
+
+def test_unsupported_uses_fail_clearly(device):
+    logits, target = make_inputs((3,), 16, torch.float32, device)
+    # expanded logits cannot take the gradient in place
+    row = logits[:1].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="inplace_backward.*overlapping"):
+        vocab_parallel_cross_entropy(row.expand(3, 16), target, inplace_backward=True,
+                                     backend="triton")
+    # ... but are fine otherwise
+    check(logits[:1].expand(3, 16), target, label_smoothing=0.1)
+    # torch.func transforms: a clear error naming the limitation
+    with pytest.raises(NotImplementedError, match="torch.func"):
+        torch.func.grad(lambda x: vocab_parallel_cross_entropy(x, target, reduction="sum"))(
+            logits)
+    # the precomputed gradient is scaled in place: one backward per forward (autograd's version
+    # counter of the saved gradient says so)
+    x = logits.clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(x, target, reduction="sum", backend="triton")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_main_loads_are_16_bytes_in_sass():
+    """sm_90a SASS of the forward (bf16 and fp32 logits): the aligned tiles load and store
+    128 bits (``LDG.E.128`` / ``STG.E.128``); the row split makes this independent of V."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from mtp.testing import _find_ptxas, compile_for_targets
+
+    cuobjdump = shutil.which("cuobjdump") or os.path.join(
+        os.path.dirname(os.path.dirname(torch.__file__)), "nvidia", "cu13", "bin", "cuobjdump")
+    ptxas = _find_ptxas("sm_90a")
+    if not os.path.exists(cuobjdump) or ptxas is None:
+        pytest.skip("needs ptxas and cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    for dtype in ("bf16", "fp32"):
+        name, kernel, sig, constexprs, warps = next(
+            c for c in aot_cases(dtype) if c[0] == "ce_fused[smoothing=True,grad=True,reduce=True]")
+        build = compile_for_targets(kernel, sig, constexprs, targets=(90,), num_warps=warps)[90]
+        with tempfile.TemporaryDirectory() as tmp:
+            src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+            with open(src, "w") as f:
+                f.write(build.ptx)
+            subprocess.run([ptxas, f"--gpu-name={build.arch}", src, "-o", cubin], check=True)
+            sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                                  check=True).stdout
+        # two tiles per thread in pass 1 and in the gradient pass
+        assert sass.count("LDG.E.128") >= 4, (dtype, sass.count("LDG.E.128"))
+        assert sass.count("STG.E.128") >= 2, (dtype, sass.count("STG.E.128"))
+
+
 # --- on a GPU -------------------------------------------------------------------------------
 
 

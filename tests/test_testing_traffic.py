@@ -38,7 +38,9 @@ def _reload_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, a * b)
 
 
-@pytest.mark.parametrize("dtype,n", [(torch.float32, 1000), (torch.float16, 4096), (torch.int64, 1)])
+@pytest.mark.parametrize(
+    "dtype,n", [(torch.float32, 1000), (torch.float16, 4096), (torch.int64, 1)]
+)
 def test_copy_kernel_is_exactly_at_floor(dtype, n):
     x = torch.arange(n).to(dtype)
     y = torch.empty_like(x)

@@ -190,7 +190,10 @@ class Traffic:
 # --------------------------------------------------------------------------------------------
 
 
-def unique_bytes(accesses: list[tuple[np.ndarray, int]]) -> tuple[int, list[tuple[np.ndarray, int]]]:
+_Accesses = list[tuple[np.ndarray, int]]
+
+
+def unique_bytes(accesses: _Accesses) -> tuple[int, _Accesses]:
     """Unique bytes touched by ``accesses`` (``(start addresses uint64, element size)`` pairs).
 
     Returns ``(count, compact)`` where ``compact`` is an equivalent, deduplicated access list
@@ -216,7 +219,8 @@ def unique_bytes(accesses: list[tuple[np.ndarray, int]]) -> tuple[int, list[tupl
 
 class _Launch:
     def __init__(self, name: str, grid) -> None:
-        self.record = LaunchTraffic(name, tuple(grid) if isinstance(grid, (tuple, list)) else (grid,))
+        grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+        self.record = LaunchTraffic(name, grid)
         self.program_reads: list[tuple[np.ndarray, int]] = []
         self.program_writes: list[tuple[np.ndarray, int]] = []
         self.launch_reads: list[tuple[np.ndarray, int]] = []
@@ -388,6 +392,7 @@ _ALLOC_OPS = {
     "aten::alias",
     "aten::_local_scalar_dense",  # a host read: counted as a sync, not as device work
 }
+_METADATA_OPS = {"aten::size", "aten::stride"}
 _WRITE_ONLY = {"aten::fill_", "aten::zero_", "aten::copy_", "aten::zeros_like", "aten::full_like"}
 
 
@@ -397,11 +402,12 @@ def _nbytes(t) -> int:
 
 def _is_device_work(func, args, out) -> bool:
     name = func._schema.name
-    if name in _ALLOC_OPS or name.startswith("aten::sym_") or name in ("aten::size", "aten::stride"):
+    if name in _ALLOC_OPS or name.startswith("aten::sym_") or name in _METADATA_OPS:
         return False
     if getattr(func, "is_view", False):
         return False
-    mutates = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+    arguments = func._schema.arguments
+    mutates = any(a.alias_info is not None and a.alias_info.is_write for a in arguments)
     if not mutates and isinstance(out, torch.Tensor):
         try:
             ptr = out.untyped_storage().data_ptr()
