@@ -538,7 +538,8 @@ def test_bad_permute_arguments():
         with pytest.raises(ValueError, match="must not repeat an expert"):
             permute(tokens, indices=dup, num_experts=4, backend=backend, validate="sync")
         for bad, e in ((indices, 3), (dup, 4)):
-            with pytest.raises(RuntimeError, match=f"indices must hold k distinct expert numbers in \\[0, {e}\\)"):
+            msg = f"indices must hold k distinct expert numbers in \\[0, {e}\\)"
+            with pytest.raises(RuntimeError, match=msg):
                 permute(tokens, indices=bad, num_experts=e, backend=backend)
     with pytest.raises(ValueError, match="num_out_tokens=15 but indices route T \\* k = 16"):
         permute(tokens, indices=indices, num_out_tokens=15, num_experts=4)

@@ -209,7 +209,8 @@ def resolve_sizes(
             "permute: num_out_tokens must be given while tracing or capturing (the output "
             "shape cannot depend on the routing); for top-k routing it is T * k"
         )
-    if topk is not None and num_out_tokens != num_tokens * topk and validation_mode(validate) != "off":
+    checked = validation_mode(validate) != "off"
+    if topk is not None and num_out_tokens != num_tokens * topk and checked:
         raise ValueError(
             f"num_out_tokens={num_out_tokens} but indices route T * k = {num_tokens * topk} "
             "(token, expert) pairs; they must be equal without drop_and_pad"

@@ -93,7 +93,8 @@ def _backward_reference(dy, x, bias, act, need_dbias):
     else:
         approximate = "tanh" if act == "gelu_tanh" else "none"
         c = u.clamp(-_GELU_LIMIT, _GELU_LIMIT)
-        du = torch.where(u > _GELU_LIMIT, dy, torch.ops.aten.gelu_backward(dy, c, approximate=approximate))
+        inner = torch.ops.aten.gelu_backward(dy, c, approximate=approximate)
+        du = torch.where(u > _GELU_LIMIT, dy, inner)
     dx = du.to(x.dtype)
     if not need_dbias:
         return dx, x.new_empty((0,))
