@@ -237,21 +237,24 @@ def _scatter_tokens_kernel(
     x_ptr, trows_ptr, tcount_ptr, row_id_ptr, out_ptr, T, N, hidden, S,
     S_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_ROWS: tl.constexpr,
 ):
-    # Programs [0, T): token t reads its row once and writes it to each of its rows.
-    # Programs [T, T + N / ZERO_ROWS): rows that hold no token are written with zeros.
+    # Programs [0, T): token t reads its row once and writes it to each of its rows (S_BLOCK
+    # rows at a time). Programs [T, T + N / ZERO_ROWS): rows that hold no token get zeros.
     p = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < hidden
     if p < T:
         t = p.to(tl.int64)
         cnt = tl.load(tcount_ptr + t)
-        js = tl.arange(0, S_BLOCK)
-        jmask = js < cnt
-        rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
         v = tl.load(x_ptr + t * hidden + cols, mask=cols < tl.where(cnt > 0, hidden, 0), other=0.0)
         v2 = v[None, :] + tl.zeros([S_BLOCK, BLOCK_H], dtype=v.dtype)
-        tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], v2,
-                 mask=jmask[:, None] & cmask[None, :])
+        j0 = 0
+        while j0 < cnt:
+            js = j0 + tl.arange(0, S_BLOCK)
+            jmask = js < cnt
+            rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
+            tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], v2,
+                     mask=jmask[:, None] & cmask[None, :])
+            j0 += S_BLOCK
     else:
         r = (p - T).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         rid = tl.load(row_id_ptr + r, mask=r < N, other=0)
@@ -273,27 +276,33 @@ def _combine_tokens_kernel(
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < hidden
     cnt = tl.load(tcount_ptr + t)
-    js = tl.arange(0, S_BLOCK)
-    jmask = js < cnt
-    # Every index (and weight) load of the token, then all its data loads.
-    rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
-    if HAS_PROBS or GRAD_PROBS:
-        exps = tl.load(texp_ptr + t * S + js, mask=jmask, other=0)
-    m2 = jmask[:, None] & cmask[None, :]
-    v = tl.load(x_ptr + rows[:, None] * hidden + cols[None, :], mask=m2, other=0.0)
-    v = v.to(tl.float32)
-    if HAS_PROBS:
-        w = tl.load(probs_ptr + t * E + exps, mask=jmask, other=0.0).to(tl.float32)
-        v = v * w[:, None]
-    tl.store(out_ptr + t * hidden + cols, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty),
-             mask=cmask)
     if GRAD_PROBS:
         if tl.program_id(1) == 0:
-            g = tl.load(gpp_ptr + rows, mask=jmask, other=0.0)
             ex = tl.arange(0, E_BLOCK)
             tl.store(gprobs_ptr + t * E + ex, tl.zeros([E_BLOCK], dtype=tl.float32), mask=ex < E)
-            tl.debug_barrier()  # the zeros land before the routed entries overwrite theirs
-            tl.store(gprobs_ptr + t * E + exps, g, mask=jmask)
+        tl.debug_barrier()  # the zeros land before the routed entries overwrite theirs
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    j0 = 0
+    while j0 < cnt:
+        js = j0 + tl.arange(0, S_BLOCK)
+        jmask = js < cnt
+        # The chunk's index (and weight) loads, then all its data loads.
+        rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
+        if HAS_PROBS or GRAD_PROBS:
+            exps = tl.load(texp_ptr + t * S + js, mask=jmask, other=0)
+        m2 = jmask[:, None] & cmask[None, :]
+        v = tl.load(x_ptr + rows[:, None] * hidden + cols[None, :], mask=m2, other=0.0)
+        v = v.to(tl.float32)
+        if HAS_PROBS:
+            w = tl.load(probs_ptr + t * E + exps, mask=jmask, other=0.0).to(tl.float32)
+            v = v * w[:, None]
+        acc += tl.sum(v, axis=0)
+        if GRAD_PROBS:
+            gmask = js < tl.where(tl.program_id(1) == 0, cnt, 0)
+            g = tl.load(gpp_ptr + rows, mask=gmask, other=0.0)
+            tl.store(gprobs_ptr + t * E + exps, g, mask=gmask)
+        j0 += S_BLOCK
+    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -304,42 +313,46 @@ def _unpermute_bwd_kernel(
     S_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
     ZERO_ROWS: tl.constexpr,
 ):
-    # Programs [0, T): token t reads grad[t] once, writes gx[r_j] = probs[t, e_j] * grad[t]
-    # and the dots <x[r_j], grad[t]> into gprobs[t, e_j] (0 elsewhere).
-    # Programs [T, T + N / ZERO_ROWS): zero the gx rows that hold no token.
+    # Programs [0, T): token t reads grad[t] (once when it has <= S_BLOCK rows), writes
+    # gx[r_j] = probs[t, e_j] * grad[t] and the dots <x[r_j], grad[t]> into gprobs[t, e_j]
+    # (0 elsewhere). Programs [T, T + N / ZERO_ROWS): zero the gx rows that hold no token.
     p = tl.program_id(0)
     if p < T:
         t = p.to(tl.int64)
         cnt = tl.load(tcount_ptr + t)
-        js = tl.arange(0, S_BLOCK)
-        jmask = js < cnt
-        rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
-        exps = tl.load(texp_ptr + t * S + js, mask=jmask, other=0)
-        if HAS_PROBS:
-            w = tl.load(probs_ptr + t * E + exps, mask=jmask, other=0.0).to(tl.float32)
-        dots = tl.zeros([S_BLOCK], dtype=tl.float32)
-        limit = tl.where(cnt > 0, hidden, 0)
-        h0 = 0
-        while h0 < limit:
-            cols = h0 + tl.arange(0, BLOCK_H)
-            cmask = cols < hidden
-            m2 = jmask[:, None] & cmask[None, :]
-            g = tl.load(g_ptr + t * hidden + cols, mask=cmask, other=0.0).to(tl.float32)
-            if NEED_GX:
-                gx = g[None, :] + tl.zeros([S_BLOCK, BLOCK_H], dtype=tl.float32)
-                if HAS_PROBS:
-                    gx = gx * w[:, None]
-                tl.store(gx_ptr + rows[:, None] * hidden + cols[None, :],
-                         gx.to(gx_ptr.dtype.element_ty), mask=m2)
-            if NEED_GPROBS:
-                xv = tl.load(x_ptr + rows[:, None] * hidden + cols[None, :], mask=m2, other=0.0)
-                dots += tl.sum(xv.to(tl.float32) * g[None, :], axis=1)
-            h0 += BLOCK_H
         if NEED_GPROBS:
             ex = tl.arange(0, E_BLOCK)
             tl.store(gprobs_ptr + t * E + ex, tl.zeros([E_BLOCK], dtype=tl.float32), mask=ex < E)
             tl.debug_barrier()  # the zeros land before the routed entries overwrite theirs
-            tl.store(gprobs_ptr + t * E + exps, dots, mask=jmask)
+        j0 = 0
+        while j0 < cnt:
+            js = j0 + tl.arange(0, S_BLOCK)
+            jmask = js < cnt
+            rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
+            exps = tl.load(texp_ptr + t * S + js, mask=jmask, other=0)
+            if HAS_PROBS:
+                w = tl.load(probs_ptr + t * E + exps, mask=jmask, other=0.0).to(tl.float32)
+            dots = tl.zeros([S_BLOCK], dtype=tl.float32)
+            h0 = 0
+            while h0 < hidden:
+                cols = h0 + tl.arange(0, BLOCK_H)
+                cmask = cols < hidden
+                m2 = jmask[:, None] & cmask[None, :]
+                g = tl.load(g_ptr + t * hidden + cols, mask=cmask, other=0.0).to(tl.float32)
+                if NEED_GX:
+                    gx = g[None, :] + tl.zeros([S_BLOCK, BLOCK_H], dtype=tl.float32)
+                    if HAS_PROBS:
+                        gx = gx * w[:, None]
+                    tl.store(gx_ptr + rows[:, None] * hidden + cols[None, :],
+                             gx.to(gx_ptr.dtype.element_ty), mask=m2)
+                if NEED_GPROBS:
+                    xv = tl.load(x_ptr + rows[:, None] * hidden + cols[None, :], mask=m2,
+                                 other=0.0)
+                    dots += tl.sum(xv.to(tl.float32) * g[None, :], axis=1)
+                h0 += BLOCK_H
+            if NEED_GPROBS:
+                tl.store(gprobs_ptr + t * E + exps, dots, mask=jmask)
+            j0 += S_BLOCK
     elif NEED_GX:
         r = (p - T).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         empty = tl.load(row_id_ptr + r, mask=r < N, other=0) < 0
@@ -352,8 +365,12 @@ def _unpermute_bwd_kernel(
             h0 += BLOCK_H
 
 
+#: Most rows of a token handled at once (a top-k token's k rows in one chunk up to k = 8).
+MAX_S_BLOCK = 8
+
+
 def _s_block(token_rows: torch.Tensor) -> int:
-    return next_power_of_2(max(token_rows.shape[1], 1))
+    return min(next_power_of_2(max(token_rows.shape[1], 1)), MAX_S_BLOCK)
 
 
 def scatter_tokens(x, token_rows, token_count, row_id_map, out, *, zero_empty: bool) -> None:

@@ -370,3 +370,44 @@ def test_moe_permute_row_map_triton_matches_reference(drop_and_pad):
     assert t.device_ops == 1
     # the row kernels (sort path) sum in another fixed order: equal up to fp32 rounding
     assert_close(out, unpermute(y, ref_rid, (tokens, 5), backend="triton", validate=False))
+
+
+def test_tokens_with_more_rows_than_one_chunk():
+    """12 experts per token: the token-major kernels take a token's rows in chunks of
+    MAX_S_BLOCK; forward and backward of both ops against float64."""
+    tokens, experts, hidden = 7, 12, 10
+    assert experts > perm_kernels.MAX_S_BLOCK
+    g = torch.Generator().manual_seed(7)
+    routing_map = torch.rand(tokens, experts, generator=g) < 0.9
+    routing_map[0] = True  # all 12 experts
+    probs = (torch.rand(tokens, experts, generator=g) * routing_map).requires_grad_(True)
+    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    n = int(routing_map.sum())
+    permuted, pprobs, rid = permute(x, routing_map, probs, n, backend="triton")
+    # float64: rows expert-major, ascending token
+    pairs = [(t, e) for e in range(experts) for t in range(tokens) if routing_map[t, e]]
+    x64 = x.detach().double().requires_grad_(True)
+    p64 = probs.detach().double().requires_grad_(True)
+    exp_rows = torch.stack([x64[t] for t, _ in pairs])
+    exp_pp = torch.stack([p64[t, e] for t, e in pairs])
+    assert torch.equal(rid, torch.tensor([t for t, _ in pairs]))
+    assert torch.equal(permuted.double(), exp_rows.detach())
+    g_rows, g_pp = torch.randn(n, hidden, generator=g), torch.randn(n, generator=g)
+    torch.autograd.backward((permuted, pprobs), (g_rows, g_pp))
+    torch.autograd.backward((exp_rows, exp_pp), (g_rows.double(), g_pp.double()))
+    assert_close(x.grad, x64.grad)
+    assert_close(probs.grad, p64.grad)
+    y = torch.randn(n, hidden, generator=g, requires_grad=True)
+    probs.grad = None
+    p64.grad = None
+    out = unpermute(y, rid, x.shape, probs, routing_map, backend="triton")
+    y64 = y.detach().double().requires_grad_(True)
+    expected = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for i, (t, e) in enumerate(pairs):
+        expected = expected.index_add(0, torch.tensor([t]), (p64[t, e] * y64[i])[None])
+    assert_close(out, expected)
+    g_out = torch.randn(tokens, hidden, generator=g)
+    out.backward(g_out)
+    expected.backward(g_out.double())
+    assert_close(y.grad, y64.grad)
+    assert_close(probs.grad, p64.grad)
