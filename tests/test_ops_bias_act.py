@@ -72,12 +72,12 @@ def test_without_bias_and_mixed_bias_dtype(act, device):
     _check(act, x, torch.randn(48, dtype=torch.float32, device=device))
 
 
-def test_dbias_over_many_row_groups_is_deterministic(device):
+def test_dbias_over_many_row_programs_is_deterministic(device):
     torch.manual_seed(2)
-    n = kernels.MAX_BLOCK_N + 40  # two column blocks
-    rows = 12
-    groups, rows_per_group = kernels.backward_groups(rows, n)
-    assert groups > 1 and groups * rows_per_group >= rows
+    n = kernels.MAX_BLOCK_N + 40  # two column blocks, the second ragged
+    block_m, _ = kernels.tile_shape(n)
+    rows = 3 * kernels.CPU_PROGRAMS * block_m // 2 + 3  # each program walks 1-2 row tiles
+    assert kernels.row_programs(rows, n, 2 * kernels.CPU_PROGRAMS) > 1
     x = torch.randn(rows, n, device=device)
     bias = torch.randn(n, device=device)
     dy = torch.randn(rows, n, device=device)
@@ -90,14 +90,17 @@ def test_dbias_over_many_row_groups_is_deterministic(device):
     assert torch.equal(grads[0], grads[1])
 
 
-def test_backward_groups_cover_rows_and_bound_the_workspace():
+def test_row_programs_fill_the_device_and_cover_the_rows():
     for rows in [1, 7, 1000, 123457]:
         for n in [1, 100, 1024, 4096, 12288, 28672]:
-            groups, rows_per_group = kernels.backward_groups(rows, n)
-            block_m, _ = kernels.tile_shape(n)
-            assert rows_per_group % block_m == 0
-            assert (groups - 1) * rows_per_group < rows <= groups * rows_per_group
-            assert groups * n <= 2 * kernels.TARGET_PROGRAMS * kernels.MAX_BLOCK_N
+            for programs in [8, 132 * 2, 148 * 4]:
+                r = kernels.row_programs(rows, n, programs)
+                block_m, block_n = kernels.tile_shape(n)
+                cols = -(-n // block_n)
+                assert 1 <= r <= -(-rows // block_m)
+                # about `programs` programs in all, unless there is too little work
+                assert cols * r <= max(programs, cols)
+                assert r == -(-rows // block_m) or cols * r > programs - cols
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -214,6 +217,7 @@ def test_bad_inputs(device):
 def aot_cases(dtype: str = "bf16"):
     """``(name, kernel, signature, constexprs, num_warps)`` of every kernel at its default tile."""
     block_m, block_n = kernels.tile_shape(1 << 16)
+    bwd_m, bwd_n = kernels.tile_shape(1 << 16, kernels.BWD_TILE_ELEMENTS)
     io = dict(M="i32", N="i32")
     cases = []
     for act, code in kernels.ACTIVATIONS.items():
@@ -230,8 +234,8 @@ def aot_cases(dtype: str = "bf16"):
             kernels._bias_act_bwd_kernel,
             dict(dy_ptr=f"*{dtype}", x_ptr=f"*{dtype}", b_ptr=f"*{dtype}", dx_ptr=f"*{dtype}",
                  part_ptr="*fp32", stride_dym="i64", stride_xm="i64", stride_dxm="i64",
-                 rows_per_group="i32", **io),
-            dict(HAS_BIAS=True, COMPUTE_DBIAS=True, ACT=code, BLOCK_M=block_m, BLOCK_N=block_n),
+                 **io),
+            dict(HAS_BIAS=True, COMPUTE_DBIAS=True, ACT=code, BLOCK_M=bwd_m, BLOCK_N=bwd_n),
             kernels.NUM_WARPS,
         ))
     cases.append((

@@ -414,6 +414,29 @@ def test_custom_ops_pass_opcheck():
     )
 
 
+def test_token_map_custom_ops_pass_opcheck():
+    """The fused ops (row map + scatter, token-major combine, both backwards)."""
+    routing_map, probs, indices = topk_routing(12, 5, 2, seed=14)
+    probs.requires_grad_(True)
+    x = torch.randn(12, 6, requires_grad=True)
+    ops = torch.ops.mtp
+    torch.library.opcheck(ops.moe_permute.default, (x, routing_map, probs, 24, 5, -1, True))
+    torch.library.opcheck(ops.moe_permute.default, (x, indices, None, 15, 5, 3, True))
+    torch.library.opcheck(ops.moe_row_map.default, (routing_map, 24, -1))
+    out = ops.moe_permute(x.detach(), routing_map, probs.detach(), 24, 5, -1, True)
+    rid, rows, experts, count = out[2:6]
+    y = torch.randn(24, 6, requires_grad=True)
+    torch.library.opcheck(ops.moe_unpermute.default, (y, rows, experts, count, rid, probs))
+    torch.library.opcheck(
+        ops.moe_permute_backward.default,
+        (y.detach(), torch.randn(24), rows, experts, count, 6, 5, torch.float32, torch.float32),
+    )
+    torch.library.opcheck(
+        ops.moe_unpermute_backward.default,
+        (torch.randn(12, 6), y.detach(), rows, experts, count, rid, probs.detach(), True),
+    )
+
+
 def test_torch_compile_fullgraph():
     routing_map, probs, _ = topk_routing(12, 4, 2, seed=13)
 
@@ -486,8 +509,12 @@ def test_bad_permute_arguments():
     tokens = torch.randn(8, 5)
     with pytest.raises(TypeError, match="routing_map must have dtype in \\(bool\\), got int64"):
         permute(tokens, routing_map.long(), num_out_tokens=16)
-    with pytest.raises(ValueError, match="num_out_tokens=15 but routing_map routes 16"):
-        permute(tokens, routing_map, num_out_tokens=15, backend="triton")
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="num_out_tokens=15 but routing_map routes 16"):
+            permute(tokens, routing_map, num_out_tokens=15, backend=backend, validate="sync")
+        # default: checked on the device, no host sync (on CPU the assert raises at once)
+        with pytest.raises(RuntimeError, match="num_out_tokens=15 must equal the number of"):
+            permute(tokens, routing_map, num_out_tokens=15, backend=backend)
     with pytest.raises(ValueError, match="tokens must be 2-D"):
         permute(tokens[None], routing_map, num_out_tokens=16)
     with pytest.raises(TypeError, match="tokens must have dtype"):
@@ -504,10 +531,18 @@ def test_bad_permute_arguments():
         permute(tokens)
     with pytest.raises(ValueError, match="needs num_experts"):
         permute(tokens, indices=indices)
-    with pytest.raises(ValueError, match="expert numbers in \\[0, 3\\)"):
-        permute(tokens, indices=indices, num_experts=3)
-    with pytest.raises(ValueError, match="must not repeat an expert"):
-        permute(tokens, indices=torch.zeros(8, 2, dtype=torch.int64), num_experts=4)
+    dup = torch.zeros(8, 2, dtype=torch.int64)
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="expert numbers in \\[0, 3\\)"):
+            permute(tokens, indices=indices, num_experts=3, backend=backend, validate="sync")
+        with pytest.raises(ValueError, match="must not repeat an expert"):
+            permute(tokens, indices=dup, num_experts=4, backend=backend, validate="sync")
+        for bad, e in ((indices, 3), (dup, 4)):
+            msg = f"indices must hold k distinct expert numbers in \\[0, {e}\\)"
+            with pytest.raises(RuntimeError, match=msg):
+                permute(tokens, indices=bad, num_experts=e, backend=backend)
+    with pytest.raises(ValueError, match="num_out_tokens=15 but indices route T \\* k = 16"):
+        permute(tokens, indices=indices, num_out_tokens=15, num_experts=4)
     with pytest.raises(TypeError, match="num_out_tokens must be a Python int"):
         permute(tokens, routing_map, num_out_tokens=16.0)
     with pytest.raises(TypeError, match="indices must have dtype"):
@@ -538,11 +573,15 @@ def test_bad_unpermute_arguments():
         unpermute(x, rid, (8, 6))
     with pytest.raises(ValueError, match="restore_shape must be \\(T, H\\)"):
         unpermute(x, rid, (8,))
-    with pytest.raises(ValueError, match="token numbers in \\[0, 8\\) or -1"):
+    with pytest.raises(ValueError, match="token numbers in \\[0, 8\\) or -1, got values in"):
+        unpermute(x, rid + 1, (8, 5), validate="sync")
+    with pytest.raises(RuntimeError, match="token numbers in \\[0, 8\\) or -1"):
         unpermute(x, rid + 1, (8, 5))
     with pytest.raises(ValueError, match="needs routing_map"):
         unpermute(x, rid, (8, 5), probs)
-    with pytest.raises(ValueError, match="does not match routing_map"):
+    with pytest.raises(ValueError, match="does not match routing_map: [0-9]+ rows"):
+        unpermute(x, rid.flip(0), (8, 5), probs, routing_map, validate="sync")
+    with pytest.raises(RuntimeError, match="does not match routing_map"):
         unpermute(x, rid.flip(0), (8, 5), probs, routing_map)
     with pytest.raises(ValueError, match="probs must be \\[T, E\\] with T=8"):
         unpermute(x, rid, (8, 5), probs[:7], routing_map)

@@ -32,6 +32,9 @@ __all__ = [
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BACKENDS = ("triton", "reference")
 _APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
+# Where the activations are linear (or zero) in fp32: the maths runs on clamped values.
+_GELU_LIMIT = 20.0
+_SILU_LOW, _SILU_HIGH = -200.0, 20.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -44,12 +47,24 @@ def _pre_activation(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return u if bias is None else u + bias.float()
 
 
+def _silu_parts(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(silu(a), sigmoid(c), c)`` with ``c`` = ``a`` clamped where silu is linear or zero in
+    fp32, so that ``silu(+inf) = +inf`` and ``silu(-inf) = 0`` (not ``inf * 0 = NaN``)."""
+    c = a.clamp(_SILU_LOW, _SILU_HIGH)
+    sig = torch.sigmoid(c)
+    return torch.where(a > _SILU_HIGH, a, c * sig), sig, c
+
+
 def _act_reference(u: torch.Tensor, act: str) -> torch.Tensor:
-    """The activation of fp32 ``u`` with PyTorch's own functions."""
+    """The activation of fp32 ``u`` with PyTorch's own functions (+-inf safe: PyTorch's CPU
+    ``gelu`` returns NaN for +-inf in its vectorised path; here ``gelu(+inf) = +inf`` and
+    ``gelu(-inf) = 0``)."""
     if act == "swiglu":
         a, g = torch.chunk(u, 2, dim=-1)
-        return F.silu(a) * g
-    return F.gelu(u, approximate="tanh" if act == "gelu_tanh" else "none")
+        return _silu_parts(a)[0] * g
+    c = u.clamp(-_GELU_LIMIT, _GELU_LIMIT)
+    y = F.gelu(c, approximate="tanh" if act == "gelu_tanh" else "none")
+    return torch.where(u > _GELU_LIMIT, u, y)
 
 
 def bias_gelu_reference(
@@ -66,19 +81,24 @@ def bias_swiglu_reference(x: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 
 def _backward_reference(dy, x, bias, act, need_dbias):
-    """PyTorch's own backward formulas (aten ``gelu_backward`` / ``silu_backward``) in fp32."""
+    """PyTorch's own backward formulas (aten ``gelu_backward`` / ``silu`` derivative) in fp32, on
+    the clamped pre-activation (finite derivatives for +-inf). Differentiable: the double
+    backward of the ops runs through it."""
     u = _pre_activation(x, bias)
     dy = dy.float()
     if act == "swiglu":
         a, g = torch.chunk(u, 2, dim=-1)
-        du = torch.cat([torch.ops.aten.silu_backward(dy * g, a), dy * F.silu(a)], dim=-1)
+        silu, sig, c = _silu_parts(a)
+        du = torch.cat([dy * g * (sig + c * sig * (1 - sig)), dy * silu], dim=-1)
     else:
         approximate = "tanh" if act == "gelu_tanh" else "none"
-        du = torch.ops.aten.gelu_backward(dy, u, approximate=approximate)
+        c = u.clamp(-_GELU_LIMIT, _GELU_LIMIT)
+        inner = torch.ops.aten.gelu_backward(dy, c, approximate=approximate)
+        du = torch.where(u > _GELU_LIMIT, dy, inner)
     dx = du.to(x.dtype)
     if not need_dbias:
         return dx, x.new_empty((0,))
-    return dx, du.reshape(-1, du.shape[-1]).sum(0).to(bias.dtype)
+    return dx, du.sum(dim=tuple(range(du.dim() - 1))).to(bias.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,6 +108,8 @@ def _backward_reference(dy, x, bias, act, need_dbias):
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     """``t`` as ``[rows, width]`` with a contiguous last dim (a view when possible)."""
+    if width == 0:  # reshape(-1, 0) is ambiguous
+        return t.reshape(t.shape[:-1].numel(), 0)
     t2 = t.reshape(-1, width)
     if width > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
@@ -107,7 +129,7 @@ def _forward_impl(x, bias, act, backend):
     n = _out_width(x, act)
     y = empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     bias_c = None if bias is None else bias.contiguous()
-    bias_act_forward(_rows(x, x.shape[-1]), bias_c, y.view(-1, n), act)
+    bias_act_forward(_rows(x, x.shape[-1]), bias_c, _rows(y, n), act)
     return y
 
 
@@ -159,7 +181,7 @@ def _bias_act_backward_op(
         _rows(dy, _out_width(x, act)),
         _rows(x, width),
         None if bias is None else bias.contiguous(),
-        dx.view(-1, width),
+        _rows(dx, width),
         dbias if need_dbias else None,
         act,
     )
@@ -186,6 +208,11 @@ def _setup_context(ctx, inputs, output, act: str) -> None:
 def _backward(ctx, dy):
     x, bias = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[1]
+    if torch.is_grad_enabled():
+        # create_graph=True (double backward, e.g. a gradient penalty): the differentiable
+        # fp32 formulas in aten ops; the fused kernel has no derivative of its own.
+        dx, dbias = _backward_reference(dy, x, bias, ctx.act, need_dbias)
+        return dx, (dbias if need_dbias else None)
     dx, dbias = torch.ops.mtp.bias_act_backward(dy, x, bias, ctx.act, need_dbias, ctx.backend)
     return dx, (dbias if need_dbias else None)
 
@@ -255,13 +282,20 @@ def bias_gelu(
         ``[..., H]`` in ``x.dtype``; math in fp32.
 
     Autograd saves ``x`` and ``bias`` only; backward recomputes ``x + bias``, writes ``dx``
-    (``x.dtype``) and ``dbias`` (``bias.dtype``, fp32 two-stage row reduction, deterministic).
+    (``x.dtype``) and ``dbias`` (``bias.dtype``, fp32 two-stage row reduction, deterministic on
+    a given device). With ``create_graph=True`` the backward runs as differentiable fp32 aten
+    formulas, so double backward works. ``gelu(+inf) = +inf``, ``gelu(-inf) = 0`` (finite
+    derivatives 1 and 0); NaN propagates. Zero-width ``x`` gives an empty result.
 
-    Bytes (``s`` = element size of ``x``, ``sb`` of ``bias``, ``M`` rows):
-    forward reads ``M*H*s + H*sb`` and writes ``M*H*s``; backward reads ``dy``, ``x``, ``bias``
-    (``2*M*H*s + H*sb``) and writes ``dx`` and ``dbias`` (``M*H*s + H*sb``), plus an fp32
-    partial-sum workspace of ``G*H*4`` bytes written and read once (``G <= 1024`` row groups,
-    ``G*H <= 2**20 + H``, about 4 MiB; none without bias).
+    Launches: one forward; backward one, two with ``dbias``. The grid is persistent: about as
+    many programs as fit on the device at once (``SMs x`` resident blocks for the kernel's
+    registers), each owning a column block, loading its bias slice once and walking the rows.
+
+    Bytes (``s`` = element size of ``x``, ``sb`` of ``bias``, ``M`` rows, ``P`` programs):
+    forward reads ``M*H*s`` plus the bias once per program and writes ``M*H*s``; backward reads
+    ``dy``, ``x`` (``2*M*H*s``) and the bias, writes ``dx`` and ``dbias`` (``M*H*s + H*sb``),
+    plus an fp32 partial-sum workspace (one ``H``-row per row program, about ``P*4`` bytes per
+    column) written and read once (none without bias).
     """
     _check_approximate(approximate)
     backend = _check_inputs("bias_gelu", x, bias, backend, gated=False)
@@ -285,12 +319,13 @@ def bias_swiglu(
         ``[..., H]`` in ``x.dtype``; math in fp32.
 
     Autograd saves ``x`` and ``bias``; backward writes ``dx`` ``[..., 2*H]`` and ``dbias``
-    ``[2*H]`` (fp32 two-stage reduction, deterministic).
+    ``[2*H]`` (fp32 two-stage reduction, deterministic). Launches, grid, non-finite inputs and
+    double backward as in :func:`bias_gelu` (``silu(-inf) = 0``, ``silu(+inf) = +inf``).
 
     Bytes (``s`` = element size of ``x``, ``sb`` of ``bias``, ``M`` rows): forward reads
-    ``2*M*H*s + 2*H*sb`` and writes ``M*H*s``; backward reads ``dy`` and ``x`` and ``bias``
-    (``3*M*H*s + 2*H*sb``) and writes ``dx`` and ``dbias`` (``2*M*H*s + 2*H*sb``), plus the
-    fp32 partial-sum workspace (``G*2*H*4`` bytes, ``G*H <= 2**20 + H``; none without bias).
+    ``2*M*H*s`` plus the bias once per program and writes ``M*H*s``; backward reads ``dy`` and
+    ``x`` (``3*M*H*s``) and the bias, writes ``dx`` and ``dbias`` (``2*M*H*s + 2*H*sb``), plus the
+    fp32 partial-sum workspace (none without bias).
     """
     backend = _check_inputs("bias_swiglu", x, bias, backend, gated=True)
     return torch.ops.mtp.bias_swiglu(x, bias, backend)

@@ -25,13 +25,20 @@ Where this differs from Megatron-Core (on purpose, following mtp's issue 5):
 - ``num_out_tokens`` is checked against the routing (data check) instead of silently cutting or
   padding; ``indices=[T, k]`` is accepted in place of ``routing_map``.
 
-Everything runs on the device with static shapes (graph-safe): the per-expert counts and the
-row map come from cumulative sums and ``searchsorted``; nothing reads a value on the host except
-the data-dependent validation (:func:`mtp.utils.data_checks_enabled`), and, only when
-``num_out_tokens`` is omitted for a routing map, the count of routed pairs.
+Everything runs on the device with static shapes (graph-safe) and without a host sync: the
+data checks are device-side asserts by default (:func:`mtp.utils.check_values`;
+``validate="sync"`` gives typed errors with the values at the cost of a sync). The one exception
+is ``num_out_tokens=None`` with a routing map: the output shape is the routed count, read on the
+host.
 
-Backends: ``"triton"`` (the kernels of :mod:`mtp.kernels.moe_permute`) and ``"reference"``
-(plain PyTorch, same signature), chosen by :func:`mtp.ops._backend.resolve_backend`.
+Backends: ``"triton"`` and ``"reference"`` (plain PyTorch, same signature), chosen by
+:func:`mtp.ops._backend.resolve_backend`. Triton: :func:`permute` builds the row map on the
+device without a sort (:mod:`mtp.kernels.moe_row_map`: count per expert, then scan and place)
+and reads each token row once, writing it to its rows; the token-major map built with it rides
+on the returned ``row_id_map`` (:mod:`mtp.ops._moe_token_map`), so :func:`unpermute` and both
+backwards run in one launch each. A ``row_id_map`` from elsewhere (Megatron's
+``sorted_indices``, :func:`moe_permute_row_map`, a modified copy) is inverted on the device with
+a sort and handled by the row kernels of :mod:`mtp.kernels.moe_permute`.
 """
 
 from __future__ import annotations
@@ -43,7 +50,16 @@ import torch
 
 from mtp.kernels import moe_permute as _kernels
 from mtp.ops._backend import resolve_backend
-from mtp.utils import check_int, check_tensor, data_checks_enabled, empty
+from mtp.ops._moe_permute_checks import (
+    check_permute_data,
+    count_message,
+    indices_message,
+    resolve_routing,
+    resolve_sizes,
+    routing_from_indices,
+)
+from mtp.ops._moe_token_map import attach, token_map_for
+from mtp.utils import check_tensor, check_values, data_checks_enabled, empty, validation_mode
 
 __all__ = [
     "permute",
@@ -197,6 +213,8 @@ def moe_permute_row_map(
     num_out_tokens: int,
     drop_and_pad: bool = False,
     capacity: int | None = None,
+    *,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The row map of :func:`permute`, computed on the device without a host sync.
 
@@ -206,11 +224,21 @@ def moe_permute_row_map(
         drop_and_pad: keep the first ``capacity`` tokens (token order) of each expert, in slots
             ``[e * capacity, (e + 1) * capacity)``.
         capacity: slots per expert (with ``drop_and_pad``).
+        backend: ``"triton"`` (two launches, no sort; the token-major map rides on the returned
+            ``row_id_map`` so that :func:`unpermute` runs in one launch), ``"reference"``
+            (cumulative sums and ``searchsorted``) or ``"auto"``.
 
     Returns:
         ``(row_id_map, pair)``, both int64 ``[N]``: the token of each row (``-1``: no token) and
         its flat ``(token, expert)`` index ``t * E + e`` (``T * E`` for an empty row).
     """
+    if resolve_backend("permute", backend, routing_map.device, _BACKENDS) == "triton":
+        cap = capacity if drop_and_pad else None
+        row_id_map, pair, rows, experts_, count = torch.ops.mtp.moe_row_map(
+            routing_map, num_out_tokens, -1 if cap is None else cap
+        )
+        attach(row_id_map, rows, experts_, count, routing_map.shape[1], drop_and_pad, routing_map)
+        return row_id_map, pair
     tokens, experts = routing_map.shape
     device = routing_map.device
     if drop_and_pad:
@@ -271,149 +299,6 @@ def select_probs(probs: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks
-# --------------------------------------------------------------------------------------------
-
-
-def _routing_from_indices(
-    indices: torch.Tensor, num_experts: int, validate: bool
-) -> torch.Tensor:
-    """``[T, k]`` top-k expert indices -> ``[T, E]`` bool routing map (device, static shape)."""
-    if data_checks_enabled(validate, indices):
-        bad_range = ((indices < 0) | (indices >= num_experts)).any()
-        sorted_idx = indices.sort(dim=1).values
-        dup = (sorted_idx[:, 1:] == sorted_idx[:, :-1]).any()
-        bad_range, dup = torch.stack([bad_range, dup]).tolist()
-        if bad_range:
-            raise ValueError(
-                f"indices must hold expert numbers in [0, {num_experts}), got values outside "
-                f"(min {int(indices.min())}, max {int(indices.max())})"
-            )
-        if dup:
-            raise ValueError("indices must not repeat an expert within a token's row")
-    idx = indices.to(torch.int64).clamp(0, max(num_experts - 1, 0))
-    routing = torch.zeros(
-        (indices.shape[0], num_experts), dtype=torch.bool, device=indices.device
-    )
-    if indices.numel():
-        routing.scatter_(1, idx, True)
-    return routing
-
-
-def _resolve_routing(
-    tokens_shape: Sequence[int],
-    device: torch.device,
-    routing_map: torch.Tensor | None,
-    indices: torch.Tensor | None,
-    probs: torch.Tensor | None,
-    num_experts: int | None,
-    validate: bool,
-) -> tuple[torch.Tensor, int | None]:
-    """Check routing_map / indices / probs; return the ``[T, E]`` bool routing map and ``k``
-    (the row width of ``indices``, None for a routing map)."""
-    num_tokens = tokens_shape[0]
-    if (routing_map is None) == (indices is None):
-        raise ValueError("pass exactly one of routing_map=[T, E] bool or indices=[T, k]")
-    if probs is not None:
-        check_tensor("probs", probs, ndim=2, dtypes=_FLOAT_DTYPES, device=device)
-        if probs.shape[0] != num_tokens:
-            raise ValueError(
-                f"probs must be [T, E] with T={num_tokens} (tokens' rows), got {tuple(probs.shape)}"
-            )
-    if routing_map is not None:
-        check_tensor("routing_map", routing_map, ndim=2, dtypes=(torch.bool,), device=device)
-        if routing_map.shape[0] != num_tokens:
-            raise ValueError(
-                f"routing_map must be [T, E] with T={num_tokens} (tokens' rows), got "
-                f"{tuple(routing_map.shape)}"
-            )
-        if probs is not None and probs.shape != routing_map.shape:
-            raise ValueError(
-                f"probs must have routing_map's shape {tuple(routing_map.shape)}, got "
-                f"{tuple(probs.shape)}"
-            )
-        if num_experts is not None and num_experts != routing_map.shape[1]:
-            raise ValueError(
-                f"num_experts={num_experts} but routing_map has {routing_map.shape[1]} columns"
-            )
-        return routing_map, None
-    check_tensor("indices", indices, ndim=2, dtypes=_INDEX_DTYPES, device=device)
-    if indices.shape[0] != num_tokens:
-        raise ValueError(
-            f"indices must be [T, k] with T={num_tokens} (tokens' rows), got "
-            f"{tuple(indices.shape)}"
-        )
-    if num_experts is None:
-        if probs is None:
-            raise ValueError("indices= needs num_experts= (or probs=[T, E]) to know E")
-        num_experts = probs.shape[1]
-    check_int("num_experts", num_experts, 1)
-    if probs is not None and probs.shape[1] != num_experts:
-        raise ValueError(
-            f"probs must be [T, E] with E={num_experts}, got {tuple(probs.shape)}"
-        )
-    if indices.shape[1] > num_experts:
-        raise ValueError(
-            f"indices has k={indices.shape[1]} columns but there are only {num_experts} experts"
-        )
-    return _routing_from_indices(indices, num_experts, validate), indices.shape[1]
-
-
-def _resolve_sizes(
-    routing_map: torch.Tensor,
-    topk: int | None,
-    num_out_tokens: int | None,
-    drop_and_pad: bool,
-    capacity: int | None,
-    validate: bool,
-) -> tuple[int, int | None]:
-    """The static row count ``N`` and capacity; checks them against the routing."""
-    num_tokens, num_experts = routing_map.shape
-    if num_out_tokens is not None:
-        check_int("num_out_tokens", num_out_tokens)
-    if drop_and_pad:
-        if capacity is None:
-            if num_out_tokens is None:
-                raise ValueError("drop_and_pad=True needs capacity= (or num_out_tokens=E*capacity)")
-            if num_experts == 0 or num_out_tokens % num_experts:
-                raise ValueError(
-                    f"drop_and_pad: num_out_tokens={num_out_tokens} must be a multiple of the "
-                    f"number of experts {num_experts} (it is E * capacity)"
-                )
-            capacity = num_out_tokens // num_experts
-        check_int("capacity", capacity)
-        if num_out_tokens is not None and num_out_tokens != num_experts * capacity:
-            raise ValueError(
-                f"drop_and_pad: num_out_tokens={num_out_tokens} must equal E * capacity = "
-                f"{num_experts} * {capacity}"
-            )
-        return num_experts * capacity, capacity
-    if capacity is not None:
-        raise ValueError("capacity= is only used with drop_and_pad=True")
-    if num_out_tokens is None:
-        if topk is not None:
-            num_out_tokens = num_tokens * topk
-        elif data_checks_enabled(True, routing_map):
-            # Only here does the shape depend on the data: one host sync, not graph-safe.
-            num_out_tokens = int(routing_map.sum())
-            logger.debug("permute: num_out_tokens=None, counted %d routed pairs", num_out_tokens)
-        else:
-            raise ValueError(
-                "permute: num_out_tokens must be given while tracing or capturing (the output "
-                "shape cannot depend on the routing); for top-k routing it is T * k"
-            )
-        return num_out_tokens, None
-    if data_checks_enabled(validate, routing_map):
-        routed = int(routing_map.sum())
-        if routed != num_out_tokens:
-            raise ValueError(
-                f"num_out_tokens={num_out_tokens} but routing_map routes {routed} "
-                "(token, expert) pairs; they must be equal without drop_and_pad"
-            )
-    return num_out_tokens, None
-
-
-# --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
 
@@ -429,7 +314,7 @@ def permute(
     indices: torch.Tensor | None = None,
     num_experts: int | None = None,
     backend: str = "auto",
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Group token rows by expert (Megatron-Core's ``moe_utils.permute`` order).
 
@@ -452,8 +337,11 @@ def permute(
             (distinct within a row); gives the same order as the equivalent routing map.
         num_experts: ``E`` for ``indices=`` when ``probs`` is not given.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
-        validate: run the checks that read tensor values (range of ``indices``, routed count
-            against ``num_out_tokens``); skipped automatically while tracing/capturing.
+        validate: the checks that read tensor values (``indices`` distinct and in range, routed
+            pairs equal to ``num_out_tokens``). ``True``: on the device, no host sync (a
+            device-side assert on CUDA; on CPU a ``RuntimeError`` naming the argument).
+            ``"sync"`` (or ``MTP_VALIDATE=sync``): a ``ValueError`` with the offending values,
+            at the cost of a host sync. ``False``: off. Skipped while tracing/capturing.
 
     Returns:
         ``(permuted, permuted_probs, row_id_map)``:
@@ -468,26 +356,48 @@ def permute(
           row that holds none (an unused drop-and-pad slot, zero in ``permuted``; also rows past
           the routed pairs when ``num_out_tokens`` exceeds them with ``validate=False``). With
           ``validate=False`` and fewer rows than routed pairs, the last pairs are dropped, as in
-          Megatron.
+          Megatron. The Triton backend also remembers on it the token-major map it built (see
+          :mod:`mtp.ops._moe_token_map`), which :func:`unpermute` and both backwards reuse while
+          ``row_id_map`` is not modified in place.
 
-    Gradients flow to ``tokens`` (a per-token fp32 gather of the row gradients, no atomics) and
-    to ``probs``. The whole path is graph-safe (static shapes, no host sync) once
-    ``num_out_tokens`` (or ``capacity``) is given.
+    Triton backend: the row map is built on the device in two launches (count per expert, then
+    scan and place; no sort) and each token row is read once and written to its ``k`` rows:
+    three launches (four with the device-side check), no host sync. Gradients flow to
+    ``tokens`` (a per-token fp32 sum of the row gradients, no atomics) and to ``probs``, in one
+    launch. The whole path is graph-safe (static shapes, no host sync) once ``num_out_tokens``
+    (or ``capacity``) is given.
     """
     check_tensor("tokens", tokens, ndim=2, dtypes=_FLOAT_DTYPES)
-    routing_map, topk = _resolve_routing(
-        tokens.shape, tokens.device, routing_map, indices, probs, num_experts, validate
+    routing_map, indices, topk, num_experts = resolve_routing(
+        tokens.shape, tokens.device, routing_map, indices, probs, num_experts
     )
-    n, capacity = _resolve_sizes(
-        routing_map, topk, num_out_tokens, drop_and_pad, capacity, validate
+    n, capacity = resolve_sizes(
+        tokens.shape[0], num_experts, routing_map, topk, num_out_tokens, drop_and_pad,
+        capacity, validate,
     )
     choice = resolve_backend("permute", backend, tokens.device, _BACKENDS)
+    mode = validation_mode(validate)
+    if choice == "reference" or mode == "sync":
+        check_permute_data(mode, routing_map, indices, num_experts, n, drop_and_pad)
     if choice == "reference":
+        if routing_map is None:
+            routing_map = routing_from_indices(indices, num_experts)
         return permute_reference(tokens, routing_map, probs, n, drop_and_pad, capacity)
-    row_id_map, pair = moe_permute_row_map(routing_map, n, drop_and_pad, capacity)
-    permuted = torch.ops.mtp.moe_gather_rows(tokens, row_id_map, None)
-    permuted_probs = None if probs is None else select_probs(probs, pair)
-    return permuted, permuted_probs, row_id_map
+    routing = routing_map if routing_map is not None else indices
+    checking = mode == "device" and data_checks_enabled(True, routing)
+    # Rows that may hold no token are zeroed by the scatter launch's extra programs.
+    zero_empty = drop_and_pad or not (checking or mode == "sync")
+    permuted, pprobs, row_id_map, rows, experts, count, ok = torch.ops.mtp.moe_permute(
+        tokens, routing, probs, n, num_experts, -1 if capacity is None else capacity, zero_empty
+    )
+    if checking and (indices is not None or not drop_and_pad):
+        what = [indices_message(num_experts)] if indices is not None else []
+        if not drop_and_pad and indices is None:
+            what.append(count_message(n, "routing_map"))
+        check_values(ok, "permute: " + "; ".join(what) + " (validate='sync' reports the values)",
+                     validate=mode, tensors=(routing,))
+    attach(row_id_map, rows, experts, count, num_experts, drop_and_pad, routing)
+    return permuted, (pprobs if probs is not None else None), row_id_map
 
 
 def unpermute(
@@ -500,7 +410,7 @@ def unpermute(
     *,
     indices: torch.Tensor | None = None,
     backend: str = "auto",
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> torch.Tensor:
     """Merge permuted rows back into token order (Megatron-Core's ``moe_utils.unpermute``).
 
@@ -521,11 +431,19 @@ def unpermute(
         indices: ``[T, k]`` top-k expert numbers instead of ``routing_map``.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
         validate: check the values of ``row_id_map`` (in ``[-1, T)``) and that every row's
-            ``(token, expert)`` pair is routed; skipped while tracing/capturing.
+            ``(token, expert)`` pair is routed: on the device by default (no host sync),
+            ``"sync"`` for typed errors with the values, ``False`` off; skipped while
+            tracing/capturing and for a ``row_id_map`` that :func:`permute` built from the same
+            routing (consistent by construction).
 
     Returns:
         ``[T, H]`` in ``permuted``'s dtype; tokens no row maps to are zero. Gradients flow to
         ``permuted`` (``p_i * grad[t]``) and ``probs`` (``<permuted[i], grad[t]>``).
+
+    Triton backend with the ``row_id_map`` of :func:`permute`: one launch forward (each token
+    loads all its row numbers and weights, then its rows) and one backward (each token reads its
+    output gradient once and writes its rows' gradients and its probs gradient). Another
+    ``row_id_map`` is inverted on the device first (a sort).
     """
     check_tensor("permuted", permuted, ndim=2, dtypes=_FLOAT_DTYPES)
     device = permuted.device
@@ -542,7 +460,7 @@ def unpermute(
     if shape[1] != hidden:
         raise ValueError(f"restore_shape {shape} must end in permuted's hidden size {hidden}")
     num_tokens = shape[0]
-    pair = None
+    experts = None
     if probs is not None:
         check_tensor("probs", probs, ndim=2, dtypes=_FLOAT_DTYPES, device=device)
         if probs.shape[0] != num_tokens:
@@ -552,8 +470,8 @@ def unpermute(
             )
         experts = probs.shape[1]
         if routing_map is not None or indices is not None:
-            routing_map, _ = _resolve_routing(
-                shape, device, routing_map, indices, probs, experts, validate
+            routing_map, indices, _, _ = resolve_routing(
+                shape, device, routing_map, indices, probs, experts
             )
         elif not drop_and_pad:
             raise ValueError(
@@ -564,10 +482,21 @@ def unpermute(
             raise ValueError(
                 f"drop_and_pad: permuted has {num_rows} rows, not a multiple of E={experts}"
             )
-        pair = _row_pairs(row_id_map, num_tokens, experts, routing_map, drop_and_pad)
-    if data_checks_enabled(validate, row_id_map):
-        _check_row_map(row_id_map, num_tokens, pair, routing_map)
     choice = resolve_backend("unpermute", backend, device, _BACKENDS)
+    if choice == "triton":
+        tm = token_map_for(row_id_map, num_tokens, probs, routing_map, indices, drop_and_pad)
+        if tm is not None:
+            return torch.ops.mtp.moe_unpermute(
+                permuted, tm.rows, tm.experts, tm.count, row_id_map, probs
+            )
+    pair = None
+    if probs is not None:
+        mode = validation_mode(validate)
+        if indices is not None:
+            check_permute_data(mode, None, indices, experts, indices.numel(), True)
+            routing_map = routing_from_indices(indices, experts)
+        pair = _row_pairs(row_id_map, num_tokens, experts, routing_map, drop_and_pad)
+    _check_row_map(validate, row_id_map, num_tokens, pair, routing_map)
     weight = None if pair is None else select_probs(probs, pair)
     if choice == "reference":
         return _combine_reference(permuted, row_id_map, weight, num_tokens)
@@ -575,29 +504,45 @@ def unpermute(
 
 
 def _check_row_map(
+    validate: bool | str,
     row_id_map: torch.Tensor,
     num_tokens: int,
     pair: torch.Tensor | None,
     routing_map: torch.Tensor | None,
 ) -> None:
-    """Data-dependent checks of unpermute's row map (one host sync)."""
-    if row_id_map.numel() == 0:
+    """Data-dependent checks of unpermute's row map (see :func:`mtp.utils.check_values`)."""
+    mode = validation_mode(validate)
+    if mode == "off" or row_id_map.numel() == 0 or not data_checks_enabled(True, row_id_map):
         return
-    stats = [row_id_map.min().to(torch.int64), row_id_map.max().to(torch.int64)]
+    in_range = (row_id_map >= -1) & (row_id_map < num_tokens)
+    unrouted = None
     if pair is not None and routing_map is not None:
         routed = torch.cat([routing_map.reshape(-1), routing_map.new_zeros(1)])[pair]
-        stats.append(((row_id_map >= 0) & ~routed).sum())
-    lo, hi, *bad = torch.stack(stats).tolist()
-    if lo < -1 or hi >= num_tokens:
-        raise ValueError(
-            f"row_id_map must hold token numbers in [0, {num_tokens}) or -1, got values in "
-            f"[{lo}, {hi}]"
-        )
-    if bad and bad[0]:
-        raise ValueError(
-            f"row_id_map does not match routing_map: {bad[0]} rows hold a token that "
-            "routing_map does not send to that row's expert"
-        )
+        unrouted = (row_id_map >= 0) & ~routed
+    if mode == "sync":
+        stats = [row_id_map.min().to(torch.int64), row_id_map.max().to(torch.int64)]
+        if unrouted is not None:
+            stats.append(unrouted.sum())
+        lo, hi, *bad = torch.stack(stats).tolist()
+        if lo < -1 or hi >= num_tokens:
+            raise ValueError(
+                f"row_id_map must hold token numbers in [0, {num_tokens}) or -1, got values in "
+                f"[{lo}, {hi}]"
+            )
+        if bad and bad[0]:
+            raise ValueError(
+                f"row_id_map does not match routing_map: {bad[0]} rows hold a token that "
+                "routing_map does not send to that row's expert"
+            )
+        return
+    check_values(in_range.all(),
+                 f"row_id_map must hold token numbers in [0, {num_tokens}) or -1",
+                 validate=mode, tensors=(row_id_map,))
+    if unrouted is not None:
+        check_values(~unrouted.any(),
+                     "row_id_map does not match routing_map: some rows hold a token that "
+                     "routing_map does not send to that row's expert",
+                     validate=mode, tensors=(row_id_map, routing_map))
 
 
 # --------------------------------------------------------------------------------------------

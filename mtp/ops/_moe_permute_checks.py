@@ -1,0 +1,218 @@
+"""Argument and data checks of :func:`mtp.ops.permute` / :func:`mtp.ops.unpermute`.
+
+Shape, dtype and device checks are free and always on. Data checks (indices in range and
+distinct, routed pairs against ``num_out_tokens``, row map values) follow the project rule
+(:func:`mtp.utils.check_values`): on the device by default (no host sync), typed errors with the
+offending values under ``validate="sync"``, none with ``validate=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from mtp.utils import check_int, check_tensor, check_values, data_checks_enabled, validation_mode
+
+logger = logging.getLogger("mtp")
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def routing_from_indices(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[T, k]`` top-k expert indices -> ``[T, E]`` bool routing map (device, static shape;
+    out-of-range numbers are clamped: validate them first)."""
+    idx = indices.to(torch.int64).clamp(0, max(num_experts - 1, 0))
+    routing = torch.zeros((indices.shape[0], num_experts), dtype=torch.bool, device=indices.device)
+    if indices.numel():
+        routing.scatter_(1, idx, True)
+    return routing
+
+
+def indices_message(num_experts: int) -> str:
+    return (
+        f"indices must hold k distinct expert numbers in [0, {num_experts}) in each token's row"
+    )
+
+
+def count_message(num_out_tokens: int, source: str) -> str:
+    return (
+        f"num_out_tokens={num_out_tokens} must equal the number of (token, expert) pairs "
+        f"{source} routes (without drop_and_pad)"
+    )
+
+
+def check_indices_sync(indices: torch.Tensor, num_experts: int) -> None:
+    """Typed errors with the values (one host sync): ``validate="sync"``."""
+    if indices.numel() == 0:
+        return
+    bad_range = ((indices < 0) | (indices >= num_experts)).any()
+    sorted_idx = indices.sort(dim=1).values
+    dup = (sorted_idx[:, 1:] == sorted_idx[:, :-1]).any()
+    bad_range, dup = torch.stack([bad_range, dup]).tolist()
+    if bad_range:
+        raise ValueError(
+            f"indices must hold expert numbers in [0, {num_experts}), got values outside "
+            f"(min {int(indices.min())}, max {int(indices.max())})"
+        )
+    if dup:
+        raise ValueError("indices must not repeat an expert within a token's row")
+
+
+def indices_valid(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """0-d bool on the device: every row of ``indices`` holds distinct experts in range."""
+    ok = ((indices >= 0) & (indices < num_experts)).all()
+    if indices.shape[1] > 1:
+        s = indices.sort(dim=1).values
+        ok = ok & (s[:, 1:] != s[:, :-1]).all()
+    return ok
+
+
+def check_permute_data(
+    validate: bool | str,
+    routing_map: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    num_experts: int,
+    num_out_tokens: int,
+    drop_and_pad: bool,
+) -> None:
+    """The data checks of permute in plain PyTorch (reference backend, or ``"sync"``)."""
+    mode = validation_mode(validate)
+    if mode == "off":
+        return
+    if indices is not None:
+        if not data_checks_enabled(True, indices):
+            return
+        if mode == "sync":
+            check_indices_sync(indices, num_experts)
+        else:
+            check_values(indices_valid(indices, num_experts), indices_message(num_experts),
+                         validate=mode, tensors=(indices,))
+        return  # distinct in-range indices route exactly T * k pairs (checked statically)
+    if drop_and_pad or not data_checks_enabled(True, routing_map):
+        return
+    if mode == "sync":
+        routed = int(routing_map.sum())
+        if routed != num_out_tokens:
+            raise ValueError(
+                f"num_out_tokens={num_out_tokens} but routing_map routes {routed} "
+                "(token, expert) pairs; they must be equal without drop_and_pad"
+            )
+        return
+    check_values(routing_map.sum() == num_out_tokens,
+                 count_message(num_out_tokens, "routing_map"), validate=mode,
+                 tensors=(routing_map,))
+
+
+def resolve_routing(
+    tokens_shape: Sequence[int],
+    device: torch.device,
+    routing_map: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    probs: torch.Tensor | None,
+    num_experts: int | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None, int]:
+    """Check routing_map / indices / probs (shapes, dtypes, devices); return ``(routing_map,
+    indices, k, E)``: one of the two routings, ``k`` the row width of ``indices`` (None for a
+    routing map) and the number of experts."""
+    num_tokens = tokens_shape[0]
+    if (routing_map is None) == (indices is None):
+        raise ValueError("pass exactly one of routing_map=[T, E] bool or indices=[T, k]")
+    if probs is not None:
+        check_tensor("probs", probs, ndim=2, dtypes=_FLOAT_DTYPES, device=device)
+        if probs.shape[0] != num_tokens:
+            raise ValueError(
+                f"probs must be [T, E] with T={num_tokens} (tokens' rows), got {tuple(probs.shape)}"
+            )
+    if routing_map is not None:
+        check_tensor("routing_map", routing_map, ndim=2, dtypes=(torch.bool,), device=device)
+        if routing_map.shape[0] != num_tokens:
+            raise ValueError(
+                f"routing_map must be [T, E] with T={num_tokens} (tokens' rows), got "
+                f"{tuple(routing_map.shape)}"
+            )
+        if probs is not None and probs.shape != routing_map.shape:
+            raise ValueError(
+                f"probs must have routing_map's shape {tuple(routing_map.shape)}, got "
+                f"{tuple(probs.shape)}"
+            )
+        if num_experts is not None and num_experts != routing_map.shape[1]:
+            raise ValueError(
+                f"num_experts={num_experts} but routing_map has {routing_map.shape[1]} columns"
+            )
+        return routing_map, None, None, routing_map.shape[1]
+    check_tensor("indices", indices, ndim=2, dtypes=_INDEX_DTYPES, device=device)
+    if indices.shape[0] != num_tokens:
+        raise ValueError(
+            f"indices must be [T, k] with T={num_tokens} (tokens' rows), got "
+            f"{tuple(indices.shape)}"
+        )
+    if num_experts is None:
+        if probs is None:
+            raise ValueError("indices= needs num_experts= (or probs=[T, E]) to know E")
+        num_experts = probs.shape[1]
+    check_int("num_experts", num_experts, 1)
+    if probs is not None and probs.shape[1] != num_experts:
+        raise ValueError(
+            f"probs must be [T, E] with E={num_experts}, got {tuple(probs.shape)}"
+        )
+    if indices.shape[1] > num_experts:
+        raise ValueError(
+            f"indices has k={indices.shape[1]} columns but there are only {num_experts} experts"
+        )
+    return None, indices, indices.shape[1], num_experts
+
+
+def resolve_sizes(
+    num_tokens: int,
+    num_experts: int,
+    routing_map: torch.Tensor | None,
+    topk: int | None,
+    num_out_tokens: int | None,
+    drop_and_pad: bool,
+    capacity: int | None,
+    validate: bool | str,
+) -> tuple[int, int | None]:
+    """The static row count ``N`` and capacity, checked against the routing's shape."""
+    if num_out_tokens is not None:
+        check_int("num_out_tokens", num_out_tokens)
+    if drop_and_pad:
+        if capacity is None:
+            if num_out_tokens is None:
+                raise ValueError("drop_and_pad=True needs capacity= (or num_out_tokens=E*capacity)")
+            if num_experts == 0 or num_out_tokens % num_experts:
+                raise ValueError(
+                    f"drop_and_pad: num_out_tokens={num_out_tokens} must be a multiple of the "
+                    f"number of experts {num_experts} (it is E * capacity)"
+                )
+            capacity = num_out_tokens // num_experts
+        check_int("capacity", capacity)
+        if num_out_tokens is not None and num_out_tokens != num_experts * capacity:
+            raise ValueError(
+                f"drop_and_pad: num_out_tokens={num_out_tokens} must equal E * capacity = "
+                f"{num_experts} * {capacity}"
+            )
+        return num_experts * capacity, capacity
+    if capacity is not None:
+        raise ValueError("capacity= is only used with drop_and_pad=True")
+    if num_out_tokens is None:
+        if topk is not None:
+            return num_tokens * topk, None
+        if data_checks_enabled(True, routing_map):
+            # Only here does the shape depend on the data: one host sync, not graph-safe.
+            num_out_tokens = int(routing_map.sum())
+            logger.debug("permute: num_out_tokens=None, counted %d routed pairs", num_out_tokens)
+            return num_out_tokens, None
+        raise ValueError(
+            "permute: num_out_tokens must be given while tracing or capturing (the output "
+            "shape cannot depend on the routing); for top-k routing it is T * k"
+        )
+    checked = validation_mode(validate) != "off"
+    if topk is not None and num_out_tokens != num_tokens * topk and checked:
+        raise ValueError(
+            f"num_out_tokens={num_out_tokens} but indices route T * k = {num_tokens * topk} "
+            "(token, expert) pairs; they must be equal without drop_and_pad"
+        )
+    return num_out_tokens, None

@@ -1,0 +1,413 @@
+"""Byte floor, launch counts and host syncs of permute / unpermute / bias-act (issue 11), plus
+their robustness cases (issue 17), AOT builds of the new kernels and the shared token map.
+
+Bytes are counted by address under the Triton interpreter (:mod:`mtp.testing.traffic`: unique
+bytes per program, summed) and divided by the fewest bytes each op must move (the formulas of
+``bench/bench_permute.py`` and ``bench/bench_bias_act.py``, plus the probabilities where the
+call reads or writes them). Outputs are not poisoned here: the NaN fill is a test-suite extra.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtp.ops
+from mtp.kernels import bias_act as bias_kernels
+from mtp.kernels import moe_permute as perm_kernels
+from mtp.kernels import moe_row_map as map_kernels
+from mtp.ops import permute, unpermute
+from mtp.testing import assert_close, compile_for_targets, count_host_syncs
+from mtp.testing.traffic import count_traffic
+
+T, E, K, H = 256, 16, 4, 256  # mid-size permute shape
+N = T * K
+MAX_RATIO = 1.10
+
+
+@pytest.fixture(autouse=True)
+def _no_poison(monkeypatch):
+    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+
+
+def _routing(seed=0, tokens=T):
+    g = torch.Generator().manual_seed(seed)
+    top = torch.randn(tokens, E, generator=g).topk(K, dim=1)
+    routing_map = torch.zeros(tokens, E, dtype=torch.bool).scatter_(1, top.indices, True)
+    probs = torch.zeros(tokens, E).scatter_(1, top.indices, top.values.softmax(1))
+    return routing_map, probs
+
+
+def _check(traffic, floor, launches, name):
+    ratio = traffic.ratio(floor)
+    assert ratio <= MAX_RATIO, f"{name}: {ratio:.3f} x the byte floor ({traffic.summary(floor)})"
+    assert traffic.device_ops <= launches, f"{name}: {traffic.summary(floor)}"
+    assert traffic.num_host_syncs == 0, f"{name}: host syncs {traffic.host_syncs}"
+
+
+def test_permute_unpermute_bytes_launches_syncs():
+    """Default arguments (validate=True: checks on the device), fp32, with probabilities."""
+    routing_map, probs = _routing()
+    s = 4
+    x = torch.randn(T, H, requires_grad=True)
+    p = probs.clone().requires_grad_(True)
+    with count_traffic() as t:
+        permuted, pprobs, rid = permute(x, routing_map, p, N, backend="triton")
+    # read tokens, routing map, the routed probs; write rows, row map, permuted probs
+    _check(t, T * H * s + T * E + N * H * s + 8 * N + N * s + N * s, 4, "permute fwd")
+    assert t.num_launches == 3  # count, scan + place, scatter (+ the device-side assert)
+
+    g_rows, g_probs = torch.randn(N, H), torch.randn(N)
+    with count_traffic() as t:
+        torch.autograd.backward((permuted, pprobs), (g_rows, g_probs))
+    # read row grads, the map, the probs grads; write tokens grad and the [T, E] probs grad
+    _check(t, N * H * s + 8 * N + N * s + T * H * s + T * E * s, 2, "permute bwd")
+
+    y = torch.randn(N, H, requires_grad=True)
+    p.grad = None
+    with count_traffic() as t:
+        out = unpermute(y, rid, (T, H), p, routing_map, backend="triton")
+    _check(t, N * H * s + 8 * N + T * E + N * s + T * H * s, 2, "unpermute fwd")
+    assert t.num_launches == 1
+
+    g_out = torch.randn(T, H)
+    with count_traffic() as t:
+        out.backward(g_out)
+    floor = T * H * s + N * H * s + 8 * N + T * E + N * s + N * H * s + T * E * s
+    _check(t, floor, 2, "unpermute bwd")
+    assert t.num_launches == 1
+
+    # correctness of what was measured, against float64
+    exp_rows = x.detach().double()[rid]
+    assert torch.equal(permuted.double(), exp_rows)
+    expected = torch.zeros(T, H, dtype=torch.float64).index_add_(
+        0, rid, y.detach().double() * probs.double()[rid, _experts_of_rows(routing_map)][:, None]
+    )
+    assert_close(out, expected)
+
+
+def _experts_of_rows(routing_map):
+    counts = routing_map.sum(0)
+    return torch.repeat_interleave(torch.arange(E), counts)
+
+
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_bias_act_bytes_launches_syncs(act):
+    dtype, s = torch.bfloat16, 2
+    M, W = 256, 1024
+    width = 2 * W if act == "swiglu" else W
+    x = torch.randn(M, width, dtype=dtype, requires_grad=True)
+    b = torch.randn(width, dtype=dtype, requires_grad=True)
+    dy = torch.randn(M, W, dtype=dtype)
+
+    def op(x, b):
+        if act == "swiglu":
+            return mtp.ops.bias_swiglu(x, b, backend="triton")
+        return mtp.ops.bias_gelu(x, b, "tanh", backend="triton")
+
+    with count_traffic() as t:
+        y = op(x, b)
+    _check(t, (M * width + M * W) * s + width * s, 1, f"{act} fwd")
+    with count_traffic() as t:
+        y.backward(dy)
+    _check(t, (M * W + 2 * M * width) * s + 2 * width * s, 2, f"{act} bwd")
+    # what was measured is right
+    x64 = x.detach().double().requires_grad_(True)
+    b64 = b.detach().double().requires_grad_(True)
+    u = x64 + b64
+    if act == "swiglu":
+        a, gate = u.chunk(2, -1)
+        ref = torch.nn.functional.silu(a) * gate
+    else:
+        ref = torch.nn.functional.gelu(u, approximate="tanh")
+    ref.backward(dy.double())
+    assert_close(y, ref, dtype)
+    assert_close(x.grad, x64.grad, dtype)
+    assert_close(b.grad, b64.grad, dtype)
+
+
+def test_bias_act_programs_load_bias_once():
+    """Each program of the forward reads its bias slice once whatever its row count."""
+    M, W = 3 * bias_kernels.CPU_PROGRAMS * 4 + 1, 64
+    x, b = torch.randn(M, W), torch.randn(W)
+    with count_traffic() as t:
+        mtp.ops.bias_gelu(x, b, backend="triton")
+    (launch,) = t.launches
+    assert launch.programs == bias_kernels.row_programs(M, W, bias_kernels.CPU_PROGRAMS)
+    assert launch.read_program == (M * W + launch.programs * W) * 4
+
+
+def test_no_host_sync_with_default_arguments():
+    tokens = 24
+    routing_map, probs = _routing(1, tokens)
+    x = torch.randn(tokens, 8, requires_grad=True)
+    p = probs.requires_grad_(True)
+    n = tokens * K
+    with count_host_syncs() as syncs:
+        permuted, _, rid = permute(x, routing_map, p, n, backend="triton")
+        out = unpermute(permuted, rid, x.shape, p, routing_map, backend="triton")
+        out.sum().backward()
+        dropped = permute(x, routing_map, p, drop_and_pad=True, capacity=5, backend="triton")
+        unpermute(dropped[0], dropped[2], x.shape, p, drop_and_pad=True, backend="triton")
+        for backend in ("triton", "reference"):
+            permute(x, routing_map, p, n, backend=backend)
+            unpermute(permuted, rid.clone(), x.shape, p, routing_map, backend=backend)
+        y = mtp.ops.bias_swiglu(torch.randn(4, 16, requires_grad=True), torch.randn(16))
+        y.sum().backward()
+    assert syncs.count == 0, syncs.events
+
+
+# --- the shared token map ---------------------------------------------------------------------
+
+
+def test_unpermute_reuses_the_map_only_while_it_is_valid():
+    tokens = 32
+    routing_map, probs = _routing(2, tokens)
+    x = torch.randn(tokens, 8)
+    permuted, _, rid = permute(x, routing_map, probs, tokens * K, backend="triton")
+    assert rid._mtp_token_map is not None
+    y = torch.randn(tokens * K, 8)
+    with count_traffic() as fast:
+        a = unpermute(y, rid, x.shape, probs, routing_map, backend="triton")
+    # another routing tensor (same values), a modified row map, a copied row map: the map is
+    # inverted again (more launches) and the result is the same
+    others = [
+        (rid, routing_map.clone()),
+        (rid.clone(), routing_map),
+    ]
+    for r, m in others:
+        with count_traffic() as slow:
+            b = unpermute(y, r, x.shape, probs, m, backend="triton")
+        assert slow.device_ops > fast.device_ops
+        assert_close(a, b)
+    rid.add_(0)  # in place: the attached map no longer vouches for it
+    with count_traffic() as slow:
+        b = unpermute(y, rid, x.shape, probs, routing_map, backend="triton")
+    assert slow.device_ops > fast.device_ops
+    assert_close(a, b)
+
+
+def test_row_map_kernels_over_many_chunks(monkeypatch):
+    """More chunks than the count table holds in one program's tile: scan across chunks."""
+    monkeypatch.setattr(map_kernels, "TILE", 64)
+    monkeypatch.setattr(map_kernels, "MAX_CHUNKS", 5)
+    tokens = 45
+    routing_map, probs = _routing(3, tokens)
+    x = torch.randn(tokens, 3)
+    e_block, sub_t, per_chunk, chunks = map_kernels.map_config(tokens, E)
+    assert chunks == 5 and per_chunk > sub_t
+    for kw in (dict(num_out_tokens=tokens * K), dict(drop_and_pad=True, capacity=9)):
+        got = permute(x, routing_map, probs, backend="triton", **kw)
+        ref = permute(x, routing_map, probs, backend="reference", **kw)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
+
+
+# --- robustness (issue 17) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_permute_non_contiguous_and_meta_inputs(backend):
+    routing_map, probs = _routing(4)
+    big = torch.randn(H, T).t()  # [T, H] with a column stride
+    x = big[:, :40]
+    rm_t = routing_map.t().contiguous().t()  # non-contiguous routing map
+    got = permute(x, rm_t, probs.t().contiguous().t(), N, backend=backend)
+    ref = permute(x.contiguous(), routing_map, probs, N, backend="reference")
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    out = unpermute(got[0], got[2], x.shape, probs, routing_map, backend=backend)
+    assert_close(out, x.double() * probs.sum(1, keepdim=True).double())
+    meta = permute(x.to("meta"), routing_map.to("meta"), probs.to("meta"), N, backend=backend)
+    assert meta[0].shape == (N, 40) and meta[0].device.type == "meta"
+    assert meta[1].shape == (N,) and meta[2].shape == (N,)
+    out = unpermute(meta[0], meta[2], (T, 40), probs.to("meta"), routing_map.to("meta"),
+                    backend=backend)
+    assert out.shape == (T, 40) and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("act", ["none", "tanh", "swiglu"])
+def test_bias_act_zero_width_and_meta(act, backend):
+    def op(x, b):
+        if act == "swiglu":
+            return mtp.ops.bias_swiglu(x, b, backend=backend)
+        return mtp.ops.bias_gelu(x, b, act, backend=backend)
+
+    x = torch.randn(3, 0, requires_grad=True)
+    b = torch.randn(0, requires_grad=True)
+    y = op(x, b)
+    assert y.shape == (3, 0)
+    y.sum().backward()
+    assert x.grad.shape == (3, 0) and b.grad.shape == (0,)
+    m = op(torch.empty(5, 8, device="meta"), torch.empty(8, device="meta"))
+    assert m.shape == (5, 4 if act == "swiglu" else 8) and m.device.type == "meta"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("act", ["none", "tanh", "swiglu"])
+def test_bias_act_double_backward(act, backend):
+    torch.manual_seed(5)
+    x = torch.randn(4, 6, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(6, requires_grad=True)
+
+    def fwd(x, b, ref=False):
+        if ref:
+            u = x + b
+            if act == "swiglu":
+                a, g = u.chunk(2, -1)
+                return torch.nn.functional.silu(a) * g
+            return torch.nn.functional.gelu(u, approximate=act)
+        if act == "swiglu":
+            return mtp.ops.bias_swiglu(x, b, backend=backend)
+        return mtp.ops.bias_gelu(x, b, act, backend=backend)
+
+    gx, gb = torch.autograd.grad(fwd(x, b).pow(2).sum(), (x, b), create_graph=True)
+    hx, hb = torch.autograd.grad(gx.sum() + gb.pow(2).sum(), (x, b))
+    x64 = x.detach().double().requires_grad_(True)
+    b64 = b.detach().double().requires_grad_(True)
+    ex, eb = torch.autograd.grad(fwd(x64, b64, True).pow(2).sum(), (x64, b64), create_graph=True)
+    ehx, ehb = torch.autograd.grad(ex.sum() + eb.pow(2).sum(), (x64, b64))
+    assert_close(hx, ehx, rtol=1e-4, atol=1e-4)
+    assert_close(hb, ehb, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_bias_act_infinite_inputs(backend):
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[inf, -inf, 1e30, -1e30, nan, 2.0]], requires_grad=True)
+    for approximate in ("none", "tanh"):
+        x.grad = None
+        y = mtp.ops.bias_gelu(x, torch.zeros(6), approximate, backend=backend)
+        expected_y = torch.tensor([[inf, 0.0, 1e30, 0.0, nan, 0.0]])
+        expected_y[0, 5] = torch.nn.functional.gelu(torch.tensor(2.0), approximate=approximate)
+        assert torch.equal(y.isnan(), expected_y.isnan())
+        assert torch.equal(y[0, :4], expected_y[0, :4])
+        assert_close(y[0, 5], expected_y[0, 5])
+        y.sum().backward()
+        assert torch.equal(x.grad[0, :4], torch.tensor([1.0, 0.0, 1.0, 0.0]))
+        assert x.grad[0, 4].isnan()
+    x = torch.tensor([[inf, -inf, 2.0, 3.0]], requires_grad=True)
+    y = mtp.ops.bias_swiglu(x, None, backend=backend)
+    assert torch.equal(y, torch.tensor([[inf, -0.0]]))
+    y.backward(torch.ones(1, 2))
+    assert torch.isfinite(x.grad[0, :2]).all() and x.grad[0, 1] == 0
+
+
+# --- ahead-of-time builds of the new kernels -------------------------------------------------
+
+
+def _no_spills(builds, name):
+    for cc, build in builds.items():
+        assert build.fits_shared_memory, (name, cc)
+        info = build.ptxas()
+        if info is not None:
+            assert info.registers <= 255 and not info.spills, (name, cc, info.output)
+
+
+def test_new_permute_kernels_compile_for_sm90_and_sm100():
+    e_block, sub_t, _, _ = map_kernels.map_config(8192, 256)
+    for is_idx, k in ((False, 1), (True, 8)):
+        route = "*i64" if is_idx else "*i1"
+        common = dict(IS_INDICES=is_idx, K=k, SUB_T=sub_t, E_BLOCK=e_block)
+        _no_spills(compile_for_targets(
+            map_kernels._count_kernel,
+            dict(route_ptr=route, counts_ptr="*i32", T="i32", E="i32", tokens_per_chunk="i32"),
+            common, num_warps=map_kernels.NUM_WARPS), "count")
+        _no_spills(compile_for_targets(
+            map_kernels._place_kernel,
+            dict(route_ptr=route, probs_ptr="*fp32", counts_ptr="*i32", row_id_ptr="*i64",
+                 pair_ptr="*i64", pprobs_ptr="*fp32", trows_ptr="*i32", texp_ptr="*i32",
+                 tcount_ptr="*i32", status_ptr="*i1", T="i32", E="i32", N="i32",
+                 capacity="i32", tokens_per_chunk="i32", num_chunks="i32",
+                 rows_per_chunk="i32", S="i32"),
+            dict(DROP=False, HAS_PROBS=True, WRITE_PAIR=True,
+                 ROW_BLOCK=max(1, map_kernels.TILE // e_block), **common),
+            num_warps=map_kernels.NUM_WARPS), "place")  # fmt: skip
+    s_block, hidden = 8, 7168
+    block, warps = perm_kernels.token_block(hidden, max(s_block, perm_kernels.ZERO_ROWS))
+    _no_spills(compile_for_targets(
+        perm_kernels._scatter_tokens_kernel,
+        dict(x_ptr="*bf16", trows_ptr="*i32", tcount_ptr="*i32", row_id_ptr="*i64",
+             out_ptr="*bf16", T="i32", N="i32", hidden="i32", S="i32"),
+        dict(S_BLOCK=s_block, BLOCK_H=block, ZERO_ROWS=perm_kernels.ZERO_ROWS),
+        num_warps=warps), "scatter")  # fmt: skip
+    block, warps = perm_kernels.token_block(hidden, s_block)
+    ptrs = dict(trows_ptr="*i32", texp_ptr="*i32", tcount_ptr="*i32", probs_ptr="*fp32")
+    _no_spills(compile_for_targets(
+        perm_kernels._combine_tokens_kernel,
+        dict(x_ptr="*bf16", out_ptr="*bf16", gpp_ptr="*fp32", gprobs_ptr="*fp32", T="i32",
+             E="i32", hidden="i32", S="i32", **ptrs),
+        dict(HAS_PROBS=True, GRAD_PROBS=True, S_BLOCK=s_block, E_BLOCK=256, BLOCK_H=block),
+        num_warps=warps), "combine")  # fmt: skip
+    block, warps = perm_kernels.token_block(hidden, max(s_block, perm_kernels.ZERO_ROWS))
+    _no_spills(compile_for_targets(
+        perm_kernels._unpermute_bwd_kernel,
+        dict(g_ptr="*bf16", x_ptr="*bf16", row_id_ptr="*i64", gx_ptr="*bf16",
+             gprobs_ptr="*fp32", T="i32", N="i32", E="i32", hidden="i32", S="i32", **ptrs),
+        dict(HAS_PROBS=True, NEED_GX=True, NEED_GPROBS=True, S_BLOCK=s_block, E_BLOCK=256,
+             BLOCK_H=block, ZERO_ROWS=perm_kernels.ZERO_ROWS),
+        num_warps=warps), "unpermute bwd")  # fmt: skip
+
+
+@pytest.mark.parametrize("drop_and_pad", [False, True], ids=["dropless", "drop_and_pad"])
+def test_moe_permute_row_map_triton_matches_reference(drop_and_pad):
+    """The MoE preprocess's row map: same maps from the kernels; unpermute then reuses the
+    token-major map (one launch)."""
+    from mtp.ops.moe_permute import moe_permute_row_map
+
+    tokens = 40
+    routing_map, _ = _routing(6, tokens)
+    kw = dict(drop_and_pad=True, capacity=7) if drop_and_pad else {}
+    n = E * 7 if drop_and_pad else tokens * K
+    rid, pair = moe_permute_row_map(routing_map, n, backend="triton", **kw)
+    ref_rid, ref_pair = moe_permute_row_map(routing_map, n, backend="reference", **kw)
+    assert torch.equal(rid, ref_rid) and torch.equal(pair, ref_pair)
+    y = torch.randn(n, 5)
+    with count_traffic() as t:
+        out = unpermute(y, rid, (tokens, 5), backend="triton", validate=False)
+    assert t.device_ops == 1
+    # the row kernels (sort path) sum in another fixed order: equal up to fp32 rounding
+    assert_close(out, unpermute(y, ref_rid, (tokens, 5), backend="triton", validate=False))
+
+
+def test_tokens_with_more_rows_than_one_chunk():
+    """12 experts per token: the token-major kernels take a token's rows in chunks of
+    MAX_S_BLOCK; forward and backward of both ops against float64."""
+    tokens, experts, hidden = 7, 12, 10
+    assert experts > perm_kernels.MAX_S_BLOCK
+    g = torch.Generator().manual_seed(7)
+    routing_map = torch.rand(tokens, experts, generator=g) < 0.9
+    routing_map[0] = True  # all 12 experts
+    probs = (torch.rand(tokens, experts, generator=g) * routing_map).requires_grad_(True)
+    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    n = int(routing_map.sum())
+    permuted, pprobs, rid = permute(x, routing_map, probs, n, backend="triton")
+    # float64: rows expert-major, ascending token
+    pairs = [(t, e) for e in range(experts) for t in range(tokens) if routing_map[t, e]]
+    x64 = x.detach().double().requires_grad_(True)
+    p64 = probs.detach().double().requires_grad_(True)
+    exp_rows = torch.stack([x64[t] for t, _ in pairs])
+    exp_pp = torch.stack([p64[t, e] for t, e in pairs])
+    assert torch.equal(rid, torch.tensor([t for t, _ in pairs]))
+    assert torch.equal(permuted.double(), exp_rows.detach())
+    g_rows, g_pp = torch.randn(n, hidden, generator=g), torch.randn(n, generator=g)
+    torch.autograd.backward((permuted, pprobs), (g_rows, g_pp))
+    torch.autograd.backward((exp_rows, exp_pp), (g_rows.double(), g_pp.double()))
+    assert_close(x.grad, x64.grad)
+    assert_close(probs.grad, p64.grad)
+    y = torch.randn(n, hidden, generator=g, requires_grad=True)
+    probs.grad = None
+    p64.grad = None
+    out = unpermute(y, rid, x.shape, probs, routing_map, backend="triton")
+    y64 = y.detach().double().requires_grad_(True)
+    expected = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for i, (t, e) in enumerate(pairs):
+        expected = expected.index_add(0, torch.tensor([t]), (p64[t, e] * y64[i])[None])
+    assert_close(out, expected)
+    g_out = torch.randn(tokens, hidden, generator=g)
+    out.backward(g_out)
+    expected.backward(g_out.double())
+    assert_close(y.grad, y64.grad)
+    assert_close(probs.grad, p64.grad)
