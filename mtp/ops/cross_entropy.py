@@ -13,8 +13,9 @@ Custom ops (``torch.ops.mtp.*``) with fake implementations:
 Distributed: each rank holds ``logits[..., rank*Vl:(rank+1)*Vl]`` of the global vocab. The
 forward reduces its shard to three fp32 values per row and the ranks exchange them in one
 ``all_gather`` (``12 * rows`` bytes per rank); the backward needs no communication and returns
-this rank's shard of the gradient. The group travels through the op as a name registered in
-this module (custom ops cannot take a ``ProcessGroup``).
+this rank's shard of the gradient. The group travels through the op as the name
+``torch.distributed`` registered it under (custom ops cannot take a ``ProcessGroup``; see
+:mod:`mtp.parallel.groups`, trace-safe under ``torch.compile``).
 
 Autograd saves the logits (no copy), the targets and ``rowstat`` (8 bytes per row).
 """
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mtp.ops._backend import resolve_backend
+from mtp.parallel.groups import group_from_mesh, group_name, resolve_group_name
 from mtp.utils import check_tensor, data_checks_enabled, empty
 
 __all__ = [
@@ -38,8 +40,6 @@ _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TARGET_DTYPES = (torch.int64, torch.int32)
 _BACKENDS = ("triton", "reference")
 REDUCTIONS = ("none", "mean", "sum")
-
-_GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
 class TargetOutOfRangeError(ValueError, IndexError):
@@ -57,6 +57,7 @@ class TargetOutOfRangeError(ValueError, IndexError):
 
 def _group_info(group: dist.ProcessGroup | None) -> tuple[str, int, int]:
     """``(group_name, rank, world_size)``; ``""`` (no communication) for None or size 1."""
+    group = group_from_mesh(group)
     if group is None:
         return "", 0, 1
     if not isinstance(group, dist.ProcessGroup):
@@ -64,14 +65,12 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[str, int, int]:
     world = dist.get_world_size(group)
     if world == 1:
         return "", 0, 1
-    name = f"mtp_ce_{id(group)}"
-    _GROUPS.setdefault(name, group)
-    return name, dist.get_rank(group), world
+    return group_name(group), dist.get_rank(group), world
 
 
 def _all_gather_stats(stats: torch.Tensor, group_name: str) -> torch.Tensor:
     """``[world, rows, 3]``: every rank's ``stats`` ``[rows, 3]`` (one collective)."""
-    group = _GROUPS[group_name]
+    group = resolve_group_name(group_name)
     world = dist.get_world_size(group)
     gathered = torch.empty((world, *stats.shape), dtype=stats.dtype, device=stats.device)
     if stats.numel():  # no rows here means no rows on any rank (the targets are replicated)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state
+from .groups import group_from_mesh
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -50,12 +51,15 @@ __all__ = [
 def resolve_tensor_parallel_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """``group``, or the tensor-model-parallel group when ``group`` is None.
 
+    ``group`` may also be a 1-D ``DeviceMesh`` (or one named dimension of a larger mesh,
+    ``mesh["tp"]``): its process group is used.
+
     Raises:
         mtp.parallel.ParallelStateError: ``group`` is None and the model parallel groups do not
             exist (the message says what to call).
     """
     if group is not None:
-        return group
+        return group_from_mesh(group)
     if not dist.is_available() or not dist.is_initialized():
         raise parallel_state.ParallelStateError(
             "group=None means the tensor-model-parallel group, but torch.distributed is not "
