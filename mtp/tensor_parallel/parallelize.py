@@ -218,7 +218,12 @@ def _matches(model: nn.Module, plan: Mapping[str, Any]) -> tuple[dict, dict]:
     names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
     chosen: dict[str, tuple[str, dict, str]] = {}
     hooks: dict[str, tuple[str, dict]] = {}
-    for pattern, spec in plan.items():
+    entries = [
+        (pattern, one)
+        for pattern, spec in plan.items()
+        for one in (spec if isinstance(spec, (list, tuple)) else [spec])
+    ]
+    for pattern, spec in entries:
         style, options = _normalize_style(pattern, spec)
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if style in _HOOK_STYLES:
@@ -284,6 +289,7 @@ def parallelize(
             crosses dots). Styles: ``"column"`` / ``"row"`` for ``nn.Linear``, ``"vocab"`` for
             ``nn.Embedding``, or a dict ``{"style": ..., **options}`` with the options of
             :func:`from_linear` / :func:`from_embedding` (``stride``, ``gather_output``,
+            ``disable_grad_reduce``,
             ``input_is_parallel``, ``skip_bias_add``, ...). ``ColwiseParallel()`` /
             ``RowwiseParallel()`` objects of ``torch.distributed.tensor.parallel`` are accepted
             too (``output_layouts=Replicate()`` means ``gather_output``). Two input styles go
@@ -296,7 +302,9 @@ def parallelize(
             ``"scatter_sequence"`` splits the module's input into this rank's sequence chunk
             (where a model enters the sequence-parallel region). A pattern that matches
             nothing, a module matched with two different styles, or a style on the wrong
-            module type raises.
+            module type raises. A list of specs gives one module a layer style and an input
+            style (``"lm_head": [{"style": "column", "gather_output": True},
+            "shared_input"]``).
         group: the tensor-parallel group (default: ``mtp.parallel``'s), or a 1-D
             ``DeviceMesh`` (``mesh["tp"]``).
         sequence_parallel: build every swapped layer with ``sequence_parallel=True`` (the
