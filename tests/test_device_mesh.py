@@ -76,4 +76,5 @@ def test_mtp_layers_under_fsdp2_fully_shard_tp2_dp2():
             "2.bias": full["2.bias"],
         }
         for name, value in expected.items():
-            torch.testing.assert_close(torch.tensor(local[name]), value.detach(), rtol=1e-5, atol=1e-6)
+            got = torch.tensor(local[name])
+            torch.testing.assert_close(got, value.detach(), rtol=1e-5, atol=1e-6)

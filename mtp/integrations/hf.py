@@ -308,7 +308,9 @@ def _open_source(source):
     from safetensors import safe_open
 
     path = os.fspath(source)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+    files = [path]
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"load_hf_state_dict: no *.safetensors file in {path!r}")
     getters, shapes = {}, {}
