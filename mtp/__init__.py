@@ -3,7 +3,8 @@ training.
 
 Subpackages: ``mtp.kernels`` (Triton device code), ``mtp.ops`` (custom ops), ``mtp.parallel``
 (rank generator, process groups, communication mappings, RNG), ``mtp.tensor_parallel``,
-``mtp.moe``, ``mtp.testing`` (helpers shared by the tests and the benchmarks).
+``mtp.moe``, ``mtp.optim`` (gradient buffers, distributed optimizer, clipping, checkpoints),
+``mtp.testing`` (helpers shared by the tests and the benchmarks).
 """
 
 import importlib.abc
