@@ -156,6 +156,16 @@ def _patch_gpt2_attention(model: nn.Module, tp: int) -> None:
             module.embed_dim //= tp
 
 
+def _patch_llama_attention(model: nn.Module, tp: int) -> None:
+    """Per-rank head counts on attention modules that keep them (older transformers releases
+    reshape with ``self.num_heads``; 5.x reads ``-1`` from the tensors and has none of these)."""
+    for module in model.modules():
+        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+            for name in ("num_heads", "num_key_value_heads", "hidden_size"):
+                if isinstance(getattr(module, name, None), int):
+                    setattr(module, name, getattr(module, name) // tp)
+
+
 def _reduce_head_norm_grads(model: nn.Module, group) -> None:
     """Qwen3's q_norm / k_norm act on this rank's heads only: sum their gradients."""
 
@@ -227,6 +237,8 @@ def parallelize_hf(
     parallelize(model, plan, group)
     if family == "gpt2":
         _patch_gpt2_attention(model, world)
+    else:
+        _patch_llama_attention(model, world)
     if family == "qwen3":
         _reduce_head_norm_grads(model, group)
     if sequence_parallel:
