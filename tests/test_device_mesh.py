@@ -39,7 +39,17 @@ def _worker(rank, world):
         refused = False
     except ValueError as exc:
         refused = "mesh['tp']" in str(exc)
+    # torch's ColwiseParallel / RowwiseParallel plan objects give the same shards
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    dtensor_style = parallelize(
+        _reference(), {"0": ColwiseParallel(), "2": RowwiseParallel()}, group=mesh["tp"]
+    )
     model = parallelize(_reference(), {"0": "column", "2": "row"}, group=mesh["tp"])
+    same_shards = all(
+        torch.equal(a, b) for a, b in zip(dtensor_style.parameters(), model.parameters())
+    )
+    strides = (model[0].bias.partition_stride, model[2].bias.partition_stride)
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x = _batch(get_data_parallel_rank())
@@ -50,7 +60,7 @@ def _worker(rank, world):
     local = {n: p.full_tensor().detach().tolist() for n, p in model.named_parameters()}
     losses = [torch.zeros(()) for _ in range(world)]
     dist.all_gather(losses, loss.detach())
-    return same_groups, refused, local, [float(v) for v in losses]
+    return same_groups, refused, same_shards, strides, local, [float(v) for v in losses]
 
 
 def test_mtp_layers_under_fsdp2_fully_shard_tp2_dp2():
@@ -64,8 +74,9 @@ def test_mtp_layers_under_fsdp2_fully_shard_tp2_dp2():
     (sum(dp_losses) / 2).backward()  # FSDP2 averages the gradients over dp
     opt.step()
     full = dict(ref.named_parameters())
-    for rank, (same_groups, refused, local, losses) in enumerate(results):
-        assert same_groups and refused
+    for rank, (same_groups, refused, same_shards, strides, local, losses) in enumerate(results):
+        assert same_groups and refused and same_shards
+        assert strides == (1, 1)
         tp_rank = rank % 2  # default order tp-cp-ep-dp-pp: tp fastest
         for d in range(2):
             torch.testing.assert_close(losses[2 * d], float(dp_losses[d]), rtol=1e-6, atol=0)
