@@ -1,5 +1,6 @@
-"""Hugging Face models through mtp.integrations.hf at tp=2 (gloo): loss and gradients equal the
-unparallelised model, the HF state-dict round trip is exact, generate() gives the same tokens."""
+"""Hugging Face models through mtp.integrations.hf at tp=2 (gloo; Mixtral also at ep=2): loss
+and gradients equal the unparallelised model, the HF state-dict round trip is exact, generate()
+gives the same tokens."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def _config(family: str):
             n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, n_positions=64, n_inner=INTER,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common,
         )
+    if family == "mixtral":
+        common.update(num_local_experts=4, num_experts_per_tok=2)
     cls = {
+        "mixtral": transformers.MixtralConfig,
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
@@ -44,7 +48,7 @@ def _model(family: str, seed: int):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
@@ -53,7 +57,8 @@ def _check_family(rank, family, sp):
     from mtp.tensor_parallel import allreduce_sequence_parallel_grads
 
     ref = _model(family, 0)
-    par = parallelize_hf(copy.deepcopy(ref), tp=2, sequence_parallel=sp)
+    ep = 2 if family == "mixtral" else None
+    par = parallelize_hf(copy.deepcopy(ref), tp=2, ep=ep, sequence_parallel=sp)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 8), generator=g)
     out_ref = ref(input_ids=ids, labels=ids)
@@ -72,7 +77,7 @@ def _check_family(rank, family, sp):
     ref_sd = ref.state_dict()
     assert set(full) == set(ref_sd)
     result["roundtrip_exact"] = all(torch.equal(full[k], ref_sd[k]) for k in ref_sd)
-    other = parallelize_hf(_model(family, 7), tp=2, sequence_parallel=sp)
+    other = parallelize_hf(_model(family, 7), tp=2, ep=ep, sequence_parallel=sp)
     load_hf_state_dict(other, ref_sd)
     result["load_exact"] = all(torch.equal(v, ref_sd[k]) for k, v in hf_state_dict(other).items())
     if not sp:
@@ -108,7 +113,7 @@ def _worker(rank, world, cases, tmp):
 
 
 CASES = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False),
-         ("qwen3", False), ("gpt2", False)]
+         ("qwen3", False), ("gpt2", False), ("mixtral", False), ("mixtral", True)]
 
 
 def test_hf_families_tp2_equal_unparallelised():

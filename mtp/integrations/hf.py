@@ -11,7 +11,9 @@
 
 Supported families (``config.model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``
 (q/k/v and gate/up column-parallel, o/down row-parallel, embedding vocab-parallel, ``lm_head``
-column-parallel with gathered logits) and ``gpt2`` (its ``Conv1D`` modules become linear
+column-parallel with gathered logits), ``mixtral`` (the same attention; each sparse MoE block
+swapped for :class:`mtp.moe.MoELayer` with Mixtral's routing, experts split over the group,
+``ep == tp``: :mod:`mtp.integrations.hf_moe`) and ``gpt2`` (its ``Conv1D`` modules become linear
 layers; the fused ``c_attn`` is split per q/k/v block; ``split_size`` and head counts are
 patched on the attention modules). Sibling projections share one entry into the
 tensor-parallel region (:mod:`mtp.tensor_parallel.siblings`), so a transformer layer costs
@@ -39,7 +41,8 @@ from mtp.tensor_parallel.utils import group_rank_and_size, mark_sequence_paralle
 
 __all__ = ["SUPPORTED_FAMILIES", "hf_state_dict", "load_hf_state_dict", "parallelize_hf"]
 
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+_MOE = ("mixtral",)
 SUPPORTED_FAMILIES = (*_LLAMA_LIKE, "gpt2")
 _INFO = "_mtp_hf"
 
@@ -49,7 +52,7 @@ _INFO = "_mtp_hf"
 # --------------------------------------------------------------------------------------------
 
 
-def _llama_plan(model: nn.Module, sp: bool) -> dict:
+def _llama_plan(model: nn.Module, sp: bool, dense_mlp: bool = True) -> dict:
     lin = {"sequence_parallel": sp, "seq_dim": 1}
     hook = {"style": "shared_input", "sequence_parallel": sp, "seq_dim": 1}
     plan = {
@@ -59,11 +62,14 @@ def _llama_plan(model: nn.Module, sp: bool) -> dict:
         "*.self_attn.k_proj": {"style": "column", **lin},
         "*.self_attn.v_proj": {"style": "column", **lin},
         "*.self_attn.o_proj": {"style": "row", **lin},
-        "*.mlp": hook,
-        "*.mlp.gate_proj": {"style": "column", **lin},
-        "*.mlp.up_proj": {"style": "column", **lin},
-        "*.mlp.down_proj": {"style": "row", **lin},
     }
+    if dense_mlp:
+        plan.update({
+            "*.mlp": hook,
+            "*.mlp.gate_proj": {"style": "column", **lin},
+            "*.mlp.up_proj": {"style": "column", **lin},
+            "*.mlp.down_proj": {"style": "row", **lin},
+        })
     if sp:
         # The embedding's output stays full length (HF builds the mask and positions from it);
         # the first block enters the sequence-parallel region.
@@ -129,7 +135,7 @@ def _convert_conv1d(model: nn.Module) -> list[str]:
     return names
 
 
-def _check_sizes(config, tp: int) -> None:
+def _check_sizes(config, tp: int, moe: bool) -> None:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
     kv = getattr(config, "num_key_value_heads", None) or heads
     sizes = {
@@ -138,7 +144,9 @@ def _check_sizes(config, tp: int) -> None:
         "vocab_size": config.vocab_size,
     }
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-    if inter:
+    if moe:
+        sizes["num_local_experts"] = config.num_local_experts
+    elif inter:
         sizes["intermediate_size"] = inter
     for name, value in sizes.items():
         if value % tp:
@@ -166,20 +174,26 @@ def _patch_llama_attention(model: nn.Module, tp: int) -> None:
                     setattr(module, name, getattr(module, name) // tp)
 
 
-def _reduce_head_norm_grads(model: nn.Module, group) -> None:
-    """Qwen3's q_norm / k_norm act on this rank's heads only: sum their gradients."""
+def _sum_grads_over_group(params, group) -> None:
+    """Replicated parameters that see only part of the work on each rank (Qwen3's per-head
+    q_norm / k_norm, a router that sees this rank's share of the tokens): a gradient hook sums
+    their gradients over the group."""
 
     def reduce(grad):
         grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=group)
         return grad
 
+    for p in params:
+        p.sequence_parallel = False  # not a sequence-parallel parameter: reduced here
+        if p.requires_grad:
+            p.register_hook(reduce)
+
+
+def _head_norm_params(model: nn.Module):
     for name, module in model.named_modules():
         if name.endswith(("self_attn.q_norm", "self_attn.k_norm")):
-            for p in module.parameters(recurse=False):
-                p.sequence_parallel = False  # not a sequence-parallel parameter: reduced here
-                if p.requires_grad:
-                    p.register_hook(reduce)
+            yield from module.parameters(recurse=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,8 +220,8 @@ def parallelize_hf(
             :func:`mtp.parallel.initialize_model_parallel`'s).
         sequence_parallel: Megatron sequence parallelism between the blocks (Llama-like
             families; the sequence length must divide by tp; not for ``generate()``).
-        ep: expert parallelism, for MoE families only (not available yet: ``ValueError`` for
-            a value above 1).
+        ep: expert parallelism, for MoE families (Mixtral): the experts are split over the
+            tensor-parallel group, so ``ep`` must be None or equal to tp.
 
     Raises:
         ValueError: an unsupported family, sizes that do not divide by tp, ``tp`` different
@@ -220,32 +234,49 @@ def parallelize_hf(
             f"parallelize_hf: model_type {family!r} is not supported; supported: "
             f"{SUPPORTED_FAMILIES} (other models: mtp.tensor_parallel.parallelize with a plan)"
         )
-    if ep not in (None, 1):
+    moe = family in _MOE
+    if ep not in (None, 1) and not moe:
         raise ValueError(
             f"parallelize_hf: ep={ep} needs a mixture-of-experts family; {family!r} is dense"
         )
     group, _, world = group_rank_and_size(group)
+    if moe and ep not in (None, world):
+        raise ValueError(
+            f"parallelize_hf: {family!r} splits its experts over the tensor-parallel group: "
+            f"ep must be None or tp ({world}), got {ep}"
+        )
     if tp is not None and tp != world:
         raise ValueError(f"parallelize_hf: tp={tp} but the tensor-parallel group has {world} ranks")
     if hasattr(model, _INFO):
         raise ValueError("parallelize_hf: this model is already parallelized")
-    _check_sizes(config, world)
+    _check_sizes(config, world, moe)
     conv1d = _convert_conv1d(model) if family == "gpt2" else []
-    plan = _gpt2_plan(model, sequence_parallel) if family == "gpt2" else _llama_plan(
-        model, sequence_parallel
-    )
+    renames = {}
+    if moe:
+        from .hf_moe import swap_mixtral_blocks
+
+        renames = swap_mixtral_blocks(model, group, sequence_parallel=sequence_parallel)
+        if not sequence_parallel:
+            routers = [model.get_parameter(n) for n, (_, k) in renames.items() if k == "router"]
+            _sum_grads_over_group(routers, group)
+    if family == "gpt2":
+        plan = _gpt2_plan(model, sequence_parallel)
+    else:
+        plan = _llama_plan(model, sequence_parallel, dense_mlp=not moe)
     parallelize(model, plan, group)
     if family == "gpt2":
         _patch_gpt2_attention(model, world)
     else:
         _patch_llama_attention(model, world)
     if family == "qwen3":
-        _reduce_head_norm_grads(model, group)
+        _sum_grads_over_group(list(_head_norm_params(model)), group)
     if sequence_parallel:
         mark_sequence_parallel_parameters(
             p for p in model.parameters() if getattr(p, "sequence_parallel", None) is None
         )
-    setattr(model, _INFO, {"group": group, "family": family, "conv1d": set(conv1d)})
+    info = {"group": group, "family": family, "conv1d": set(conv1d), "renames": renames}
+    info["num_experts"] = getattr(config, "num_local_experts", 0)
+    setattr(model, _INFO, info)
     return model
 
 
@@ -261,31 +292,53 @@ def _info(model: nn.Module) -> dict:
     return info
 
 
+def _hf_name(model: nn.Module, name: str) -> str:
+    """The HF name of one of the model's parameters (MoE blocks renamed their parameters)."""
+    renamed = _info(model)["renames"].get(name)
+    return name if renamed is None else renamed[0]
+
+
 def _split_spec(model: nn.Module, name: str):
-    """``(dim, blocks, transposed)`` of a sharded parameter (HF layout), or None if replicated."""
+    """``(dim, blocks, transform)`` of a sharded parameter in its HF layout (``transform``:
+    None, ``"conv1d"`` for a transposed GPT-2 weight, ``"experts"`` for ``[E, N, K]`` expert
+    weights stored ``[E, K, N]`` by mtp), or None if replicated."""
     info = _info(model)
+    renamed = info["renames"].get(name)
+    if renamed is not None:
+        if renamed[1] != "experts":
+            return None
+        return 0, [info["num_experts"]], "experts"
     module_name, _, pname = name.rpartition(".")
     module = model.get_submodule(module_name)
-    transposed = module_name in info["conv1d"] and pname == "weight"
+    transposed = "conv1d" if module_name in info["conv1d"] and pname == "weight" else None
     if isinstance(module, ColumnParallelLinear):
         return 0, module._blocks, transposed
     if isinstance(module, RowParallelLinear) and pname == "weight":
         return 1, module._blocks, transposed
     if isinstance(module, VocabParallelEmbedding):
-        return 0, [module.num_embeddings], False
+        return 0, [module.num_embeddings], None
     return None
+
+
+def _transform(t: torch.Tensor, transform) -> torch.Tensor:
+    """mtp layout <-> HF layout (both transforms are their own inverse)."""
+    if transform == "conv1d":
+        return t.t()
+    if transform == "experts":
+        return t.transpose(1, 2)
+    return t
 
 
 def _full_tensor(t: torch.Tensor, spec, group) -> torch.Tensor:
     if spec is None:
         return t.detach().clone()
-    dim, blocks, transposed = spec
+    dim, blocks, transform = spec
     world = dist.get_world_size(group)
     stacked = gather_along(t.detach().unsqueeze(0), 0, group)  # [world, *local]
     sizes = [b // world for b in blocks]
     per_rank = [s.split(sizes, dim) for s in stacked.unbind(0)]
     full = torch.cat([torch.cat([r[i] for r in per_rank], dim) for i in range(len(blocks))], dim)
-    return full.t().contiguous() if transposed else full
+    return _transform(full, transform).contiguous()
 
 
 def hf_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -307,7 +360,7 @@ def hf_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.T
         if id(value) not in memo:
             spec = _split_spec(model, name) if name in params else None
             memo[id(value)] = _full_tensor(tensor, spec, group)
-        out[name] = memo[id(value)]
+        out[_hf_name(model, name)] = memo[id(value)]
     return out
 
 
@@ -338,8 +391,8 @@ def _open_source(source):
 def _read_shard(get, shape, spec, rank: int, world: int) -> torch.Tensor:
     if spec is None:
         return get(tuple(slice(None) for _ in shape))
-    dim, blocks, transposed = spec
-    stored_dim = 1 - dim if transposed else dim
+    dim, blocks, transform = spec
+    stored_dim = 1 - dim if transform == "conv1d" else dim
     pieces, offset = [], 0
     for b in blocks:
         n = b // world
@@ -347,8 +400,7 @@ def _read_shard(get, shape, spec, rank: int, world: int) -> torch.Tensor:
         idx[stored_dim] = slice(offset + rank * n, offset + (rank + 1) * n)
         pieces.append(get(tuple(idx)))
         offset += b
-    t = torch.cat(pieces, stored_dim)
-    return t.t() if transposed else t
+    return _transform(torch.cat(pieces, stored_dim), transform)
 
 
 def load_hf_state_dict(model: nn.Module, source, *, strict: bool = True) -> list[str]:
@@ -369,14 +421,15 @@ def load_hf_state_dict(model: nn.Module, source, *, strict: bool = True) -> list
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name not in getters:
-                missing.append(name)
+            key = _hf_name(model, name)
+            if key not in getters:
+                missing.append(key)
                 continue
             spec = _split_spec(model, name)
-            value = _read_shard(getters[name], shapes[name], spec, rank, world)
+            value = _read_shard(getters[key], shapes[key], spec, rank, world)
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
-                    f"load_hf_state_dict: {name}: the shard has shape {tuple(value.shape)}, the "
+                    f"load_hf_state_dict: {key}: the shard has shape {tuple(value.shape)}, the "
                     f"model's parameter {tuple(param.shape)} (a checkpoint of another config?)"
                 )
             param.copy_(value)
