@@ -27,8 +27,13 @@ def _config(family: str):
         )
     if family == "mixtral":
         common.update(num_local_experts=4, num_experts_per_tok=2)
+    if family.startswith("qwen3_moe"):  # layer 1 dense (mlp_only_layers), layer 0 sparse
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      mlp_only_layers=[1], norm_topk_prob=family.endswith("norm"))
+        family = "qwen3_moe"
     cls = {
         "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
@@ -57,7 +62,7 @@ def _check_family(rank, family, sp):
     from mtp.tensor_parallel import allreduce_sequence_parallel_grads
 
     ref = _model(family, 0)
-    ep = 2 if family == "mixtral" else None
+    ep = 2 if family in ("mixtral", "qwen3_moe", "qwen3_moe_norm") else None
     par = parallelize_hf(copy.deepcopy(ref), tp=2, ep=ep, sequence_parallel=sp)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 8), generator=g)
@@ -113,7 +118,8 @@ def _worker(rank, world, cases, tmp):
 
 
 CASES = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False),
-         ("qwen3", False), ("gpt2", False), ("mixtral", False), ("mixtral", True)]
+         ("qwen3", False), ("gpt2", False), ("mixtral", False), ("mixtral", True),
+         ("qwen3_moe", False), ("qwen3_moe_norm", True)]
 
 
 def test_hf_families_tp2_equal_unparallelised():

@@ -11,11 +11,12 @@
 
 Supported families (``config.model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``
 (q/k/v and gate/up column-parallel, o/down row-parallel, embedding vocab-parallel, ``lm_head``
-column-parallel with gathered logits), ``mixtral`` (the same attention; each sparse MoE block
-swapped for :class:`mtp.moe.MoELayer` with Mixtral's routing, experts split over the group,
-``ep == tp``: :mod:`mtp.integrations.hf_moe`) and ``gpt2`` (its ``Conv1D`` modules become linear
-layers; the fused ``c_attn`` is split per q/k/v block; ``split_size`` and head counts are
-patched on the attention modules). Sibling projections share one entry into the
+column-parallel with gathered logits), ``mixtral`` and ``qwen3_moe`` (the same attention; each
+sparse MoE block swapped for :class:`mtp.moe.MoELayer` with the family's routing, experts split
+over the group, ``ep == tp``: :mod:`mtp.integrations.hf_moe`) and ``gpt2`` (its ``Conv1D``
+modules become linear layers; the fused ``c_attn`` is split per q/k/v block; ``split_size`` and
+head counts are patched on the attention modules). Qwen2-MoE (shared experts) and DeepSeek-V3
+(shared experts, group-limited routing) are not supported yet. Sibling projections share one entry into the
 tensor-parallel region (:mod:`mtp.tensor_parallel.siblings`), so a transformer layer costs
 two all-reduces forward and two backward. ``sequence_parallel=True`` (Llama-like families):
 activations between blocks are sequence chunks (``[b, s/tp, h]``); call
@@ -41,8 +42,8 @@ from mtp.tensor_parallel.utils import group_rank_and_size, mark_sequence_paralle
 
 __all__ = ["SUPPORTED_FAMILIES", "hf_state_dict", "load_hf_state_dict", "parallelize_hf"]
 
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
-_MOE = ("mixtral",)
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+_MOE = ("mixtral", "qwen3_moe")
 SUPPORTED_FAMILIES = (*_LLAMA_LIKE, "gpt2")
 _INFO = "_mtp_hf"
 
@@ -52,7 +53,7 @@ _INFO = "_mtp_hf"
 # --------------------------------------------------------------------------------------------
 
 
-def _llama_plan(model: nn.Module, sp: bool, dense_mlp: bool = True) -> dict:
+def _llama_plan(model: nn.Module, sp: bool) -> dict:
     lin = {"sequence_parallel": sp, "seq_dim": 1}
     hook = {"style": "shared_input", "sequence_parallel": sp, "seq_dim": 1}
     plan = {
@@ -63,13 +64,15 @@ def _llama_plan(model: nn.Module, sp: bool, dense_mlp: bool = True) -> dict:
         "*.self_attn.v_proj": {"style": "column", **lin},
         "*.self_attn.o_proj": {"style": "row", **lin},
     }
-    if dense_mlp:
-        plan.update({
-            "*.mlp": hook,
-            "*.mlp.gate_proj": {"style": "column", **lin},
-            "*.mlp.up_proj": {"style": "column", **lin},
-            "*.mlp.down_proj": {"style": "row", **lin},
-        })
+    # dense MLPs only (an MoE model may have some, e.g. Qwen3-MoE's mlp_only_layers)
+    mlps = [
+        n for n, m in model.named_modules() if isinstance(getattr(m, "gate_proj", None), nn.Linear)
+    ]
+    for name in mlps:
+        plan[name] = hook
+        plan[f"{name}.gate_proj"] = {"style": "column", **lin}
+        plan[f"{name}.up_proj"] = {"style": "column", **lin}
+        plan[f"{name}.down_proj"] = {"style": "row", **lin}
     if sp:
         # The embedding's output stays full length (HF builds the mask and positions from it);
         # the first block enters the sequence-parallel region.
@@ -145,7 +148,7 @@ def _check_sizes(config, tp: int, moe: bool) -> None:
     }
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
     if moe:
-        sizes["num_local_experts"] = config.num_local_experts
+        sizes["experts"] = getattr(config, "num_local_experts", None) or config.num_experts
     elif inter:
         sizes["intermediate_size"] = inter
     for name, value in sizes.items():
@@ -253,29 +256,30 @@ def parallelize_hf(
     conv1d = _convert_conv1d(model) if family == "gpt2" else []
     renames = {}
     if moe:
-        from .hf_moe import swap_mixtral_blocks
+        from .hf_moe import swap_moe_blocks
 
-        renames = swap_mixtral_blocks(model, group, sequence_parallel=sequence_parallel)
+        renames = swap_moe_blocks(model, group, sequence_parallel=sequence_parallel)
         if not sequence_parallel:
             routers = [model.get_parameter(n) for n, (_, k) in renames.items() if k == "router"]
             _sum_grads_over_group(routers, group)
     if family == "gpt2":
         plan = _gpt2_plan(model, sequence_parallel)
     else:
-        plan = _llama_plan(model, sequence_parallel, dense_mlp=not moe)
+        plan = _llama_plan(model, sequence_parallel)
     parallelize(model, plan, group)
     if family == "gpt2":
         _patch_gpt2_attention(model, world)
     else:
         _patch_llama_attention(model, world)
-    if family == "qwen3":
-        _sum_grads_over_group(list(_head_norm_params(model)), group)
+    _sum_grads_over_group(list(_head_norm_params(model)), group)  # Qwen3's per-head norms
     if sequence_parallel:
         mark_sequence_parallel_parameters(
             p for p in model.parameters() if getattr(p, "sequence_parallel", None) is None
         )
     info = {"group": group, "family": family, "conv1d": set(conv1d), "renames": renames}
-    info["num_experts"] = getattr(config, "num_local_experts", 0)
+    info["num_experts"] = getattr(config, "num_local_experts", None) or getattr(
+        config, "num_experts", 0
+    )
     setattr(model, _INFO, info)
     return model
 

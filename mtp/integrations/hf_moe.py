@@ -1,9 +1,11 @@
 """Mixture-of-experts blocks of Hugging Face models swapped for :class:`mtp.moe.MoELayer`.
 
-Used by :func:`mtp.integrations.hf.parallelize_hf` for the Mixtral family: each
-``MixtralSparseMoeBlock`` becomes an :class:`HFMoEBlock` (a ``MoELayer`` with Mixtral's routing:
-softmax over the top-k router logits, SwiGLU experts) whose experts are split over the
-expert-parallel group, which is the tensor-parallel group here (``ep == tp``).
+Used by :func:`mtp.integrations.hf.parallelize_hf` for the Mixtral and Qwen3-MoE families: each
+``MixtralSparseMoeBlock`` / ``Qwen3MoeSparseMoeBlock`` becomes an :class:`HFMoEBlock` (a
+``MoELayer`` with the family's routing: Mixtral and Qwen3-MoE with ``norm_topk_prob`` softmax
+over the top-k logits, Qwen3-MoE without it the top-k of the softmax over all experts; SwiGLU
+experts) whose experts are split over the expert-parallel group, which is the tensor-parallel
+group here (``ep == tp``).
 
 Without sequence parallelism every tensor-parallel rank holds the same tokens; the block keeps
 this rank's share of them (split forward, all-gather backward), routes it through the experts
@@ -23,7 +25,13 @@ from mtp.parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 
-__all__ = ["HFMoEBlock", "swap_mixtral_blocks"]
+__all__ = ["MOE_BLOCKS", "HFMoEBlock", "swap_moe_blocks"]
+
+#: HF block class name -> the config attribute holding each expert's intermediate size.
+MOE_BLOCKS = {
+    "MixtralSparseMoeBlock": "intermediate_size",
+    "Qwen3MoeSparseMoeBlock": "moe_intermediate_size",
+}
 
 
 class HFMoEBlock(MoELayer):
@@ -52,28 +60,28 @@ class HFMoEBlock(MoELayer):
         return out[: out.size(0) - pad].view(shape)
 
 
-def _is_mixtral_block(module: nn.Module) -> bool:
-    return type(module).__name__ == "MixtralSparseMoeBlock"
-
-
-def swap_mixtral_blocks(model: nn.Module, group, *, sequence_parallel: bool) -> dict:
-    """Replace every ``MixtralSparseMoeBlock`` in place; returns ``{mtp parameter name:
-    (HF name, kind)}`` for the state-dict translation (kind ``"router"`` or ``"experts"``)."""
+def swap_moe_blocks(model: nn.Module, group, *, sequence_parallel: bool) -> dict:
+    """Replace every HF sparse MoE block (:data:`MOE_BLOCKS`) in place; returns ``{mtp
+    parameter name: (HF name, kind)}`` for the state-dict translation (kind ``"router"`` or
+    ``"experts"``)."""
     config = model.config
     renames: dict[str, tuple[str, str]] = {}
-    names = [n for n, m in model.named_modules() if n and _is_mixtral_block(m)]
+    names = [n for n, m in model.named_modules() if n and type(m).__name__ in MOE_BLOCKS]
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    # softmax over all experts then top-k without renormalising = Megatron's pre_softmax
+    pre_softmax = not getattr(config, "norm_topk_prob", True)
     for name in names:
         block = model.get_submodule(name)
         w = block.experts.gate_up_proj
         new = HFMoEBlock(
             config.hidden_size,
-            config.intermediate_size,
-            config.num_local_experts,
+            getattr(config, MOE_BLOCKS[type(block).__name__]),
+            experts,
             config.num_experts_per_tok,
             ep_group=group,
             activation="swiglu",
             score_function="softmax",
-            pre_softmax=False,
+            pre_softmax=pre_softmax,
             params_dtype=w.dtype,
             device=w.device,
             perform_initialization=False,
