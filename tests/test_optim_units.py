@@ -23,7 +23,7 @@ from mtp.optim import (
     param_range_map,
     save_checkpoint,
 )
-from mtp.testing import assert_close
+from mtp.testing import assert_close, count_host_syncs
 
 FP32 = {"rtol": 1e-6, "atol": 1e-7}
 
@@ -81,6 +81,20 @@ def test_seed_index_ranges():
     assert [(b.offset, b.numel) for b in buf.buckets] == [(0, 12), (12, 8), (20, 4)]
     assert [len(b.params) for b in buf.buckets] == [3, 1, 1]
     assert buf.param_index[params["red"]] == Range(20, 22)
+    buf = ParamAndGradBuffer(
+        model_order,
+        torch.float16,
+        None,
+        6,
+        param_buffer=False,
+        data_parallel_size=4,
+        pad_buckets_to=6,
+    )  # lcm(4, 6) = 12: green + yellow, blue, red
+    assert [(b.offset, b.numel) for b in buf.buckets] == [(0, 12), (12, 12), (24, 12)]
+    with pytest.raises(ValueError, match="pad_buckets_to"):
+        ParamAndGradBuffer(
+            model_order, torch.float16, None, 6, param_buffer=False, pad_buckets_to=0
+        )
 
 
 def test_bytes_per_parameter_table():
@@ -262,3 +276,19 @@ def test_backward_after_sync_needs_zero_grad_buffer():
         loss_fn(model(x), y).backward()
     model.zero_grad_buffer()
     loss_fn(model(x), y).backward()  # fine again
+
+
+def test_no_host_sync_without_loss_scaler():
+    # backward hooks, reduction, clipping, step and all-gather never read a value on the host
+    # (SGD: torch's Adam reads its CPU step counter, which is not a device sync on a GPU)
+    model = DistributedDataParallel(
+        make_net(dtype=torch.bfloat16),
+        use_distributed_optimizer=True,
+        accumulate_allreduce_grads_in_fp32=True,
+        bucket_size=BUCKET,
+    )
+    opt = DistributedOptimizer(torch.optim.SGD, model, lr=1e-2, momentum=0.9, clip_grad=0.05)
+    with count_host_syncs() as syncs:
+        results = _train(model, opt, 2, dtype=torch.bfloat16)
+    assert syncs.count == 0, syncs
+    assert all(ok is True and norm.dim() == 0 for ok, norm, _ in results)

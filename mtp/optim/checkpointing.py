@@ -47,6 +47,15 @@ def _unwrap(model) -> nn.Module:
     return model
 
 
+def _wait_params(model) -> None:
+    """Wait for parameter all-gathers still running (``overlap_param_gather``)."""
+    if isinstance(model, DistributedDataParallel):
+        for bucket in model.buckets:
+            if bucket.param_work is not None:
+                bucket.param_work[0].wait()
+                bucket.param_work = None
+
+
 def _parallel():
     from mtp import parallel
 
@@ -105,6 +114,7 @@ def save_checkpoint(directory: str, model: nn.Module, optimizer=None, *, extra=N
 
     Call on every rank; returns after every rank has written (a barrier).
     """
+    _wait_params(model)
     module = _unwrap(model)
     os.makedirs(directory, exist_ok=True)
     pieces: dict[str, list[dict]] = {}
@@ -204,6 +214,7 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer=None, *, strict:
         ValueError: the tensor/pipeline/expert parallel sizes differ from the saved ones, or
             (``strict``) a parameter or buffer is missing or incomplete in the checkpoint.
     """
+    _wait_params(model)
     module = _unwrap(model)
     common = torch.load(
         os.path.join(directory, "common.pt"), map_location="cpu", weights_only=False
@@ -312,6 +323,7 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[s
     """The single-device ``state_dict`` (original names, full tensors, on the CPU) of a
     tensor-/expert-parallel model. Call on every rank (all-gathers over the tensor- and
     expert-parallel groups); ``rank0_only`` returns ``{}`` on the other ranks."""
+    _wait_params(model)
     module = _unwrap(model)
     ps = _parallel()
     tp_group = ps.get_tensor_model_parallel_group() if ps else None
@@ -370,6 +382,7 @@ def load_full_state_dict(
             refreshed from the model.
         strict: every entry of the model's ``state_dict`` must be present, with the full shape.
     """
+    _wait_params(model)
     module = _unwrap(model)
     targets = module.state_dict(keep_vars=True)
     if src is not None:

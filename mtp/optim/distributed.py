@@ -82,6 +82,8 @@ class DistributedDataParallel(nn.Module):
             waits for :meth:`finish_grad_sync`.
         bucket_size: about this many elements per bucket (default ``max(40_000_000,
             1_000_000 * d)``, Megatron's); None: one bucket per buffer.
+        pad_buckets_to: pad every bucket to a multiple of ``lcm(d, pad_buckets_to)`` elements
+            (default: of ``d``, the minimum the reduce-scatter needs).
         data_parallel_group: the dense parameters' group (default: ``mtp.parallel``'s
             data-parallel group with context parallel; without ``mtp.parallel``, the world).
         expert_data_parallel_group: the expert parameters' group (default: ``mtp.parallel``'s).
@@ -105,6 +107,7 @@ class DistributedDataParallel(nn.Module):
         accumulate_allreduce_grads_in_fp32: bool = False,
         overlap_grad_reduce: bool = True,
         bucket_size: int | None | str = "default",
+        pad_buckets_to: int = 1,
         data_parallel_group: dist.ProcessGroup | None = None,
         expert_data_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -125,7 +128,7 @@ class DistributedDataParallel(nn.Module):
             bucket_size = max(40_000_000, 1_000_000 * dp)
         if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive int or None, got {bucket_size!r}")
-        self.bucket_size = bucket_size
+        self.bucket_size, self.pad_buckets_to = bucket_size, pad_buckets_to
         self.buffers = self._build_buffers(dense_group, expert_group)
         self._sync_enabled = True
         self._grads_synced = False
@@ -173,6 +176,7 @@ class DistributedDataParallel(nn.Module):
                     self.bucket_size,
                     param_buffer=self.use_distributed_optimizer,
                     is_expert=expert,
+                    pad_buckets_to=self.pad_buckets_to,
                 )
             )
         if not buffers:

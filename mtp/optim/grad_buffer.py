@@ -111,6 +111,8 @@ class ParamAndGradBuffer:
         is_expert: expert parameters (reduced over the expert-data-parallel group).
         data_parallel_size: with ``group=None``, lay the buffer out for this many ranks anyway
             (to inspect shards and :func:`param_range_map` without a process group).
+        pad_buckets_to: pad each bucket to a multiple of ``lcm(d, pad_buckets_to)`` elements
+            (e.g. 128 for aligned shards, as Megatron does for NCCL bus bandwidth).
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class ParamAndGradBuffer:
         param_buffer: bool,
         is_expert: bool = False,
         data_parallel_size: int | None = None,
+        pad_buckets_to: int = 1,
     ) -> None:
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
@@ -138,6 +141,9 @@ class ParamAndGradBuffer:
         self.dp_size, self.dp_rank = _group_size(group), _group_rank(group)
         if group is None and data_parallel_size is not None:  # layout only (no communication)
             self.dp_size = int(data_parallel_size)
+        if not isinstance(pad_buckets_to, int) or pad_buckets_to < 1:
+            raise ValueError(f"pad_buckets_to must be a positive int, got {pad_buckets_to!r}")
+        self.pad_multiple = math.lcm(self.dp_size, pad_buckets_to)
         device = self.params[0].device
         layout, offset, start, current = [], 0, 0, []
         self.param_index: dict[torch.nn.Parameter, Range] = {}
@@ -174,7 +180,7 @@ class ParamAndGradBuffer:
             p.main_grad = self.grad_data[r.start : r.end].view(p.shape)
 
     def _pad(self, n: int) -> int:
-        return math.ceil(n / self.dp_size) * self.dp_size
+        return math.ceil(n / self.pad_multiple) * self.pad_multiple
 
     def reset(self) -> None:
         """Zero the gradients and forget which parameters reported this iteration."""
