@@ -24,7 +24,7 @@ def test_demo_loss_falls_and_tp_ranks_agree(tmp_path, variant):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
         "--standalone", str(ROOT / "examples" / "demo_train.py"),
-        "--steps", "25", "--seq", "32", "--log-every", "5",
+        "--steps", "20", "--seq", "32", "--log-every", "5",
         "--json", str(out), "--png", str(png), *variant,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
