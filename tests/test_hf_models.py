@@ -96,11 +96,38 @@ def _check_family(rank, family, sp):
     return result
 
 
+def _check_errors():
+    """Bad configurations fail at once, naming what to change."""
+    from mtp.integrations.hf import parallelize_hf
+
+    bad = [
+        (dict(tp=4), ValueError, "tp=4"),
+        (dict(tp=2, ep=2), ValueError, "ep=2"),
+    ]
+    for kwargs, error, words in bad:
+        with pytest.raises(error, match=words):
+            parallelize_hf(_model("llama", 0), **kwargs)
+    config = _config("llama")
+    config.num_key_value_heads = 1
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        parallelize_hf(transformers.AutoModelForCausalLM.from_config(config), tp=2)
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        parallelize_hf(_model("gpt2", 0), tp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="not supported"):
+        parallelize_hf(transformers.BertModel(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=HEADS,
+            intermediate_size=INTER)), tp=2)
+    model = parallelize_hf(_model("llama", 0), tp=2)
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize_hf(model, tp=2)
+
+
 def _worker(rank, world, cases, tmp):
     from mtp.integrations.hf import load_hf_state_dict, hf_state_dict, parallelize_hf
     from mtp.parallel import initialize_model_parallel
 
     initialize_model_parallel(tensor_model_parallel_size=world)
+    _check_errors()
     results = {f"{f}{'-sp' if sp else ''}": _check_family(rank, f, sp) for f, sp in cases}
     # safetensors: each rank reads only its slices from a file
     from safetensors.torch import save_file

@@ -253,6 +253,10 @@ def parallelize_hf(
     if hasattr(model, _INFO):
         raise ValueError("parallelize_hf: this model is already parallelized")
     _check_sizes(config, world, moe)
+    if family == "gpt2":  # before any change to the model: it raises for sequence parallel
+        plan = _gpt2_plan(model, sequence_parallel)
+    else:
+        plan = _llama_plan(model, sequence_parallel)
     conv1d = _convert_conv1d(model) if family == "gpt2" else []
     renames = {}
     if moe:
@@ -262,10 +266,6 @@ def parallelize_hf(
         if not sequence_parallel:
             routers = [model.get_parameter(n) for n, (_, k) in renames.items() if k == "router"]
             _sum_grads_over_group(routers, group)
-    if family == "gpt2":
-        plan = _gpt2_plan(model, sequence_parallel)
-    else:
-        plan = _llama_plan(model, sequence_parallel)
     parallelize(model, plan, group)
     if family == "gpt2":
         _patch_gpt2_attention(model, world)
