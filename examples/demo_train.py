@@ -66,7 +66,7 @@ def make_corpus(n_sentences: int = 4000, seed: int = 0) -> bytes:
 def get_batch(data: torch.Tensor, seq: int, batch: int, step: int, dp_rank: int):
     """``(tokens, targets)`` ``[s, b]`` for this data-parallel rank (same on its tp ranks)."""
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
+    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g, device="cpu")
     window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()], dim=1)
     return window[:-1].long(), window[1:].long()
 
@@ -194,7 +194,9 @@ def main(argv=None) -> dict:
         dist.init_process_group("nccl" if cuda else "gloo")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.set_default_device("cuda" if cuda else "cpu")
+    data = torch.frombuffer(bytearray(make_corpus(seed=args.seed)), dtype=torch.uint8)
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.set_default_device(device)
     mp.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
         expert_model_parallel_size=args.ep or 1,
@@ -205,7 +207,6 @@ def main(argv=None) -> dict:
     model = DistributedDataParallel(TinyGPT(args), use_distributed_optimizer=True)
     opt = DistributedOptimizer(torch.optim.AdamW, model, lr=args.lr, weight_decay=0.01,
                                clip_grad=1.0)
-    data = torch.frombuffer(bytearray(make_corpus(seed=args.seed)), dtype=torch.uint8)
     sizes = mp.get_parallel_sizes()
     kind = f"MoE ({args.experts} experts, top-{args.topk})" if args.moe else "dense"
     if rank == 0:
@@ -217,6 +218,7 @@ def main(argv=None) -> dict:
     tokens_per_step = args.seq * args.batch * sizes.dp
     for step in range(args.steps):
         tokens, targets = get_batch(data, args.seq, args.batch, step, dp_rank)
+        tokens, targets = tokens.to(device), targets.to(device)
         opt.zero_grad()
         loss = vocab_parallel_cross_entropy(model(tokens), targets).mean()
         loss.backward()
