@@ -91,6 +91,25 @@ def _llama_block(world, sp):
     return _max_diff(*results), _breaks(f, x.requires_grad_())
 
 
+def _llama_model(world):
+    """The whole parallelized HF model, forward and HF's own loss."""
+    from mtp.integrations.hf import parallelize_hf
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, intermediate_size=64, attn_implementation="eager",
+    )
+    model = parallelize_hf(transformers.LlamaForCausalLM(config), tp=world)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def f(ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    results = _run_both(f, list(model.parameters()), ids)
+    return _max_diff(*results), _breaks(f, ids)
+
+
 def _worker(rank, world):
     from mtp.parallel import initialize_model_parallel
 
@@ -99,6 +118,7 @@ def _worker(rank, world):
     for sp in (False, True):
         out[("loss", sp)] = _loss_and_layers(world, sp)
         out[("llama", sp)] = _llama_block(world, sp)
+    out[("llama model + HF loss", False)] = _llama_model(world)
     return out
 
 
