@@ -18,7 +18,7 @@ NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/de
 CUDA_EXT := $(if $(NVCC),$(if $(filter 1,$(MTP_SKIP_CUDA_EXT)),,cuda-ext))
 CUDA_EXT_DEPS := 'nvidia-cutlass==4.2.*' 'pybind11>=2.12' ninja nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 
-.PHONY: venv test test-slow test-gpu clean cuda-ext
+.PHONY: venv test test-slow test-gpu clean cuda-ext gpu-bundle gpu-check test-triton-min
 
 venv: $(VENV)/.installed
 
@@ -71,6 +71,26 @@ ifneq ($(HAS_GPU),1)
 endif
 	touch $@
 
+# --- GPU run kit (bench/README.md, "On a lent GPU") ------------------------------------------
+# CPU side: .gpu/ = the CUTLASS headers csrc/ includes (from the pinned nvidia-cutlass) and
+# fallback test wheels; prints the folder to carry and the command to run on the GPU machine.
+GPU_BUNDLE ?= .gpu
+gpu-bundle: venv
+	$(PIP) install -q --no-deps 'nvidia-cutlass==4.2.*'
+	$(PY) tools/gpu_bundle.py --out $(GPU_BUNDLE)
+
+# GPU side (its system python3, no venv, no network): env record, CUTLASS build for this GPU,
+# pytest -m gpu, mtp-bench --quick, summary table; < 9 min, into $$OUT or bench/results/<gpu>/.
+# GPU_CHECK_ARGS=--dry-run walks the steps on any machine.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PYTHON) tools/gpu_check.py --bundle $(GPU_BUNDLE) $(GPU_CHECK_ARGS)
+
+# Every Triton kernel the AOT tests compile, compiled for sm_90a/sm_100a under the minimum triton
+# (3.6, the GPU machines') in .venv-min/ (created on first use, ~2 min). .ci/run runs it.
+test-triton-min:
+	$(PYTHON) tools/triton_min_check.py
+
 # A small GPT and its MoE variant trained end to end (tp=2 x dp=2, ep=2 for the MoE): TP layers,
 # sequence parallel, the distributed optimizer and the vocab-parallel loss, under torchrun on
 # CPU/gloo (NCCL on GPUs). Prints the falling loss and tokens/s, writes demo_loss*.png.
@@ -84,4 +104,4 @@ demo: $(VENV)/.bench-installed
 	OMP_NUM_THREADS=1 $(TORCHRUN) examples/demo_train.py --moe --png demo_loss_moe.png $(DEMO_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache mtp/_cuda_gemm*.so demo_loss*.png
+	rm -rf $(VENV) .venv-min build *.egg-info .pytest_cache mtp/_cuda_gemm*.so demo_loss*.png

@@ -1,9 +1,10 @@
 """Fused (vocab-parallel) cross-entropy: ``mtp.ops.vocab_parallel_cross_entropy``.
 
 Timed on one GPU (no tensor parallelism: the whole vocab on one rank), ``reduction="mean"`` and
-``validate=False`` (the target-range check is one host sync per call; a trainer turns it off
-once its data is known to be good). Compared with: mtp's backends, plain PyTorch
-(``F.cross_entropy(logits.float(), target)``) and ``torch.compile`` of it, Liger-Kernel's
+``validate=False`` (the target-range check runs on the device, one ``_assert_async`` per call;
+a trainer turns it off once its data is known to be good). Compared with: mtp's backends,
+plain PyTorch (``F.cross_entropy(logits.float(), target)``) and ``torch.compile`` of it,
+Liger-Kernel's
 ``LigerCrossEntropyLoss``, Transformer Engine's ``parallel_cross_entropy`` and Megatron-Core's
 ``vocab_parallel_cross_entropy`` (on a one-rank tensor-parallel group) when installed. Liger and
 Transformer Engine compute the gradient during the forward and write it into the logits.
@@ -12,12 +13,14 @@ Bytes (``R`` rows, vocab ``V``, ``s`` = element size of the logits, ``si`` of th
 
 - forward: read the logits and targets, write the loss: ``R*V*s + R*si + 4*R``;
 - forward+backward: the floor of a fused loss that writes the gradient while it reads the
-  logits once: ``2*R*V*s + R*si + 8*R`` (loss out, ``dloss`` in). mtp's backward reads the
-  logits again (``3*R*V*s`` in all), so its fraction of this floor is at most 2/3.
+  logits once: ``2*R*V*s + R*si + 8*R`` (loss out, ``dloss`` in). mtp computes the gradient in
+  the forward (one read of each row, one write of the gradient; its backward moves no data
+  for a unit upstream gradient), as Liger and Transformer Engine do.
 
 Structure (CPU, :func:`structure`): the collectives of the vocab-parallel loss on real gloo
 process groups, counted with :func:`mtp.testing.count_collectives`: one ``all_gather`` of
-``3 * R`` fp32 per rank (``12 * R`` bytes) forward, nothing backward.
+``3 * (R + 2)`` fp32 per rank (the row statistics and two metadata rows) forward, nothing
+backward. :func:`traffic_cases`: the mid-size shapes of the bytes / floor column.
 """
 
 from __future__ import annotations
@@ -62,8 +65,9 @@ def cross_entropy_bytes(rows: int, vocab: int, s: int, si: int, pass_: str) -> i
 
 
 def allgather_bytes_per_rank(rows: int) -> int:
-    """Bytes each rank contributes to the forward's one all-gather: 3 fp32 per row."""
-    return 3 * 4 * rows
+    """Bytes each rank contributes to the forward's one all-gather: 3 fp32 per row, plus two
+    rows of metadata (shard size, valid targets, target checksum, range check, rows)."""
+    return 3 * 4 * (rows + 2)
 
 
 def cases(size: str, dtype: torch.dtype) -> list[Case]:
@@ -72,6 +76,18 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
         Case("cross_entropy", f"rows={R} V={V}", {"rows": R, "vocab": V}, dtype, pass_,
              bytes=cross_entropy_bytes(R, V, s, 8, pass_))
         for R, V in _SHAPES[size]
+        for pass_ in ("fwd", "fwd+bwd")
+    ]  # fmt: skip
+
+
+def traffic_cases(dtype: torch.dtype) -> list[Case]:
+    """Mid-size shapes for the CPU bytes / floor figures (the interpreter runs them in
+    seconds): a 16-byte-aligned vocab and GPT-2's 50257 (rows not aligned)."""
+    s = torch.empty((), dtype=dtype).element_size()
+    return [
+        Case("cross_entropy", f"rows={R} V={V}", {"rows": R, "vocab": V}, dtype, pass_,
+             bytes=cross_entropy_bytes(R, V, s, 8, pass_))
+        for R, V in ((64, 8192), (4, 50257))
         for pass_ in ("fwd", "fwd+bwd")
     ]  # fmt: skip
 

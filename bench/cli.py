@@ -5,6 +5,8 @@ With a CUDA GPU: times every planned case for each mtp backend, the plain PyTorc
 writes the figures with the roofline fractions. Without one: the smoke check through the
 reference and the Triton interpreter, and the structural figures (see ``bench/README.md``).
 Results go to ``DIR/<device folder>/`` (``results.json``, ``results.md``, ``*.png``).
+Unknown ops or backends and an ``--out`` that cannot be written exit with code 2 and a one-line
+error before anything runs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import logging
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,9 +69,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _usage_error(message: str) -> int:
+    sys.stderr.write(f"mtp-bench: error: {message}\n")
+    return 2
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why results cannot be written under ``folder`` (None when they can)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _bad_names(args, modules, runner, dtype) -> str | None:
+    """A message for unknown op or backend names (None when all are known)."""
+    unknown = sorted(set(args.ops) - set(runner.OP_NAMES))
+    if unknown:
+        return f"unknown op(s) {unknown}; choose from {list(runner.OP_NAMES)}"
+    if not args.backends:
+        return None
+    known = {"reference"}
+    for _, _, providers in runner.plan(modules, None, "smoke", dtype):
+        known.update(p.name.split("+")[0] for p in providers if p.kind == "mtp")
+    unknown = sorted(set(args.backends) - known)
+    if unknown:
+        return f"unknown backend(s) {unknown} for --backends; choose from {sorted(known)}"
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    out_root = args.out or default_out()
+    problem = _unwritable(out_root)
+    if problem:
+        return _usage_error(f"--out {out_root} is not a writable folder: {problem}")
     mode = prepare_runtime(args.mode)
     # Everything that imports triton or mtp.ops comes after prepare_runtime.
     from . import report, runner
@@ -76,13 +115,16 @@ def main(argv=None) -> int:
     from .peaks import match_peak
 
     started = time.perf_counter()
-    env = environment(mode)
     dtype = DTYPES[args.dtype]
-    size = ("quick" if args.quick else "full") if mode == "gpu" else "smoke"
     modules = runner.load_modules()
+    problem = _bad_names(args, modules, runner, dtype)
+    if problem:
+        return _usage_error(problem)
+    env = environment(mode)
+    size = ("quick" if args.quick else "full") if mode == "gpu" else "smoke"
     planned = runner.plan(modules, args.ops, size, dtype, args.backends, peers=not args.no_peers)
     peak = match_peak(env["device"], env.get("sm_count")) if mode == "gpu" else None
-    folder = (args.out or default_out()) / device_folder(env, peak.name if peak else None)
+    folder = out_root / device_folder(env, peak.name if peak else None)
     folder.mkdir(parents=True, exist_ok=True)
 
     peak_dict = dataclasses.asdict(peak) if peak else None

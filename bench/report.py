@@ -185,7 +185,9 @@ def _cpu_record_rows(records) -> list[list[str]]:
         err = _fmt(chk["rel_err"], 2) if chk else ""
         counts = [_fmt_int(c.get(k)) for k in ("device_ops", "triton_launches", "aten_ops",
                                                 "host_syncs")]  # fmt: skip
-        rows.append([r["case"], r["pass"], r["provider"], r["status"], err, *counts, r["note"]])
+        ratio = (r.get("traffic") or {}).get("bytes_over_floor")
+        rows.append([r["case"], r["pass"], r["provider"], r["status"], err, *counts,
+                     "" if ratio is None else f"{ratio:.3f}", r["note"]])
     return rows
 
 
@@ -231,8 +233,28 @@ def _percent(figures: dict, key: str) -> str:
     return "" if figures.get(key) is None else f"{100 * figures[key]:.0f}%"
 
 
+def _traffic_lines(traffic) -> list[str]:
+    lines = ["## Bytes / floor, launches and host syncs per call (CPU, counted by address)", "",
+             "Unique bytes each program reads and writes under the Triton interpreter (a re-read "
+             "by another program or launch counts again) plus the bytes of the aten ops of the "
+             "call, over the op's floor formula (`mtp.testing.traffic.count_traffic`; outputs "
+             "not poisoned, one warm-up call first). Device ops = Triton launches + aten ops "
+             "that run device work (`_assert_async` included).", ""]  # fmt: skip
+    rows = [[r["op"], r["case"], r["pass"], r["dtype"], r["provider"],
+             _fmt_bytes(r.get("floor_bytes")), _fmt_bytes(r.get("bytes_program")),
+             "" if r.get("bytes_over_floor") is None else f"{r['bytes_over_floor']:.3f}",
+             _fmt_int(r.get("device_ops")), _fmt_int(r.get("triton_launches")),
+             _fmt_int(r.get("aten_ops")), _fmt_int(r.get("host_syncs")), r.get("error", "")]
+            for r in traffic]  # fmt: skip
+    return lines + _table(["op", "case", "pass", "dtype", "provider", "floor", "bytes moved",
+                           "bytes / floor", "device ops", "Triton launches", "aten ops",
+                           "host syncs", "error"], rows)  # fmt: skip
+
+
 def _structure_lines(structure) -> list[str]:
     lines = []
+    if structure.get("traffic"):
+        lines += _traffic_lines(structure["traffic"])
     ce = structure.get("cross_entropy_collectives")
     if ce:
         lines += ["## Vocab-parallel cross-entropy: collectives per rank (gloo process groups)", ""]
@@ -241,7 +263,7 @@ def _structure_lines(structure) -> list[str]:
                  r["bytes_per_rank"], r["formula_bytes_per_rank"], _fmt(r["rel_err"], 2)]
                 for r in ce]  # fmt: skip
         lines += _table(["world", "backend", "pass", "rows", "collectives", "bytes/rank",
-                         "formula (12·rows fwd, 0 bwd)", "loss rel. error"], rows)  # fmt: skip
+                         "formula (12·(rows+2) fwd, 0 bwd)", "loss rel. error"], rows)  # fmt: skip
     moe = structure.get("moe_layer_forward")
     if moe:
         lines += ["## MoE layer, one forward (EP=1, dropless): what it issues by backend and E", ""]
@@ -274,7 +296,7 @@ def write_markdown(path: Path, result: dict[str, Any]) -> Path:
                   "fwd+bwd, the gradients). Device ops = aten ops that run device work + Triton "
                   "launches (≈ kernel launches on a GPU).", ""]  # fmt: skip
         header = ["case", "pass", "provider", "status", "rel. error", "device ops",
-                  "Triton launches", "aten ops", "host syncs", "note"]  # fmt: skip
+                  "Triton launches", "aten ops", "host syncs", "bytes / floor", "note"]  # fmt: skip
         for op, records in groups.items():
             ran = [r for r in records if r["status"] != "skipped"]
             lines += [f"### {op}", ""] + _table(header, _cpu_record_rows(ran))

@@ -5,9 +5,11 @@ Both produce *records*, one per (case, provider), plain dicts ready for JSON:
 ``op, family, case, group, params, dtype, pass, provider, kind, status ("ok" | "skipped" |
 "failed"), note, bytes, flops`` and
 
-- CPU: ``check`` (``rel_err`` against the float64 reference, ``limit``, ``ok``) and ``counts``
+- CPU: ``check`` (``rel_err`` against the float64 reference, ``limit``, ``ok``), ``counts``
   (:meth:`mtp.bench.counting.OpCount.summary`: aten ops, device ops, Triton launches, host
-  syncs of one call);
+  syncs of one call) and, for mtp backends, ``traffic``
+  (:meth:`mtp.testing.traffic.Traffic.summary`: bytes counted by address under the
+  interpreter and ``bytes_over_floor``);
 - GPU: ``check`` (against mtp's reference, fp32 math) and ``timing`` (median/p20/p80 ms, GB/s,
   TFLOP/s, fractions of the datasheet floor and of the measured ceilings, host µs per call,
   launches, peak memory) and ``speedup_vs`` (other provider's median / this median, for every
@@ -231,16 +233,60 @@ def run_cpu_case(module: ModuleType, case: Case, providers: list[Provider], prog
         rec["counts"] = counted.summary()
         if not case.execute:
             rec["note"] = "structure only: Triton launches recorded, kernels not executed"
+        elif provider.kind == "mtp" and case.bytes:
+            rec["traffic"] = measure_traffic(run, case.bytes)
 
     return _each_provider(module, case, providers, device, progress, check_and_count)
 
 
+def measure_traffic(run, floor: int) -> dict[str, Any]:
+    """Bytes (counted by address under the interpreter), launches and syncs of one call of
+    ``run`` (kernels executed), against ``floor`` bytes
+    (:func:`mtp.testing.traffic.count_traffic`)."""
+    from mtp.testing.traffic import count_traffic
+
+    with poisoned(False):
+        run.fn()  # warm-up: one-time allocations (reduction counters...) are not per call
+        with count_traffic() as traffic:
+            run.fn()
+    return traffic.summary(floor=floor)
+
+
+def traffic_structure(planned) -> list[dict[str, Any]]:
+    """bytes / floor at the mid-size shapes of each module's ``traffic_cases(dtype)`` (when it
+    has one), for its mtp providers that run on CPU."""
+    out = []
+    seen = set()
+    device = torch.device("cpu")
+    for module, case, providers in planned:
+        if not hasattr(module, "traffic_cases") or (module.FAMILY, case.dtype) in seen:
+            continue
+        seen.add((module.FAMILY, case.dtype))
+        for big in module.traffic_cases(case.dtype):
+            for provider in module.providers(big.op):
+                if provider.kind != "mtp" or provider.unavailable(device):
+                    continue
+                run = module.SETUP[big.op](big, provider.name, device)
+                row = {"op": big.op, "case": big.label, "pass": big.pass_,
+                       "dtype": dtype_name(big.dtype), "provider": provider.name}  # fmt: skip
+                try:
+                    row.update(measure_traffic(run, big.bytes))
+                except Exception as exc:  # one broken provider must not stop the run
+                    row["error"] = _error_note(exc)
+                out.append(row)
+    return out
+
+
 def run_cpu(planned, size: str, progress: Progress | None = None) -> dict[str, Any]:
-    """The CPU pass: smoke records plus each module's ``structure(size)`` figures."""
+    """The CPU pass: smoke records, each module's ``structure(size)`` figures, and bytes /
+    floor at mid-size shapes (``traffic_cases``)."""
     records = []
     for module, case, providers in planned:
         records += run_cpu_case(module, case, providers, progress)
     structure: dict[str, Any] = {}
+    traffic = traffic_structure(planned)
+    if traffic:
+        structure["traffic"] = traffic
     families = {module.FAMILY: module for module, _, _ in planned}
     for module in families.values():
         if hasattr(module, "structure"):

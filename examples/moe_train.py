@@ -12,6 +12,7 @@ step against the same model on one process holding every expert.
 """
 
 import argparse
+import datetime
 import sys
 
 import torch
@@ -127,8 +128,9 @@ def main() -> None:
     p.add_argument("--check", action="store_true")
     args = p.parse_args()
 
-    dist.init_process_group("gloo")
-    mp.initialize_model_parallel(expert_model_parallel_size=args.ep)
+    timeout = datetime.timedelta(minutes=2)  # a stuck peer fails the job in minutes
+    dist.init_process_group("gloo", timeout=timeout)
+    mp.initialize_model_parallel(expert_model_parallel_size=args.ep, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args)  # MoELayer picks up the expert-parallel group of mtp.parallel
     moe = model.blocks[0].mlp

@@ -8,6 +8,7 @@ all-reduce, then prints one line.
 """
 
 import argparse
+import datetime
 import sys
 
 import torch
@@ -22,13 +23,16 @@ def main() -> None:
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--etp", type=int, default=None)
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    # short timeouts: a rank whose peer never joins a collective fails in a minute, not 30
+    timeout = datetime.timedelta(minutes=1)
+    dist.init_process_group("gloo", timeout=timeout)
     mp.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         context_parallel_size=args.cp,
         expert_model_parallel_size=args.ep,
         expert_tensor_parallel_size=args.etp,
+        timeout=timeout,
     )
     one = torch.ones(1)
     dist.all_reduce(one, group=mp.get_tensor_model_parallel_group())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import os
 
 import torch
@@ -143,12 +144,13 @@ def main() -> None:
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    timeout = datetime.timedelta(minutes=2)  # a stuck peer fails the job in minutes
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
     tp_size = args.tp or dist.get_world_size()
-    mp.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    mp.initialize_model_parallel(tensor_model_parallel_size=tp_size, timeout=timeout)
     dp_group, dp_rank = mp.get_data_parallel_group(), mp.get_data_parallel_rank()
     dp_size = mp.get_data_parallel_world_size()
     # The same default seed on every rank (replicated weights and dropout), a distinct

@@ -1,4 +1,4 @@
-"""Fused (vocab-parallel) cross-entropy: one pass over the logits forward, one backward.
+"""Fused (vocab-parallel) cross-entropy: the gradient is written while the logits are read.
 
 Notation per row: ``x`` the logits of this rank's vocab shard ``[vocab_start, vocab_start+Vl)``,
 ``t`` the global target id, ``V`` the global vocab size, ``eps`` the label smoothing and ``w`` the
@@ -6,23 +6,35 @@ z-loss weight. Global ``lse = M + log(S)`` with ``M`` the max logit and ``S = su
 The loss is ``F.cross_entropy(full_logits, t, label_smoothing=eps) + w * lse**2``:
 
     loss = (M - C) + log(S) + w * lse**2,   C = (1 - eps) * x[t] + (eps / V) * sum(x)
+    dloss/dx = softmax(x) * (1 + 2 w lse) - eps / V - (1 - eps) * onehot(t)
 
-``C`` is a sum over shards, ``M`` a max and ``S`` a rescaled sum, so each rank reduces its shard
-to three fp32 values per row (``m``, ``s``, ``c``) and the ranks exchange only those.
+Kernels (fp32 math; logits fp32 / fp16 / bf16; targets int32 / int64), one program per row
+(programs loop over rows ``pid, pid + G, ...`` when there are more than ``MAX_PROGRAMS``):
 
-Kernels (fp32 math; logits fp32 / fp16 / bf16; targets int32 / int64):
+- ``_ce_fused_kernel`` (one rank): pass 1 reads the row once with a per-lane running max and
+  sum-exp (``[NT, VEC]`` tiles: the max of a lane's ``VEC`` elements, then one rescale per lane)
+  and a single reduction at the end of the row; then, when ``GRAD``, the same program reads the
+  row again (an L2 hit on a GPU) and writes ``scale * dloss/dx`` (``scale`` = ``1/N`` for
+  ``reduction="mean"``, 1 otherwise; 0 for ignored rows). With ``REDUCE`` the per-program loss
+  partials are summed by the last program to finish (a counter that resets itself), so
+  ``sum`` / ``mean`` need no other launch.
+- ``_ce_stats_kernel`` (tp > 1, pass 1): the row statistics ``(m, s, c)`` for the all-gather,
+  plus two metadata rows (shard size, valid-target count, target checksum, range check, rows)
+  so that the same all-gather tells every rank what the others saw.
+- ``_ce_finish_kernel`` (tp > 1, pass 2): combines the gathered statistics into the loss, checks
+  the metadata (program 0 writes ``info``), and when ``GRAD`` reads the shard again to write the
+  gradient.
+- ``_ce_scale_kernel`` (backward): ``grad *= dloss`` per row; a program whose ``dloss`` is 1
+  returns at once (the usual ``loss.backward()`` of a sum or mean moves no data).
 
-- ``_ce_fwd_kernel``: one program per row, an online max / sum-exp over the shard in
-  ``BLOCK_V`` chunks. ``FINAL`` (one rank): writes the loss and the per-row ``(M, log S)``.
-  Otherwise writes the row statistics ``(m, s, c)`` for the all-gather.
-- ``_ce_combine_kernel``: combines the gathered ``[world, rows, 3]`` statistics into the loss
-  and ``(M, log S)``.
-- ``_ce_bwd_kernel``: ``grad = dloss * (softmax * (1 + 2 w lse) - eps/V - (1-eps) onehot)``,
-  one program per ``(row, BLOCK_V chunk)``; may write into the logits buffer itself.
-
-Ignored rows (``target == ignore_index``) get loss 0 and gradient 0. Rows are addressed as
+Loads of the row are 16-byte vectors whatever ``V`` is: the row is split into a head (up to
+``VEC - 1`` elements before the first 16-byte boundary), unmasked ``BLOCK``-wide aligned tiles,
+and a ragged tile (head + tail, masked). Rows are addressed as
 ``(r // n_inner) * stride_outer + (r % n_inner) * stride_inner``, which covers logits whose
 leading dims are non-contiguous (a slice or a transpose of ``[b, s, v]``) without a copy.
+
+``info`` (int32 ``[world + 1, 4]``): row ``r``: ``(shard size, valid targets, target checksum,
+targets in range)`` of rank ``r``; row ``world``: ``(all ok, 0, 0, 0)``.
 """
 
 from __future__ import annotations
@@ -33,16 +45,22 @@ import triton.language as tl
 
 from mtp.kernels._common import next_power_of_2
 
-#: fp32 values per row that each rank contributes to the all-gather: ``(m, s, c)``.
+#: fp32 values per row that each rank contributes to the all-gather: ``(m, s, c)``; the
+#: statistics buffer has two more rows of metadata (int32 bits).
 NUM_STATS = 3
-#: Largest vocab chunk per loop iteration of the forward and per program of the backward.
-#: (Forward 4096 x 8 warps made ptxas spill 8 bytes on sm_100a with label smoothing.)
-MAX_BLOCK_V_FWD = 2048
-MAX_BLOCK_V_BWD = 4096
+META_ROWS = 2
+INFO_COLS = 4  # (literal 4 inside the kernels)
+#: Bytes per vector load: 16 (``LDG.E.128``).
+VECTOR_BYTES = 16
+#: Lanes (rows of the ``[NT, VEC]`` tile) per tile and warps per program.
+LANES = 512
 NUM_WARPS = 8
-#: Rows per program of the combine kernel, and its warps.
-COMBINE_BLOCK = 256
-COMBINE_NUM_WARPS = 4
+#: Most programs of a launch (programs loop over rows beyond it).
+MAX_PROGRAMS = 1024
+#: Elements per program of the backward scale kernel.
+SCALE_BLOCK = 4096
+#: Targets per iteration of the target scan, and the padded world size for the metadata check.
+TARGET_BLOCK = 1024
 
 
 @triton.jit
@@ -51,144 +69,304 @@ def _row_offset(row, n_inner, stride_outer, stride_inner):
 
 
 @triton.jit
-def _finish(m, s, c, target, ignore_index, z_loss_weight):
-    """``(loss, log S)`` of rows with global max ``m``, rescaled sum ``s`` and linear term ``c``."""
-    log_s = tl.log(s)
-    lse = m + log_s
-    loss = (m - c) + log_s + z_loss_weight * lse * lse
-    return tl.where(target != ignore_index, loss, 0.0), log_s
+def _tile(NT: tl.constexpr, VEC: tl.constexpr):
+    return tl.arange(0, NT)[:, None] * VEC + tl.arange(0, VEC)[None, :]
 
 
 @triton.jit
-def _ce_fwd_kernel(
-    logits_ptr,
-    target_ptr,
-    loss_ptr,
-    rowstat_ptr,
-    stats_ptr,
-    n_inner,
-    stride_outer,
-    stride_inner,
-    V_local,
-    vocab_start,
-    ignore_index,
-    coef_target,
-    coef_uniform,
-    z_loss_weight,
-    SMOOTHING: tl.constexpr,
-    FINAL: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + _row_offset(row, n_inner, stride_outer, stride_inner)
-    target = tl.load(target_ptr + row).to(tl.int64)
-    local_t = target - vocab_start
-    m = -float("inf")
-    s = 0.0
-    sum_x = 0.0
-    for start in range(0, V_local, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < V_local
-        x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        # A shard (so far) of -inf only: keep s = 0 instead of exp(-inf - -inf) = NaN.
-        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref), axis=0)
-        m = m_new
+def _split(row_off, V, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """``(head, main_start, n_full, tail_start)`` of a row starting at element ``row_off``."""
+    head = tl.minimum((VEC - row_off % VEC) % VEC, V)
+    main_start = tl.multiple_of(((row_off + VEC - 1) // VEC) * VEC, VEC)
+    n_full = (V - head) // BLOCK
+    return head, main_start, n_full, head + n_full * BLOCK
+
+
+@triton.jit
+def _ragged_cols(k, head, tail_start, V, flat, BLOCK: tl.constexpr):
+    """Columns and mask of ragged tile ``k`` (head columns first, then the tail)."""
+    i = k * BLOCK + flat
+    cols = tl.where(i < head, i, tail_start + i - head)
+    return cols, i < head + (V - tail_start)
+
+
+@triton.jit
+def _accumulate(x, m, s):
+    """Per-lane online max / sum-exp over a ``[NT, VEC]`` tile (one rescale per lane)."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # lanes of -inf only: keep s = 0
+    s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref[:, None]), axis=1)
+    return m_new, s
+
+
+@triton.jit
+def _row_stats(logits_ptr, row_off, V, SMOOTHING: tl.constexpr, NT: tl.constexpr,
+               VEC: tl.constexpr):
+    """``(M, S, sum_x)`` of one row: one pass, one reduction at the end."""
+    BLOCK: tl.constexpr = NT * VEC
+    flat = _tile(NT, VEC)
+    head, main_start, n_full, tail_start = _split(row_off, V, VEC, BLOCK)
+    m = tl.full([NT], -float("inf"), tl.float32)
+    s = tl.zeros([NT], tl.float32)
+    sx = tl.zeros([NT], tl.float32)
+    for k in range(0, n_full):
+        x = tl.load(logits_ptr + (main_start + k * BLOCK) + flat).to(tl.float32)
+        m, s = _accumulate(x, m, s)
         if SMOOTHING:
-            sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
-    owns = (local_t >= 0) & (local_t < V_local)
-    x_t = tl.load(base + tl.where(owns, local_t, 0), mask=owns, other=0.0).to(tl.float32)
-    c = coef_target * x_t
-    if SMOOTHING:
-        c += coef_uniform * sum_x
-    if FINAL:
-        loss, log_s = _finish(m, s, c, target, ignore_index, z_loss_weight)
-        tl.store(loss_ptr + row, loss)
-        tl.store(rowstat_ptr + 2 * row, m)
-        tl.store(rowstat_ptr + 2 * row + 1, log_s)
+            sx += tl.sum(x, axis=1)
+    for k in range(0, tl.cdiv(head + V - tail_start, BLOCK)):
+        cols, mask = _ragged_cols(k, head, tail_start, V, flat, BLOCK)
+        x = tl.load(logits_ptr + row_off + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        m, s = _accumulate(x, m, s)
+        if SMOOTHING:
+            sx += tl.sum(tl.where(mask, x, 0.0), axis=1)
+    M = tl.max(m, axis=0)
+    M_ref = tl.where(M == -float("inf"), 0.0, M)
+    S = tl.sum(s * tl.exp(m - M_ref), axis=0)
+    return M, S, tl.sum(sx, axis=0)
+
+
+@triton.jit
+def _grad_tile(x, cols, local_t, lse, factor, coef_target, coef_uniform, scale):
+    p = tl.exp(x - lse)
+    g = p * factor - coef_uniform
+    g = g - tl.where(cols == local_t, coef_target, 0.0)
+    return g * scale
+
+
+@triton.jit
+def _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, local_t, lse, factor, coef_target,
+              coef_uniform, scale, SAME_LAYOUT: tl.constexpr, NT: tl.constexpr,
+              VEC: tl.constexpr):
+    """Write ``scale * dloss/dx`` of one row (reads the row again)."""
+    BLOCK: tl.constexpr = NT * VEC
+    flat = _tile(NT, VEC)
+    head, main_start, n_full, tail_start = _split(row_off, V, VEC, BLOCK)
+    if SAME_LAYOUT:
+        g_main = main_start
     else:
+        g_main = g_row_off + head
+    out_ty = grad_ptr.dtype.element_ty
+    for k in range(0, n_full):
+        x = tl.load(logits_ptr + (main_start + k * BLOCK) + flat).to(tl.float32)
+        cols = head + k * BLOCK + flat
+        g = _grad_tile(x, cols, local_t, lse, factor, coef_target, coef_uniform, scale)
+        tl.store(grad_ptr + (g_main + k * BLOCK) + flat, g.to(out_ty))
+    for k in range(0, tl.cdiv(head + V - tail_start, BLOCK)):
+        cols, mask = _ragged_cols(k, head, tail_start, V, flat, BLOCK)
+        x = tl.load(logits_ptr + row_off + cols, mask=mask, other=0.0).to(tl.float32)
+        g = _grad_tile(x, cols, local_t, lse, factor, coef_target, coef_uniform, scale)
+        tl.store(grad_ptr + g_row_off + cols, g.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _scan_targets(target_ptr, n_rows, ignore_index, vocab_size, CHECKSUM: tl.constexpr):
+    """``(valid count, out-of-range count, checksum)`` of all targets (one program)."""
+    n_valid = tl.full([], 0, tl.int32)
+    n_bad = tl.full([], 0, tl.int32)
+    checksum = tl.full([], 0, tl.int64)
+    for start in range(0, n_rows, 1024):
+        i = start + tl.arange(0, 1024)
+        inside = i < n_rows
+        t = tl.load(target_ptr + i, mask=inside, other=ignore_index).to(tl.int64)
+        valid = (t != ignore_index) & inside
+        n_valid += tl.sum(valid.to(tl.int32), axis=0)
+        n_bad += tl.sum((valid & ((t < 0) | (t >= vocab_size))).to(tl.int32), axis=0)
+        if CHECKSUM:
+            checksum += tl.sum(tl.where(inside, (t + 1) * (2 * i.to(tl.int64) + 1), 0), axis=0)
+    return n_valid, n_bad, checksum
+
+
+@triton.jit
+def _finish_row(m, log_s, c, valid, z_loss_weight):
+    lse = m + log_s
+    loss = (m - c) + log_s + z_loss_weight * lse * lse
+    return tl.where(valid, loss, 0.0), lse
+
+
+@triton.jit
+def _reduce_epilogue(loss_ptr, partial_ptr, counter_ptr, pid, n_programs, partial, denom,
+                     target_ptr, n_rows, ignore_index, V, SCAN: tl.constexpr,
+                     MAX_G: tl.constexpr):
+    """The last program to finish sums the per-program partials (in program order); with
+    ``SCAN`` it counts the valid targets itself (a mean whose programs did not need it)."""
+    tl.store(partial_ptr + pid, partial)
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if done == n_programs - 1:
+        idx = tl.arange(0, MAX_G)
+        parts = tl.load(partial_ptr + idx, mask=idx < n_programs, other=0.0, volatile=True)
+        total = tl.sum(parts, axis=0)
+        if SCAN:
+            n_valid, _, _ = _scan_targets(target_ptr, n_rows, ignore_index, V, False)
+            total = total / n_valid.to(tl.float32)
+        else:
+            total = total / denom
+        tl.store(loss_ptr, total)
+        tl.atomic_xchg(counter_ptr, 0, sem="acq_rel")
+
+
+@triton.jit
+def _ce_fused_kernel(
+    logits_ptr, grad_ptr, target_ptr, loss_ptr, partial_ptr, counter_ptr, info_ptr,
+    n_rows, n_inner, stride_outer, stride_inner, g_n_inner, g_stride_outer, g_stride_inner,
+    V, ignore_index, coef_target, coef_uniform, z_loss_weight,
+    SMOOTHING: tl.constexpr, GRAD: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr,
+    CHECK: tl.constexpr, SAME_LAYOUT: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr,
+    MAX_G: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    denom = 1.0
+    if MEAN and GRAD:  # every program scales its gradient rows by 1 / N
+        n_valid, _, _ = _scan_targets(target_ptr, n_rows, ignore_index, V, False)
+        denom = n_valid.to(tl.float32)
+    if CHECK:
+        if pid == 0:  # info: the range check of all targets (a second scan is a cache hit)
+            n_valid0, n_bad, _ = _scan_targets(target_ptr, n_rows, ignore_index, V, False)
+            tl.store(info_ptr + 0, V)
+            tl.store(info_ptr + 1, n_valid0)
+            tl.store(info_ptr + 2, 0)
+            tl.store(info_ptr + 3, (n_bad == 0).to(tl.int32))
+            tl.store(info_ptr + 4, (n_bad == 0).to(tl.int32))
+    scale = tl.where(denom > 0, 1.0 / denom, 0.0)
+    partial = 0.0
+    for row32 in range(pid, n_rows, n_programs):
+        row = row32 * tl.full([], 1, tl.int64)
+        row_off = _row_offset(row, n_inner, stride_outer, stride_inner)
+        target = tl.load(target_ptr + row).to(tl.int64)
+        valid = target != ignore_index
+        M, S, sum_x = _row_stats(logits_ptr, row_off, V, SMOOTHING, NT, VEC)
+        owns = (target >= 0) & (target < V)
+        x_t = tl.load(logits_ptr + row_off + tl.where(owns, target, 0), mask=owns, other=0.0)
+        c = coef_target * x_t.to(tl.float32)
+        if SMOOTHING:
+            c += coef_uniform * sum_x
+        loss, lse = _finish_row(M, tl.log(S), c, valid, z_loss_weight)
+        if REDUCE:
+            partial += loss
+        else:
+            tl.store(loss_ptr + row, loss)
+        if GRAD:
+            g_row_off = _row_offset(row, g_n_inner, g_stride_outer, g_stride_inner)
+            _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, target, lse,
+                      1.0 + 2.0 * z_loss_weight * lse, coef_target, coef_uniform,
+                      tl.where(valid, scale, 0.0), SAME_LAYOUT, NT, VEC)
+    if REDUCE:
+        _reduce_epilogue(loss_ptr, partial_ptr, counter_ptr, pid, n_programs, partial, denom,
+                         target_ptr, n_rows, ignore_index, V, MEAN and not GRAD, MAX_G)
+
+
+@triton.jit
+def _ce_stats_kernel(
+    logits_ptr, target_ptr, stats_ptr, n_rows, n_inner, stride_outer, stride_inner,
+    V_local, vocab_start, vocab_size, ignore_index, coef_target, coef_uniform,
+    SMOOTHING: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    if pid == 0:  # metadata: what this rank saw, for every rank to compare after the gather
+        n_valid, n_bad, checksum = _scan_targets(target_ptr, n_rows, ignore_index, vocab_size,
+                                                 True)
+        folded = (checksum ^ (checksum >> 32)) & 0xFFFFFFFF
+        meta = stats_ptr + 3 * n_rows.to(tl.int64)
+        tl.store(meta + 0, V_local.to(tl.int32).to(tl.float32, bitcast=True))
+        tl.store(meta + 1, n_valid.to(tl.int32).to(tl.float32, bitcast=True))
+        tl.store(meta + 2, folded.to(tl.int32).to(tl.float32, bitcast=True))
+        tl.store(meta + 3, (n_bad == 0).to(tl.int32).to(tl.float32, bitcast=True))
+        tl.store(meta + 4, n_rows.to(tl.int32).to(tl.float32, bitcast=True))
+        tl.store(meta + 5, tl.zeros([], tl.int32).to(tl.float32, bitcast=True))
+    for row32 in range(pid, n_rows, n_programs):
+        row = row32 * tl.full([], 1, tl.int64)
+        row_off = _row_offset(row, n_inner, stride_outer, stride_inner)
+        local_t = tl.load(target_ptr + row).to(tl.int64) - vocab_start
+        m, s, sum_x = _row_stats(logits_ptr, row_off, V_local, SMOOTHING, NT, VEC)
+        owns = (local_t >= 0) & (local_t < V_local)
+        x_t = tl.load(logits_ptr + row_off + tl.where(owns, local_t, 0), mask=owns, other=0.0)
+        c = coef_target * x_t.to(tl.float32)
+        if SMOOTHING:
+            c += coef_uniform * sum_x
         tl.store(stats_ptr + 3 * row, m)
         tl.store(stats_ptr + 3 * row + 1, s)
         tl.store(stats_ptr + 3 * row + 2, c)
 
 
 @triton.jit
-def _ce_combine_kernel(
-    stats_ptr,
-    target_ptr,
-    loss_ptr,
-    rowstat_ptr,
-    n_rows,
-    world_size,
-    ignore_index,
-    z_loss_weight,
-    BLOCK: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = rows < n_rows
-    m = tl.full([BLOCK], -float("inf"), tl.float32)
-    for r in range(0, world_size):
-        at = stats_ptr + 3 * (r * n_rows + rows)
-        m = tl.maximum(m, tl.load(at, mask=mask, other=-float("inf")))
-    m_ref = tl.where(m == -float("inf"), 0.0, m)
-    s = tl.zeros([BLOCK], tl.float32)
-    c = tl.zeros([BLOCK], tl.float32)
-    for r in range(0, world_size):
-        at = stats_ptr + 3 * (r * n_rows + rows)
-        m_r = tl.load(at, mask=mask, other=-float("inf"))
-        s += tl.load(at + 1, mask=mask, other=0.0) * tl.exp(m_r - m_ref)
-        c += tl.load(at + 2, mask=mask, other=0.0)
-    target = tl.load(target_ptr + rows, mask=mask, other=0)
-    loss, log_s = _finish(m, s, c, target, ignore_index, z_loss_weight)
-    tl.store(loss_ptr + rows, loss, mask=mask)
-    tl.store(rowstat_ptr + 2 * rows, m, mask=mask)
-    tl.store(rowstat_ptr + 2 * rows + 1, log_s, mask=mask)
+def _ce_finish_kernel(
+    gathered_ptr, logits_ptr, grad_ptr, target_ptr, loss_ptr, partial_ptr, counter_ptr,
+    info_ptr, n_rows, world, rank, n_inner, stride_outer, stride_inner, g_n_inner,
+    g_stride_outer, g_stride_inner, V_local, vocab_start, ignore_index, coef_target,
+    coef_uniform, z_loss_weight,
+    GRAD: tl.constexpr, REDUCE: tl.constexpr, MEAN: tl.constexpr, SAME_LAYOUT: tl.constexpr,
+    NT: tl.constexpr, VEC: tl.constexpr, MAX_G: tl.constexpr, WB: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    per_rank = 3 * (n_rows.to(tl.int64) + 2)
+    meta = gathered_ptr + 3 * n_rows.to(tl.int64)
+    denom = 1.0
+    if MEAN:
+        own_meta = meta + rank * per_rank
+        denom = tl.load(own_meta + 1).to(tl.int32, bitcast=True).to(tl.float32)
+    if pid == 0:
+        r = tl.arange(0, WB)
+        there = r < world
+        at = meta + r * per_rank
+        size = tl.load(at, mask=there, other=0.0).to(tl.int32, bitcast=True)
+        n_valid = tl.load(at + 1, mask=there, other=0.0).to(tl.int32, bitcast=True)
+        checksum = tl.load(at + 2, mask=there, other=0.0).to(tl.int32, bitcast=True)
+        in_range = tl.load(at + 3, mask=there, other=0.0).to(tl.int32, bitcast=True)
+        own_size = tl.sum(tl.where(r == rank, size, 0), axis=0)
+        own_checksum = tl.sum(tl.where(r == rank, checksum, 0), axis=0)
+        bad = there & ((size != own_size) | (checksum != own_checksum) | (in_range == 0))
+        tl.store(info_ptr + r * 4, size, mask=there)
+        tl.store(info_ptr + r * 4 + 1, n_valid, mask=there)
+        tl.store(info_ptr + r * 4 + 2, checksum, mask=there)
+        tl.store(info_ptr + r * 4 + 3, in_range, mask=there)
+        tl.store(info_ptr + world * 4, (tl.sum(bad.to(tl.int32), axis=0) == 0).to(tl.int32))
+    scale = tl.where(denom > 0, 1.0 / denom, 0.0)
+    partial = 0.0
+    for row32 in range(pid, n_rows, n_programs):
+        row = row32 * tl.full([], 1, tl.int64)
+        m = -float("inf")
+        for r in range(0, world):
+            m = tl.maximum(m, tl.load(gathered_ptr + r * per_rank + 3 * row))
+        m_ref = tl.where(m == -float("inf"), 0.0, m)
+        s = 0.0
+        c = 0.0
+        for r in range(0, world):
+            at = gathered_ptr + r * per_rank + 3 * row
+            s += tl.load(at + 1) * tl.exp(tl.load(at) - m_ref)
+            c += tl.load(at + 2)
+        target = tl.load(target_ptr + row).to(tl.int64)
+        valid = target != ignore_index
+        loss, lse = _finish_row(m, tl.log(s), c, valid, z_loss_weight)
+        if REDUCE:
+            partial += loss
+        else:
+            tl.store(loss_ptr + row, loss)
+        if GRAD:
+            row_off = _row_offset(row, n_inner, stride_outer, stride_inner)
+            g_row_off = _row_offset(row, g_n_inner, g_stride_outer, g_stride_inner)
+            _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V_local, target - vocab_start,
+                      lse, 1.0 + 2.0 * z_loss_weight * lse, coef_target, coef_uniform,
+                      tl.where(valid, scale, 0.0), SAME_LAYOUT, NT, VEC)
+    if REDUCE:
+        _reduce_epilogue(loss_ptr, partial_ptr, counter_ptr, pid, n_programs, partial, denom,
+                         target_ptr, n_rows, ignore_index, 0, False, MAX_G)
 
 
 @triton.jit
-def _ce_bwd_kernel(
-    logits_ptr,
-    grad_ptr,
-    target_ptr,
-    rowstat_ptr,
-    dloss_ptr,
-    dloss_stride,
-    n_inner,
-    stride_outer,
-    stride_inner,
-    g_n_inner,
-    g_stride_outer,
-    g_stride_inner,
-    V_local,
-    vocab_start,
-    ignore_index,
-    coef_target,
-    coef_uniform,
-    z_loss_weight,
-    BLOCK_V: tl.constexpr,
-):
+def _ce_scale_kernel(grad_ptr, dloss_ptr, dloss_stride, n_inner, stride_outer, stride_inner, V,
+                     BLOCK: tl.constexpr):
+    """``grad[row] *= dloss[row]``; a program whose ``dloss`` is 1 returns at once."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < V_local
-    target = tl.load(target_ptr + row).to(tl.int64)
-    m = tl.load(rowstat_ptr + 2 * row)
-    log_s = tl.load(rowstat_ptr + 2 * row + 1)
-    dloss = tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
-    x = tl.load(
-        logits_ptr + _row_offset(row, n_inner, stride_outer, stride_inner) + cols,
-        mask=mask,
-        other=0.0,
-    ).to(tl.float32)
-    p = tl.exp((x - m) - log_s)
-    g = p * (1.0 + 2.0 * z_loss_weight * (m + log_s)) - coef_uniform
-    g = g - tl.where(cols == target - vocab_start, coef_target, 0.0)
-    g = tl.where(target != ignore_index, g * dloss, 0.0)
-    tl.store(
-        grad_ptr + _row_offset(row, g_n_inner, g_stride_outer, g_stride_inner) + cols,
-        g.to(grad_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    d = tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
+    if d != 1.0:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < V
+        at = grad_ptr + _row_offset(row, n_inner, stride_outer, stride_inner) + cols
+        g = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(at, (g * d).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,128 +397,141 @@ def row_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
     return None
 
 
-def block_v(v_local: int, backward: bool = False) -> int:
-    """Default vocab chunk for a shard of ``v_local`` logits (forward or backward kernel)."""
-    cap = MAX_BLOCK_V_BWD if backward else MAX_BLOCK_V_FWD
-    return min(next_power_of_2(max(v_local, 1)), cap)
+def vector_width(dtype: torch.dtype) -> int:
+    """Elements per 16-byte load of ``dtype`` (4 for fp32, 8 for fp16 / bf16)."""
+    return VECTOR_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
+def num_programs(rows: int) -> int:
+    """Programs of a forward launch over ``rows`` rows (at least one: it writes the reduction)."""
+    return max(1, min(rows, MAX_PROGRAMS))
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def reduction_counter(device: torch.device) -> torch.Tensor:
+    """The int32 counter of the last-program reduction on ``device`` (zero between launches:
+    the last program resets it). Allocated once per device. Calls on concurrent streams of one
+    device must not overlap (they would share it)."""
+    counter = _COUNTERS.get(device)
+    if counter is None:
+        counter = _COUNTERS[device] = torch.zeros((), dtype=torch.int32, device=device)
+    return counter
 
 
 def _coefs(label_smoothing: float, vocab_size: int) -> tuple[float, float]:
     return 1.0 - label_smoothing, label_smoothing / vocab_size
 
 
-def cross_entropy_forward(
+def _reduce_buffers(loss, reduction, rows, device):
+    g = num_programs(rows)
+    if reduction == "none":
+        return loss, loss, g
+    return torch.empty((g,), dtype=torch.float32, device=device), reduction_counter(device), g
+
+
+def cross_entropy_fused(
     logits: torch.Tensor,
     layout: tuple[int, int, int],
     target: torch.Tensor,
-    *,
-    vocab_start: int,
-    vocab_size: int,
-    label_smoothing: float,
-    ignore_index: int,
-    z_loss_weight: float,
-    loss: torch.Tensor | None,
-    rowstat: torch.Tensor | None,
-    stats: torch.Tensor | None,
-) -> None:
-    """Per-row pass over ``logits`` ``[..., Vl]`` (rows addressed by ``layout``).
-
-    Either ``loss`` ``[R]`` fp32 and ``rowstat`` ``[R, 2]`` fp32 (``(M, log S)``) are given (a
-    single rank: the final result), or ``stats`` ``[R, 3]`` fp32 (``(m, s, c)`` of this shard).
-    ``target`` is ``[R]`` contiguous int32/int64 holding global ids.
-    """
-    rows = target.numel()
-    if rows == 0:
-        return
-    final = stats is None
-    coef_target, coef_uniform = _coefs(label_smoothing, vocab_size)
-    dummy = target if final else stats
-    _ce_fwd_kernel[(rows,)](
-        logits,
-        target,
-        loss if final else dummy,
-        rowstat if final else dummy,
-        dummy if final else stats,
-        *layout,
-        logits.shape[-1],
-        vocab_start,
-        ignore_index,
-        coef_target,
-        coef_uniform,
-        z_loss_weight,
-        SMOOTHING=label_smoothing > 0.0,
-        FINAL=final,
-        BLOCK_V=block_v(logits.shape[-1]),
-        num_warps=NUM_WARPS,
-    )
-
-
-def cross_entropy_combine(
-    gathered: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    ignore_index: int,
-    z_loss_weight: float,
     loss: torch.Tensor,
-    rowstat: torch.Tensor,
+    info: torch.Tensor,
+    *,
+    grad: torch.Tensor | None,
+    grad_layout: tuple[int, int, int] | None,
+    label_smoothing: float,
+    ignore_index: int,
+    z_loss_weight: float,
+    reduction: str,
+    check: bool,
 ) -> None:
-    """Combine ``gathered`` ``[world, R, 3]`` fp32 statistics into ``loss`` / ``rowstat``."""
-    world, rows = gathered.shape[0], gathered.shape[1]
-    if rows == 0:
-        return
-    _ce_combine_kernel[(triton.cdiv(rows, COMBINE_BLOCK),)](
-        gathered,
-        target,
-        loss,
-        rowstat,
-        rows,
-        world,
-        ignore_index,
+    """One rank: loss (``[R]`` fp32, or a 0-d sum / mean) and, if ``grad`` is given, the
+    gradient of the (reduced) loss written into ``grad`` (may be ``logits`` itself).
+
+    ``target`` is ``[R]`` contiguous int32/int64; ``info`` int32 ``[2, 4]`` (written when
+    ``check``). One launch.
+    """
+    rows, vocab = target.numel(), logits.shape[-1]
+    partial, counter, g = _reduce_buffers(loss, reduction, rows, logits.device)
+    coef_target, coef_uniform = _coefs(label_smoothing, vocab)
+    _ce_fused_kernel[(g,)](
+        logits, grad if grad is not None else logits, target, loss, partial, counter, info,
+        rows, *layout, *(grad_layout or layout), vocab, ignore_index, coef_target, coef_uniform,
         z_loss_weight,
-        BLOCK=COMBINE_BLOCK,
-        num_warps=COMBINE_NUM_WARPS,
-    )
+        SMOOTHING=label_smoothing > 0.0, GRAD=grad is not None, REDUCE=reduction != "none",
+        MEAN=reduction == "mean", CHECK=check, SAME_LAYOUT=grad_layout in (None, layout),
+        NT=LANES, VEC=vector_width(logits.dtype), MAX_G=next_power_of_2(g),
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
 
 
-def cross_entropy_backward(
-    dloss: torch.Tensor,
+def cross_entropy_stats(
     logits: torch.Tensor,
     layout: tuple[int, int, int],
     target: torch.Tensor,
-    rowstat: torch.Tensor,
-    grad: torch.Tensor,
-    grad_layout: tuple[int, int, int],
+    stats: torch.Tensor,
     *,
     vocab_start: int,
     vocab_size: int,
     label_smoothing: float,
     ignore_index: int,
-    z_loss_weight: float,
 ) -> None:
-    """Write ``dloss[r] * dloss_r/dlogits`` into ``grad`` (may be ``logits`` itself).
+    """tp > 1, pass 1: ``stats`` fp32 ``[R + 2, 3]``: ``(m, s, c)`` per row and the metadata."""
+    rows = target.numel()
+    coef_target, coef_uniform = _coefs(label_smoothing, vocab_size)
+    _ce_stats_kernel[(num_programs(rows),)](
+        logits, target, stats, rows, *layout, logits.shape[-1], vocab_start, vocab_size,
+        ignore_index, coef_target, coef_uniform,
+        SMOOTHING=label_smoothing > 0.0, NT=LANES, VEC=vector_width(logits.dtype),
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
 
-    ``dloss`` is a 1-D fp32 tensor of ``R`` rows (any stride, 0 for a broadcast scalar).
-    """
-    rows, v_local = target.numel(), logits.shape[-1]
+
+def cross_entropy_finish(
+    gathered: torch.Tensor,
+    logits: torch.Tensor,
+    layout: tuple[int, int, int],
+    target: torch.Tensor,
+    loss: torch.Tensor,
+    info: torch.Tensor,
+    *,
+    rank: int,
+    grad: torch.Tensor | None,
+    grad_layout: tuple[int, int, int] | None,
+    vocab_start: int,
+    vocab_size: int,
+    label_smoothing: float,
+    ignore_index: int,
+    z_loss_weight: float,
+    reduction: str,
+) -> None:
+    """tp > 1, pass 2: loss from the gathered ``[world, R + 2, 3]`` statistics, ``info``
+    (int32 ``[world + 1, 4]``), and the gradient of this rank's shard when ``grad`` is given."""
+    world, rows = gathered.shape[0], target.numel()
+    partial, counter, g = _reduce_buffers(loss, reduction, rows, logits.device)
+    coef_target, coef_uniform = _coefs(label_smoothing, vocab_size)
+    _ce_finish_kernel[(g,)](
+        gathered, logits, grad if grad is not None else logits, target, loss, partial, counter,
+        info, rows, world, rank, *layout, *(grad_layout or layout), logits.shape[-1],
+        vocab_start, ignore_index, coef_target, coef_uniform, z_loss_weight,
+        GRAD=grad is not None, REDUCE=reduction != "none", MEAN=reduction == "mean",
+        SAME_LAYOUT=grad_layout in (None, layout), NT=LANES, VEC=vector_width(logits.dtype),
+        MAX_G=next_power_of_2(g), WB=next_power_of_2(world), num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def cross_entropy_scale(
+    grad: torch.Tensor, layout: tuple[int, int, int], dloss: torch.Tensor
+) -> None:
+    """Backward: ``grad[r] *= dloss[r]`` in place (``dloss`` 1-D fp32 of ``R`` rows, any
+    stride, 0 for a broadcast scalar). Rows whose ``dloss`` is 1 move no data. One launch."""
+    vocab = grad.shape[-1]
+    rows = grad.numel() // max(vocab, 1)
     if rows == 0:
         return
-    coef_target, coef_uniform = _coefs(label_smoothing, vocab_size)
-    bv = block_v(v_local, backward=True)
-    _ce_bwd_kernel[(rows, triton.cdiv(v_local, bv))](
-        logits,
-        grad,
-        target,
-        rowstat,
-        dloss,
-        dloss.stride(0),
-        *layout,
-        *grad_layout,
-        v_local,
-        vocab_start,
-        ignore_index,
-        coef_target,
-        coef_uniform,
-        z_loss_weight,
-        BLOCK_V=bv,
-        num_warps=NUM_WARPS,
+    stride = dloss.stride(0) if dloss.dim() else 0
+    block = min(next_power_of_2(vocab), SCALE_BLOCK)
+    _ce_scale_kernel[(rows, triton.cdiv(vocab, block))](
+        grad, dloss, stride, *layout, vocab, BLOCK=block, num_warps=NUM_WARPS
     )

@@ -91,6 +91,13 @@ def _check_structure(result):
         assert r["bytes_per_rank"] == r["formula_bytes_per_rank"] and r["same_on_all_ranks"]
         assert [c["name"] for c in r["calls"]] == (["all_gather"] if r["pass"] == "fwd" else [])
         assert r["rel_err"] < 1e-5
+    traffic = [r for r in result["structure"]["traffic"] if r["op"] == "cross_entropy"]
+    assert {r["pass"] for r in traffic} == {"fwd", "fwd+bwd"}
+    for r in traffic:
+        assert r["bytes_over_floor"] <= 1.10 and r["host_syncs"] == 0, r
+        # fwd+bwd: + the upstream ones_like that autograd.grad makes
+        assert r["device_ops"] <= (1 if r["pass"] == "fwd" else 3), r
+    assert any(r.get("traffic") for r in result["records"] if r["provider"] == "triton")
     moe = result["structure"]["moe_layer_forward"]
     by = {(r["E"], r["backend"]): r for r in moe}
     for E in (8, 128, 256):

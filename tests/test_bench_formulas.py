@@ -31,7 +31,7 @@ def test_cross_entropy_bytes_hand_counts():
     # Fused fwd+bwd floor: logits read once (80) and the gradient written once (80), targets 32,
     # loss 16 out, dloss 16 in.
     assert ce.cross_entropy_bytes(4, 10, 2, 8, "fwd+bwd") == 160 + 32 + 32
-    assert ce.allgather_bytes_per_rank(4) == 4 * 3 * 4
+    assert ce.allgather_bytes_per_rank(4) == (4 + 2) * 3 * 4  # rows + two metadata rows
 
 
 def test_permute_bytes_hand_counts():

@@ -313,7 +313,7 @@ def test_host_side_op_count_does_not_grow_with_experts(capacity_factor):
     "kwargs,match",
     [
         (dict(topk=5), "topk=5 must be <= num_experts=4"),
-        (dict(capacity_factor=-1.0), "capacity_factor must be > 0"),
+        (dict(capacity_factor=-1.0), "capacity_factor must be a finite number > 0"),
         (dict(activation="relu"), "activation"),
     ],
 )

@@ -84,11 +84,12 @@ def test_matches_float64(dtype, case, device):
           reduction=reduction)
 
 
-@pytest.mark.parametrize(
-    "vocab", [1, 2, 37, kernels.MAX_BLOCK_V_FWD + 1, kernels.MAX_BLOCK_V_BWD + 3]
-)
+FP32_BLOCK = kernels.LANES * kernels.vector_width(torch.float32)
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 37, FP32_BLOCK + 1, 2 * FP32_BLOCK + 3])
 def test_vocab_sizes_around_the_block(vocab, device):
-    # + 1 / + 3: the forward loops over two chunks, the backward takes two blocks per row.
+    # + 1 / + 3: one or two aligned tiles, then a ragged tile (head + tail) per row.
     logits, target = make_inputs((3,), vocab, torch.float32, device, ignore_every=0, seed=vocab)
     check(logits, target, label_smoothing=0.1, z_loss_weight=1e-3)
 
@@ -168,10 +169,14 @@ def test_inplace_backward_writes_the_gradient_into_the_logits(dtype, device):
     assert torch.equal(big.detach()[:, 1::2], torch.zeros_like(big[:, 1::2]))
 
 
+@pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_autograd_saves_the_logits_and_o_rows(reduction, device):
+def test_autograd_saves_only_the_gradient(reduction, inplace, device):
+    """The gradient is computed in the forward: autograd keeps that one buffer (logits-sized;
+    the logits themselves with inplace_backward) and nothing per row."""
     logits, target = make_inputs((4, 6), 1000, torch.bfloat16, device)
-    x = logits.clone().requires_grad_(True)
+    leaf = logits.clone().requires_grad_(True)
+    x = leaf * 1 if inplace else leaf
     saved = []
 
     def pack(t):
@@ -180,35 +185,47 @@ def test_autograd_saves_the_logits_and_o_rows(reduction, device):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = vocab_parallel_cross_entropy(x, target, reduction=reduction, label_smoothing=0.1,
-                                            z_loss_weight=1e-3, backend="triton")
-    big = [t for t in saved if t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()]
-    rest = [t for t in saved if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()]
-    assert len(big) == 1 and big[0].shape == x.shape and big[0].dtype == x.dtype
-    rows = target.numel()
-    rest_bytes = sum(t.numel() * t.element_size() for t in rest)
-    assert rest_bytes <= 16 * rows + 64, [(t.shape, t.dtype) for t in rest]
-    assert all(t.numel() <= 2 * rows for t in rest)
-    loss.sum().backward()
-    assert x.grad is not None
+                                            z_loss_weight=1e-3, inplace_backward=inplace,
+                                            backend="triton")
+    assert len(saved) == 1, [(t.shape, t.dtype) for t in saved]
+    assert saved[0].shape == x.shape and saved[0].dtype == x.dtype
+    same = saved[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert same == inplace
+    loss.backward(torch.ones_like(loss))
+    ref, x64 = reference_loss(logits, target, reduction=reduction, label_smoothing=0.1,
+                              z_loss_weight=1e-3)
+    ref.backward(torch.ones_like(ref))
+    assert_close(leaf.grad, x64.grad, torch.bfloat16)
 
 
-def test_target_validation(device):
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_target_validation(backend, device):
     logits, target = make_inputs((2, 3), 10, torch.float32, device)
     for bad_value in (10, -1, 12345):
         bad = target.clone()
         bad[1, 2] = bad_value
         with pytest.raises(TargetOutOfRangeError, match=rf"outside \[0, 10\).*e\.g\. {bad_value}"):
-            vocab_parallel_cross_entropy(logits, bad, backend="triton")
-        with pytest.raises(ValueError):
-            vocab_parallel_cross_entropy(logits, bad, backend="reference")
+            vocab_parallel_cross_entropy(logits, bad, backend=backend, validate="sync")
         with pytest.raises(IndexError):  # what F.cross_entropy raises for the same mistake
-            vocab_parallel_cross_entropy(logits, bad, backend="reference")
+            vocab_parallel_cross_entropy(logits, bad, backend=backend, validate="sync")
+        # default: checked on the device (on CPU, torch._assert_async raises at once)
+        with count_host_syncs() as syncs, pytest.raises(RuntimeError, match=r"target holds ids"
+                                                                         r" outside \[0, 10\)"):
+            vocab_parallel_cross_entropy(logits.requires_grad_(bad_value == 10), bad,
+                                         backend=backend)
+        assert syncs.count == 0, syncs.events
+        logits.requires_grad_(False)
     with count_host_syncs() as syncs:
-        vocab_parallel_cross_entropy(logits, bad, validate=False, backend="reference")
+        vocab_parallel_cross_entropy(logits, bad, validate=False, backend=backend)
     assert syncs.count == 0, syncs.events
     with count_host_syncs() as syncs:
-        vocab_parallel_cross_entropy(logits, target, backend="reference", reduction="mean")
-    assert syncs.count >= 1  # the range check reads the targets
+        vocab_parallel_cross_entropy(logits, target, backend=backend, reduction="mean")
+    assert syncs.count == 0, syncs.events
+    with count_host_syncs() as syncs:
+        vocab_parallel_cross_entropy(logits, target, backend=backend, validate="sync")
+    assert syncs.count >= 1  # validate="sync" reads the check on the host
+    with pytest.raises(ValueError, match="validate must be"):
+        vocab_parallel_cross_entropy(logits, target, backend=backend, validate="always")
 
 
 def test_bad_inputs(device):
@@ -303,24 +320,25 @@ def test_megatron_names(device):
 
 def test_opcheck_and_compile(device):
     logits, target = make_inputs((2, 3), 40, torch.float32, device)
-    x = logits.clone().requires_grad_(True)
+    for compute_grad in (False, True):
+        torch.library.opcheck(
+            torch.ops.mtp.vocab_parallel_cross_entropy.default,
+            (logits, target, 0.1, -100, 1e-3, 0, 40, "", 1, "mean", compute_grad, True, "triton"),
+        )
     torch.library.opcheck(
-        torch.ops.mtp.vocab_parallel_cross_entropy.default,
-        (x, target, 0.1, -100, 1e-3, 0, 40, "", False, "triton"),
+        torch.ops.mtp.vocab_parallel_cross_entropy_.default,
+        (logits.clone(), target, 0.1, -100, 1e-3, 0, 40, "", 1, "none", True, "triton"),
     )
-    _, rowstat = torch.ops.mtp.vocab_parallel_cross_entropy(
-        logits, target, 0.1, -100, 1e-3, 0, 40, "", False, "triton"
-    )
-    dloss = torch.randn(2, 3, device=device)
     torch.library.opcheck(
-        torch.ops.mtp.vocab_parallel_cross_entropy_backward.default,
-        (dloss, logits, target, rowstat, 0.1, -100, 1e-3, 0, 40, "triton"),
+        torch.ops.mtp.vocab_parallel_cross_entropy_scale_.default,
+        (logits.clone(), torch.randn(2, 3, device=device), "triton"),
     )
 
     def fn(x, target):
         return vocab_parallel_cross_entropy(x, target, label_smoothing=0.1, reduction="mean",
                                             backend="triton")
 
+    x = logits.clone().requires_grad_(True)
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     (grad,) = torch.autograd.grad(compiled(x, target), (x,))
     ref, x64 = reference_loss(logits, target, label_smoothing=0.1, reduction="mean")
@@ -340,35 +358,47 @@ def test_graph_safe(device):
 
 
 def aot_cases(dtype: str = "bf16"):
-    """``(name, kernel, signature, constexprs, num_warps)`` of every kernel variant at the
-    default blocks (logits of ``dtype``, int64 targets)."""
+    """``(name, kernel, signature, constexprs, num_warps)`` of every kernel variant (logits of
+    ``dtype``, int64 targets)."""
     rows = dict(n_inner="i64", stride_outer="i64", stride_inner="i64")
-    vocab = dict(V_local="i32", vocab_start="i32", ignore_index="i32", coef_target="fp32",
-                 coef_uniform="fp32", z_loss_weight="fp32")
+    grows = dict(g_n_inner="i64", g_stride_outer="i64", g_stride_inner="i64")
+    coefs = dict(ignore_index="i32", coef_target="fp32", coef_uniform="fp32")
+    vec = kernels.VECTOR_BYTES // (4 if dtype == "fp32" else 2)
+    tile = dict(NT=kernels.LANES, VEC=vec)
+    out = dict(loss_ptr="*fp32", partial_ptr="*fp32", counter_ptr="*i32", info_ptr="*i32")
     cases = [
-        (f"ce_fwd[final={final},smoothing={smoothing}]",
-         kernels._ce_fwd_kernel,
-         dict(logits_ptr=f"*{dtype}", target_ptr="*i64", loss_ptr="*fp32", rowstat_ptr="*fp32",
-              stats_ptr="*fp32", **rows, **vocab),
-         dict(SMOOTHING=smoothing, FINAL=final, BLOCK_V=kernels.block_v(1 << 17)),
+        (f"ce_fused[smoothing={sm},grad={grad},reduce={red}]",
+         kernels._ce_fused_kernel,
+         dict(logits_ptr=f"*{dtype}", grad_ptr=f"*{dtype}", target_ptr="*i64", **out,
+              n_rows="i32", **rows, **grows, V="i32", **coefs, z_loss_weight="fp32"),
+         dict(SMOOTHING=sm, GRAD=grad, REDUCE=red, MEAN=red, CHECK=True, SAME_LAYOUT=True,
+              MAX_G=kernels.MAX_PROGRAMS, **tile),
          kernels.NUM_WARPS)
-        for final in (True, False) for smoothing in (False, True)
+        for sm in (False, True) for grad in (False, True) for red in (False, True)
     ]
     cases.append((
-        "ce_combine",
-        kernels._ce_combine_kernel,
-        dict(stats_ptr="*fp32", target_ptr="*i64", loss_ptr="*fp32", rowstat_ptr="*fp32",
-             n_rows="i32", world_size="i32", ignore_index="i32", z_loss_weight="fp32"),
-        dict(BLOCK=kernels.COMBINE_BLOCK),
-        kernels.COMBINE_NUM_WARPS,
+        "ce_stats[smoothing=True]",
+        kernels._ce_stats_kernel,
+        dict(logits_ptr=f"*{dtype}", target_ptr="*i64", stats_ptr="*fp32", n_rows="i32", **rows,
+             V_local="i32", vocab_start="i32", vocab_size="i32", **coefs),
+        dict(SMOOTHING=True, **tile),
+        kernels.NUM_WARPS,
     ))
     cases.append((
-        "ce_bwd",
-        kernels._ce_bwd_kernel,
-        dict(logits_ptr=f"*{dtype}", grad_ptr=f"*{dtype}", target_ptr="*i64", rowstat_ptr="*fp32",
-             dloss_ptr="*fp32", dloss_stride="i64", g_n_inner="i64", g_stride_outer="i64",
-             g_stride_inner="i64", **rows, **vocab),
-        dict(BLOCK_V=kernels.block_v(1 << 17, backward=True)),
+        "ce_finish[grad=True,reduce=True]",
+        kernels._ce_finish_kernel,
+        dict(gathered_ptr="*fp32", logits_ptr=f"*{dtype}", grad_ptr=f"*{dtype}",
+             target_ptr="*i64", **out, n_rows="i32", world="i32", rank="i32", **rows, **grows,
+             V_local="i32", vocab_start="i32", **coefs, z_loss_weight="fp32"),
+        dict(GRAD=True, REDUCE=True, MEAN=True, SAME_LAYOUT=True, MAX_G=kernels.MAX_PROGRAMS,
+             WB=8, **tile),
+        kernels.NUM_WARPS,
+    ))
+    cases.append((
+        "ce_scale",
+        kernels._ce_scale_kernel,
+        dict(grad_ptr=f"*{dtype}", dloss_ptr="*fp32", dloss_stride="i64", **rows, V="i32"),
+        dict(BLOCK=kernels.SCALE_BLOCK),
         kernels.NUM_WARPS,
     ))
     return cases
@@ -378,6 +408,124 @@ def test_compiles_for_sm90_and_sm100_without_spills():
     """bf16 logits, for sm_90a and sm_100a."""
     for name, arch, registers, stores, loads in ptxas_table(aot_cases()):
         assert stores == loads == 0, f"{name} spills on {arch}: {stores} B stored, {loads} B loaded"
+
+
+# --- bytes, launches, host syncs (the structural floor) ----------------------------------------
+
+
+def ce_floor(rows, vocab, elem, target_elem, grad=True):
+    """Fewest bytes: the logits once, the targets, the loss out; with grad the gradient out and
+    the upstream gradient in (as bench_cross_entropy.cross_entropy_bytes)."""
+    if not grad:
+        return rows * vocab * elem + rows * target_elem + 4 * rows
+    return 2 * rows * vocab * elem + rows * target_elem + 8 * rows
+
+
+@pytest.mark.parametrize("rows,vocab,dtype,reduction,inplace", [
+    pytest.param(64, 8192, torch.float32, "none", False, marks=pytest.mark.slow),
+    (64, 8192, torch.bfloat16, "mean", True),
+    (4, 50257, torch.bfloat16, "mean", False),  # rows not 16-byte aligned: head + tail apart
+])  # fmt: skip
+def test_bytes_launches_and_syncs(rows, vocab, dtype, reduction, inplace, monkeypatch):
+    from mtp.testing.traffic import count_traffic
+
+    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")  # the NaN fill of outputs is a test extra
+    logits, target = make_inputs((rows,), vocab, dtype, "cpu", ignore_every=7)
+    kwargs = dict(reduction=reduction, label_smoothing=0.1, inplace_backward=inplace,
+                  backend="triton")
+    vocab_parallel_cross_entropy(logits[:1], target[:1], **kwargs)  # warm-up (reduction counter)
+    leaf = logits.clone().requires_grad_(True)
+    x = leaf.view_as(leaf) if inplace else leaf  # a view: its backward moves no data
+    with count_traffic() as fwd:
+        loss = vocab_parallel_cross_entropy(x, target, **kwargs)
+    upstream = torch.ones_like(loss)
+    with count_traffic() as bwd:
+        loss.backward(upstream)
+    ref, x64 = reference_loss(logits, target, reduction=reduction, label_smoothing=0.1)
+    ref.backward(upstream.double())
+    assert_close(leaf.grad, x64.grad, dtype)
+    floor = ce_floor(rows, vocab, logits.element_size(), 8)
+    ratio = (fwd.bytes_program + bwd.bytes_program) / floor
+    assert ratio <= 1.10, (ratio, fwd.by_kernel(), bwd.by_kernel())
+    assert ratio >= 0.99, ratio  # the logits are read once and the gradient written once
+    assert fwd.num_launches == 1 and [a.name for a in fwd.aten] == ["aten::_assert_async"]
+    assert bwd.device_ops == 1, bwd.by_kernel()
+    assert fwd.num_host_syncs == bwd.num_host_syncs == 0, (fwd.host_syncs, bwd.host_syncs)
+    # a non-unit upstream gradient: one scaled pass over the gradient (read + write)
+    leaf.grad = None
+    if inplace:
+        leaf = logits.clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(leaf.view_as(leaf), target, **kwargs)
+    with count_traffic() as scaled:
+        loss.backward(upstream * 3)
+    grad_bytes = rows * vocab * logits.element_size()
+    assert 2 * grad_bytes <= scaled.bytes_program <= 2.02 * grad_bytes, scaled.by_kernel()
+    assert_close(leaf.grad, 3 * x64.grad, dtype)
+
+
+def test_forward_without_grad_reads_the_logits_once(monkeypatch):
+    from mtp.testing.traffic import count_traffic
+
+    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+    logits, target = make_inputs((32,), 4099, torch.float32, "cpu")
+    with count_traffic() as t:
+        loss = vocab_parallel_cross_entropy(logits, target, backend="triton", validate=False)
+    assert_close(loss, reference_loss(logits, target)[0], torch.float32)
+    ratio = t.ratio(ce_floor(32, 4099, 4, 8, grad=False))
+    assert 0.99 <= ratio <= 1.10 and t.device_ops == 1 and t.num_host_syncs == 0, t.summary()
+
+
+def test_unsupported_uses_fail_clearly(device):
+    logits, target = make_inputs((3,), 16, torch.float32, device)
+    # expanded logits cannot take the gradient in place
+    row = logits[:1].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="inplace_backward.*overlapping"):
+        vocab_parallel_cross_entropy(row.expand(3, 16), target, inplace_backward=True,
+                                     backend="triton")
+    # ... but are fine otherwise
+    check(logits[:1].expand(3, 16), target, label_smoothing=0.1)
+    # torch.func transforms: a clear error naming the limitation
+    with pytest.raises(NotImplementedError, match="torch.func"):
+        torch.func.grad(lambda x: vocab_parallel_cross_entropy(x, target, reduction="sum"))(
+            logits)
+    # the precomputed gradient is scaled in place: one backward per forward (autograd's version
+    # counter of the saved gradient says so)
+    x = logits.clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(x, target, reduction="sum", backend="triton")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_main_loads_are_16_bytes_in_sass():
+    """sm_90a SASS of the forward (bf16 and fp32 logits): the aligned tiles load and store
+    128 bits (``LDG.E.128`` / ``STG.E.128``); the row split makes this independent of V."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from mtp.testing import _find_ptxas, compile_for_targets
+
+    cuobjdump = shutil.which("cuobjdump") or os.path.join(
+        os.path.dirname(os.path.dirname(torch.__file__)), "nvidia", "cu13", "bin", "cuobjdump")
+    ptxas = _find_ptxas("sm_90a")
+    if not os.path.exists(cuobjdump) or ptxas is None:
+        pytest.skip("needs ptxas and cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    for dtype in ("bf16", "fp32"):
+        name, kernel, sig, constexprs, warps = next(
+            c for c in aot_cases(dtype) if c[0] == "ce_fused[smoothing=True,grad=True,reduce=True]")
+        build = compile_for_targets(kernel, sig, constexprs, targets=(90,), num_warps=warps)[90]
+        with tempfile.TemporaryDirectory() as tmp:
+            src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+            with open(src, "w") as f:
+                f.write(build.ptx)
+            subprocess.run([ptxas, f"--gpu-name={build.arch}", src, "-o", cubin], check=True)
+            sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                                  check=True).stdout
+        # two tiles per thread in pass 1 and in the gradient pass
+        assert sass.count("LDG.E.128") >= 4, (dtype, sass.count("LDG.E.128"))
+        assert sass.count("STG.E.128") >= 2, (dtype, sass.count("STG.E.128"))
 
 
 # --- on a GPU -------------------------------------------------------------------------------

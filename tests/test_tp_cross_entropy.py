@@ -15,10 +15,14 @@ import torch.distributed as dist
 
 import mtp.parallel
 import mtp.tensor_parallel
-from mtp.kernels.cross_entropy import MAX_BLOCK_V_FWD
-from mtp.ops.cross_entropy import vocab_parallel_cross_entropy
+from mtp.kernels.cross_entropy import LANES, vector_width
+from mtp.ops.cross_entropy import TargetOutOfRangeError, vocab_parallel_cross_entropy
+from mtp.parallel.errors import RankMismatchError
 from mtp.testing import assert_close, count_collectives, run_distributed
+from mtp.testing.traffic import count_traffic
 from test_ops_cross_entropy import reference_loss
+
+MAX_BLOCK_V_FWD = LANES * vector_width(torch.float32)
 
 # (dtype, vocab per rank, label_smoothing, z_loss_weight, reduction, extra)
 CASES = [
@@ -59,7 +63,8 @@ def _run_case(rank, world, group, case, seed):
         )
     assert forward.names() == ["all_gather"], forward
     rows = target.numel()
-    assert forward.nbytes() == 12 * rows, forward  # (max, sum-exp, linear term) in fp32 per row
+    # (max, sum-exp, linear term) in fp32 per row, and two rows of metadata
+    assert forward.nbytes() == 12 * (rows + 2), forward
     ref, x64 = reference_loss(full, target, **kwargs)
     assert_close(loss, ref, torch.float32, msg=f"loss {case}")
     dloss = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed + 1))
@@ -94,18 +99,95 @@ def _megatron_api(rank, world):
         mtp.parallel.destroy_model_parallel()
 
 
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def _mismatches(rank, world, group):
+    """Ranks that disagree: each one raises a clear error (device check or typed), none hangs."""
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randint(0, 8 * world, (3, 4), generator=gen)
+    out = {}
+    for validate in (True, "sync"):
+        # uneven vocab shards (8 on rank 0, 9 on the others)
+        logits = torch.randn(3, 4, 8 if rank == 0 else 9, generator=gen)
+        out[("uneven", validate)] = _outcome(lambda: vocab_parallel_cross_entropy(
+            logits, target, group=group, validate=validate, backend="triton"))
+        # targets that differ on the last rank
+        t = target.clone()
+        if rank == world - 1:
+            t[1, 2] = (t[1, 2] + 1) % (8 * world)
+        x = torch.randn(3, 4, 8, generator=gen).requires_grad_(True)
+        out[("targets", validate)] = _outcome(lambda: vocab_parallel_cross_entropy(
+            x, t, group=group, validate=validate, backend="triton", reduction="mean"))
+        # a target out of range on every rank
+        bad = target.clone()
+        bad[0, 0] = 8 * world
+        out[("range", validate)] = _outcome(lambda: vocab_parallel_cross_entropy(
+            torch.randn(3, 4, 8), bad, group=group, validate=validate, backend="triton"))
+    # zero rows everywhere: the all-gather still runs (with the metadata), every rank agrees
+    empty = torch.randn(0, 8, requires_grad=True)
+    with count_collectives() as log:
+        loss = vocab_parallel_cross_entropy(empty, torch.zeros(0, dtype=torch.long), group=group,
+                                            reduction="sum", backend="triton")
+    loss.backward()
+    out["empty"] = (log.names(), float(loss.detach()), tuple(empty.grad.shape))
+    return out
+
+
+def _structure(rank, world, group):
+    """Launches, aten ops and syncs of fwd / bwd at tp > 1 with the default arguments."""
+    gen = torch.Generator().manual_seed(9)
+    full = torch.randn(16, 64 * world, generator=gen)
+    target = torch.randint(0, 64 * world, (16,), generator=gen)
+    x = full[:, rank * 64:(rank + 1) * 64].clone().requires_grad_(True)
+    import os
+
+    os.environ["MTP_POISON_OUTPUTS"] = "0"  # the NaN fill of outputs is a test-suite extra
+    kwargs = dict(group=group, reduction="mean", backend="triton")
+    vocab_parallel_cross_entropy(x, target, **kwargs)  # warm-up
+    with count_traffic() as fwd, count_collectives() as coll:
+        loss = vocab_parallel_cross_entropy(x, target, **kwargs)
+    one = torch.ones(())
+    with count_traffic() as bwd:
+        loss.backward(one)
+    return (fwd.num_launches, [a.name for a in fwd.aten], fwd.num_host_syncs, coll.names(),
+            bwd.num_launches, [a.name for a in bwd.aten], bwd.num_host_syncs)
+
+
 def _tp_worker(rank, world):
     # numpy (the Triton interpreter) warns about log(0) and inf - inf on the -inf shards
     warnings.filterwarnings("ignore", category=RuntimeWarning)
     group = dist.new_group(list(range(world)))
     losses = [_run_case(rank, world, group, case, seed=i) for i, case in enumerate(CASES)]
     _megatron_api(rank, world)
-    return losses
+    return losses, _mismatches(rank, world, group), _structure(rank, world, group)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_vocab_parallel_matches_full_cross_entropy(world_size):
     per_rank = run_distributed(_tp_worker, world_size, timeout=300)
-    for losses in per_rank[1:]:
-        for mine, first in zip(losses, per_rank[0]):
+    for losses, _, _ in per_rank[1:]:
+        for mine, first in zip(losses, per_rank[0][0]):
             assert mine == first  # every rank computes the same loss, bit for bit
+    for rank, (_, mismatch, structure) in enumerate(per_rank):
+        for what in ("uneven", "targets", "range"):
+            # default: a device-side check (on CPU torch._assert_async raises at once)
+            kind, message = mismatch[(what, True)]
+            assert kind == "RuntimeError" and "target" in message, (rank, what, message)
+            kind, message = mismatch[(what, "sync")]
+            if what == "range":
+                assert kind == TargetOutOfRangeError.__name__ and "outside" in message
+            else:
+                assert kind == RankMismatchError.__name__, (rank, what, kind, message)
+                name = "vocab shard size" if what == "uneven" else "target checksum"
+                assert name in message and "rank 0" in message, message
+        if world_size > 1:
+            assert "on rank 0, 9 on rank 1" in mismatch[("uneven", "sync")][1]
+        assert mismatch["empty"] == (["all_gather"], 0.0, (0, 8))
+        # forward: 2 kernels + the device-side check, one all-gather; backward: 1 kernel
+        assert structure == (2, ["aten::_assert_async"], 0, ["all_gather"], 1, [], 0), structure

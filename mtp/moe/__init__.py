@@ -7,11 +7,23 @@
 - :func:`preprocess`: counts, row map, permuted probs and EP split sizes into the workspace;
   static shapes, no host sync.
 - :class:`GroupedMLP`: the local experts as two grouped GEMMs.
-- :class:`AllToAllTokenDispatcher`: dispatch/combine over the expert-parallel group.
+- :class:`AllToAllTokenDispatcher`: dispatch/combine over the expert-parallel group (and the
+  expert-tensor-parallel group); :class:`AllGatherTokenDispatcher`: the all-gather variant.
+- :class:`SharedExpertMLP`: the dense shared expert (optional sigmoid gate).
+- :mod:`mtp.moe.hf_weights`: Hugging Face expert weights <-> :class:`GroupedMLP`.
 - :class:`MoELayer`: all of the above as one module.
 """
 
-from mtp.moe.experts import GroupedMLP
+from mtp.moe.allgather_dispatcher import AllGatherTokenDispatcher
+from mtp.moe.experts import GroupedMLP, activation_function, clamped_swiglu
+from mtp.moe.hf_weights import grouped_to_hf, hf_to_grouped
+from mtp.moe.load_balancing import (
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+    save_to_aux_losses_tracker,
+    sequence_load_balancing_loss_func,
+    track_moe_metrics,
+)
 from mtp.moe.moe_layer import MoELayer
 from mtp.moe.preprocess import MoEPreprocessResult, preprocess
 from mtp.moe.router import (
@@ -24,11 +36,25 @@ from mtp.moe.router import (
     topk_softmax_with_capacity,
     z_loss_func,
 )
+from mtp.moe.shared_experts import SharedExpertMLP
 from mtp.moe.token_dispatcher import AllToAllTokenDispatcher
+from mtp.parallel.errors import RankMismatchError
 from mtp.moe.workspace import MoEWorkspace, WorkspaceMismatchError
 
 __all__ = [
+    "AllGatherTokenDispatcher",
     "AllToAllTokenDispatcher",
+    "RankMismatchError",
+    "SharedExpertMLP",
+    "activation_function",
+    "clamped_swiglu",
+    "clear_aux_losses_tracker",
+    "get_moe_layer_wise_logging_tracker",
+    "grouped_to_hf",
+    "hf_to_grouped",
+    "save_to_aux_losses_tracker",
+    "sequence_load_balancing_loss_func",
+    "track_moe_metrics",
     "GroupedMLP",
     "MoEAuxLossAutoScaler",
     "MoELayer",

@@ -20,6 +20,7 @@ no-sync, graph-safe structure on the CPU too.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -32,8 +33,35 @@ from mtp.utils import check_int
 
 __all__ = ["GroupedMLP"]
 
-_ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "clamped_swiglu", "relu2")
+_ACTIVATIONS = ACTIVATIONS
+_GATED = ("swiglu", "clamped_swiglu")
 _ACT_BACKENDS = ("triton", "reference")
+
+
+def clamped_swiglu(h: torch.Tensor, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    """GPT-OSS's SwiGLU on interleaved columns: ``gate = h[..., 0::2].clamp(max=limit)``,
+    ``up = h[..., 1::2].clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate, up = h[..., 0::2], h[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def activation_function(
+    h: torch.Tensor,
+    activation: str,
+    backend: str = "auto",
+    limit: float = 7.0,
+    alpha: float = 1.702,
+) -> torch.Tensor:
+    """The experts' activation of the fc1 output ``h [..., F1]`` -> ``[..., F]`` (see
+    :class:`GroupedMLP`)."""
+    if activation == "relu2":
+        return torch.square(F.relu(h))
+    if activation == "clamped_swiglu":
+        return clamped_swiglu(h, limit, alpha)
+    return _activation(h, activation, backend)
 
 
 def _activation(h: torch.Tensor, activation: str, backend: str) -> torch.Tensor:
@@ -50,6 +78,23 @@ def _activation(h: torch.Tensor, activation: str, backend: str) -> torch.Tensor:
     return F.silu(a) * g
 
 
+def fc1_shard_columns(
+    ffn_hidden_size: int, activation: str, tp_size: int = 1, tp_rank: int = 0
+) -> torch.Tensor:
+    """Columns of the full fc1 output ``[F1]`` held by expert-tensor-parallel rank ``tp_rank``
+    (int64): a contiguous ``F / tp_size`` slice of the features; for ``"swiglu"`` that slice of
+    the gate half and the same slice of the up half; for the interleaved ``"clamped_swiglu"``
+    the ``2 F / tp_size`` columns of its gate/up pairs."""
+    shard = ffn_hidden_size // tp_size
+    start = tp_rank * shard
+    cols = torch.arange(start, start + shard)
+    if activation == "swiglu":
+        return torch.cat([cols, cols + ffn_hidden_size])
+    if activation == "clamped_swiglu":
+        return torch.arange(2 * start, 2 * (start + shard))
+    return cols
+
+
 def _expert_of_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Expert index of each of ``num_rows`` grouped rows (rows past the total: the last)."""
     ends = torch.cumsum(tokens_per_expert.to(torch.int64), dim=0)
@@ -64,9 +109,20 @@ class GroupedMLP(nn.Module):
         num_local_experts: ``L``, experts held by this rank.
         hidden_size: ``H``.
         ffn_hidden_size: ``F``, each expert's intermediate size.
-        activation: ``"gelu"`` (exact erf GeLU) or ``"swiglu"`` (``fc1`` produces ``2F``
-            features; ``silu`` of the first half gates the second, Megatron's convention).
+        activation: ``"gelu"`` (exact erf GeLU), ``"swiglu"`` (``fc1`` produces ``2F``
+            features; ``silu`` of the first half gates the second, Megatron's convention),
+            ``"clamped_swiglu"`` (GPT-OSS: ``2F`` interleaved gate/up columns, see
+            :func:`clamped_swiglu`) or ``"relu2"`` (``relu(x)**2``, Nemotron-H/Primer).
+        activation_limit, activation_alpha: ``limit`` and ``alpha`` of ``"clamped_swiglu"``
+            (GPT-OSS's ``swiglu_limit = 7.0``, ``alpha = 1.702``).
         bias: add per-expert biases ``bias1 [L, F1]`` and ``bias2 [L, H]``.
+        probs_after_fc2: multiply each row's output by its probability after ``fc2`` and its bias
+            (GPT-OSS, Hugging Face's experts) instead of before ``fc2`` (Megatron); the same
+            without ``bias``.
+        tp_size, tp_rank: expert tensor parallelism: this rank holds ``F / tp_size`` of each
+            expert's intermediate features (``fc1`` column-parallel, ``fc2`` row-parallel, see
+            :func:`fc1_shard_columns`) and returns partial outputs the caller sums over the
+            expert-tensor-parallel group; ``bias2`` is added by rank 0 only.
         backend: grouped GEMM backend (``"auto"``, ``"triton"``, ``"torch"``, ``"cutlass"``,
             ``"multistream"``, ``"sequential"``, ``"reference"``, see
             :func:`mtp.ops.grouped_gemm`); the activation kernel uses ``"triton"`` or
@@ -76,9 +132,10 @@ class GroupedMLP(nn.Module):
             leaves them uninitialised (for loading a checkpoint).
 
     Parameters: ``weight1 [L, H, F1]`` and ``weight2 [L, F, H]`` (``[E, K, N]``, ``F1 = F`` or
-    ``2F``), optional ``bias1``/``bias2``. They carry ``allreduce = False`` (Megatron's marker
-    for expert parameters: reduce their gradients over the expert-data-parallel group, not the
-    data-parallel group).
+    ``2F``, both divided by ``tp_size``), optional ``bias1``/``bias2``. Hugging Face expert
+    weights load with :meth:`load_hf_weights` and come back with :meth:`hf_weights`. They
+    carry ``allreduce = False`` (Megatron's marker for expert parameters: reduce their gradients
+    over the expert-data-parallel group, not the data-parallel group).
     """
 
     def __init__(
@@ -90,6 +147,11 @@ class GroupedMLP(nn.Module):
         activation: str = "gelu",
         bias: bool = False,
         backend: str = "auto",
+        activation_limit: float = 7.0,
+        activation_alpha: float = 1.702,
+        probs_after_fc2: bool = False,
+        tp_size: int = 1,
+        tp_rank: int = 0,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         perform_initialization: bool = True,
@@ -99,20 +161,44 @@ class GroupedMLP(nn.Module):
             ("num_local_experts", num_local_experts),
             ("hidden_size", hidden_size),
             ("ffn_hidden_size", ffn_hidden_size),
+            ("tp_size", tp_size),
         ):
             check_int(name, value, 1)
+        check_int("tp_rank", tp_rank, 0)
+        if tp_rank >= tp_size:
+            raise ValueError(f"tp_rank={tp_rank} must be < tp_size={tp_size}")
+        if ffn_hidden_size % tp_size:
+            raise ValueError(
+                f"ffn_hidden_size={ffn_hidden_size} must be divisible by the expert tensor "
+                f"parallel size tp_size={tp_size}"
+            )
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+        for name, value in (
+            ("activation_limit", activation_limit),
+            ("activation_alpha", activation_alpha),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
+            raise TypeError(f"params_dtype must be a floating torch.dtype, got {params_dtype!r}")
         self.num_local_experts, self.hidden_size = num_local_experts, hidden_size
         self.ffn_hidden_size, self.activation = ffn_hidden_size, activation
         self.backend, self.add_bias = backend, bool(bias)
-        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.activation_limit = float(activation_limit)
+        self.activation_alpha = float(activation_alpha)
+        self.probs_after_fc2 = bool(probs_after_fc2)
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        full_fc1 = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size
+        self.full_fc1_output_size = full_fc1
+        fc1_out = full_fc1 // tp_size
         self.fc1_output_size = fc1_out
+        local_ffn = ffn_hidden_size // tp_size
         kw = dict(dtype=params_dtype, device=device)
         self.weight1 = nn.Parameter(torch.empty(num_local_experts, hidden_size, fc1_out, **kw))
-        self.weight2 = nn.Parameter(
-            torch.empty(num_local_experts, ffn_hidden_size, hidden_size, **kw)
-        )
+        self.weight2 = nn.Parameter(torch.empty(num_local_experts, local_ffn, hidden_size, **kw))
         if self.add_bias:
             self.bias1 = nn.Parameter(torch.empty(num_local_experts, fc1_out, **kw))
             self.bias2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, **kw))
@@ -128,8 +214,14 @@ class GroupedMLP(nn.Module):
         return (
             f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
             f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}, "
-            f"bias={self.add_bias}, backend={self.backend!r}"
+            f"bias={self.add_bias}, backend={self.backend!r}, tp_size={self.tp_size}"
         )
+
+    def _shards(self):
+        cols = fc1_shard_columns(self.ffn_hidden_size, self.activation, self.tp_size, self.tp_rank)
+        shard = self.ffn_hidden_size // self.tp_size
+        rows = slice(self.tp_rank * shard, (self.tp_rank + 1) * shard)
+        return cols, rows
 
     @torch.no_grad()
     def reset_parameters(self, expert_offset: int = 0, num_experts: int | None = None) -> None:
@@ -150,7 +242,7 @@ class GroupedMLP(nn.Module):
                 f"experts in num_experts={total}"
             )
         for e in range(total):
-            fc1 = nn.Linear(self.hidden_size, self.fc1_output_size, bias=self.add_bias)
+            fc1 = nn.Linear(self.hidden_size, self.full_fc1_output_size, bias=self.add_bias)
             fc2 = nn.Linear(self.ffn_hidden_size, self.hidden_size, bias=self.add_bias)
             local = e - expert_offset
             if 0 <= local < self.num_local_experts:
@@ -158,11 +250,69 @@ class GroupedMLP(nn.Module):
 
     @torch.no_grad()
     def _load_pair(self, local: int, fc1: nn.Linear, fc2: nn.Linear) -> None:
-        self.weight1[local].copy_(fc1.weight.t())
-        self.weight2[local].copy_(fc2.weight.t())
+        cols, rows = self._shards()
+        self.weight1[local].copy_(fc1.weight.t()[:, cols])
+        self.weight2[local].copy_(fc2.weight.t()[rows])
         if self.add_bias:
-            self.bias1[local].copy_(fc1.bias)
+            self.bias1[local].copy_(fc1.bias[cols])
             self.bias2[local].copy_(fc2.bias)
+
+    @torch.no_grad()
+    def load_full_weights(
+        self,
+        weight1: torch.Tensor,
+        weight2: torch.Tensor,
+        bias1: torch.Tensor | None = None,
+        bias2: torch.Tensor | None = None,
+        expert_offset: int = 0,
+    ) -> None:
+        """Copy this rank's experts ``[expert_offset, expert_offset + L)`` and its expert-TP
+        shard out of full (all experts, unsharded) ``weight1 [E, H, F1]``, ``weight2 [E, F, H]``
+        (and biases ``[E, F1]``, ``[E, H]``) in mtp's layout."""
+        local = self.num_local_experts
+        want1 = (self.hidden_size, self.full_fc1_output_size)
+        want2 = (self.ffn_hidden_size, self.hidden_size)
+        if weight1.dim() != 3 or tuple(weight1.shape[1:]) != want1:
+            raise ValueError(f"weight1 must be [E, {want1[0]}, {want1[1]}], got {weight1.shape}")
+        if weight2.dim() != 3 or tuple(weight2.shape[1:]) != want2:
+            raise ValueError(f"weight2 must be [E, {want2[0]}, {want2[1]}], got {weight2.shape}")
+        total = weight1.shape[0]
+        if not 0 <= expert_offset <= total - local or weight2.shape[0] != total:
+            raise ValueError(
+                f"expert_offset={expert_offset} with {local} local experts does not fit weights of "
+                f"{weight1.shape[0]} / {weight2.shape[0]} experts"
+            )
+        if (bias1 is not None or bias2 is not None) != self.add_bias:
+            raise ValueError(f"bias1/bias2 must be given exactly when bias={self.add_bias}")
+        cols, rows = self._shards()
+        sel = slice(expert_offset, expert_offset + local)
+        self.weight1.copy_(weight1[sel][:, :, cols.to(weight1.device)])
+        self.weight2.copy_(weight2[sel][:, rows])
+        if self.add_bias:
+            self.bias1.copy_(bias1[sel][:, cols.to(bias1.device)])
+            self.bias2.copy_(bias2[sel])
+
+    def load_hf_weights(self, expert_offset: int = 0, **hf) -> None:
+        """Load Hugging Face expert weights (all experts; this rank keeps its slice), see
+        :func:`mtp.moe.hf_weights.hf_to_grouped` for the accepted names and layouts."""
+        from mtp.moe.hf_weights import hf_to_grouped
+
+        weights = hf_to_grouped(activation=self.activation, **hf)
+        self.load_full_weights(*weights, expert_offset=expert_offset)
+
+    def hf_weights(self, style: str = "stacked_linear") -> dict[str, torch.Tensor]:
+        """This rank's experts in a Hugging Face layout (``tp_size == 1`` only), see
+        :func:`mtp.moe.hf_weights.grouped_to_hf`."""
+        from mtp.moe.hf_weights import grouped_to_hf
+
+        if self.tp_size != 1:
+            raise ValueError("hf_weights() needs the unsharded experts (tp_size == 1)")
+        return grouped_to_hf(
+            self.weight1.detach(), self.weight2.detach(),
+            None if self.bias1 is None else self.bias1.detach(),
+            None if self.bias2 is None else self.bias2.detach(),
+            style=style, activation=self.activation,
+        )
 
     @torch.no_grad()
     def load_linears(self, pairs: list[tuple[nn.Linear, nn.Linear]]) -> None:
@@ -171,7 +321,7 @@ class GroupedMLP(nn.Module):
         if len(pairs) != self.num_local_experts:
             raise ValueError(f"need {self.num_local_experts} (fc1, fc2) pairs, got {len(pairs)}")
         for local, (fc1, fc2) in enumerate(pairs):
-            want1 = (self.fc1_output_size, self.hidden_size)
+            want1 = (self.full_fc1_output_size, self.hidden_size)
             want2 = (self.hidden_size, self.ffn_hidden_size)
             if tuple(fc1.weight.shape) != want1 or tuple(fc2.weight.shape) != want2:
                 raise ValueError(
@@ -229,10 +379,15 @@ class GroupedMLP(nn.Module):
         h = self._gemm(x, self.weight1, tokens_per_expert)
         if experts is not None:
             h = h + self.bias1.to(h.dtype).index_select(0, experts)
-        h = _activation(h, self.activation, self.backend)
-        if permuted_probs is not None:
-            h = h * permuted_probs.to(h.dtype).unsqueeze(-1)
+        h = activation_function(
+            h, self.activation, self.backend, self.activation_limit, self.activation_alpha
+        )
+        scale = None if permuted_probs is None else permuted_probs.to(h.dtype).unsqueeze(-1)
+        if scale is not None and not self.probs_after_fc2:
+            h = h * scale
         y = self._gemm(h, self.weight2, tokens_per_expert)
-        if experts is not None:
+        if experts is not None and self.tp_rank == 0:
             y = y + self.bias2.to(y.dtype).index_select(0, experts)
+        if scale is not None and self.probs_after_fc2:
+            y = y * scale
         return y

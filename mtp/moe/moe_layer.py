@@ -22,11 +22,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtp.moe.allgather_dispatcher import AllGatherTokenDispatcher
+from mtp.moe._checks import check_bool, check_device, check_float_dtype, check_group
 from mtp.moe.experts import GroupedMLP
 from mtp.moe.router import TopKRouter, check_routing_config
+from mtp.moe.shared_experts import SharedExpertMLP
 from mtp.moe.token_dispatcher import AllToAllTokenDispatcher
 from mtp.moe.workspace import MoEWorkspace
-from mtp.utils import is_capturing, is_fake
+from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
+from mtp.parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    split_along,
+)
+from mtp.utils import check_int, is_capturing, is_fake
 
 __all__ = ["MoELayer"]
 
@@ -53,29 +62,37 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _resolve_groups(ep_group, expert_tensor_parallel_group):
-    """The EP group to use, and the check that expert tensor parallelism is 1."""
-    etp_size = _group_size(expert_tensor_parallel_group)
+def _one_or_none(group):
+    return group if _group_size(group) > 1 else None
+
+
+def _resolve_groups(ep_group, expert_tensor_parallel_group, tp_group):
+    """``(ep, etp, tp)`` groups, None for size 1. With ``ep_group=None`` and an initialised
+    ``mtp.parallel`` state, the groups not given come from it (Megatron's defaults:
+    ``expert_tensor_parallel_size`` = tp unless set)."""
     if ep_group is None:
         from mtp import parallel
 
         if parallel.model_parallel_is_initialized():
             ep_group = parallel.get_expert_model_parallel_group()
             if expert_tensor_parallel_group is None:
-                etp_size = parallel.get_expert_tensor_parallel_world_size()
-    if etp_size > 1:
-        raise ValueError(
-            f"expert tensor parallelism is not supported by mtp.moe (expert tensor parallel size "
-            f"{etp_size}): initialize the parallel groups with expert_tensor_parallel_size=1 "
-            "(experts are split over expert_model_parallel_size ranks instead)"
-        )
-    if _group_size(ep_group) == 1:
-        return None
-    return ep_group
+                expert_tensor_parallel_group = parallel.get_expert_tensor_parallel_group()
+            if tp_group is None:
+                tp_group = parallel.get_tensor_model_parallel_group()
+    return (
+        _one_or_none(ep_group),
+        _one_or_none(expert_tensor_parallel_group),
+        _one_or_none(tp_group),
+    )
+
+
+_DISPATCHERS = ("alltoall", "allgather")
+_LAYER_BACKENDS = tuple(dict.fromkeys(("auto", "reference", *GROUPED_GEMM_BACKENDS)))
 
 
 class MoELayer(nn.Module):
-    """A mixture-of-experts MLP, expert-parallel over ``ep_group``.
+    """A mixture-of-experts MLP, expert-parallel over ``ep_group``, optionally with expert
+    tensor parallelism, tensor/sequence parallelism and a shared expert.
 
     Args:
         hidden_size: ``H``.
@@ -84,32 +101,62 @@ class MoELayer(nn.Module):
             ``[r * E / P, (r + 1) * E / P)``.
         topk: experts per token.
         ep_group: expert-parallel process group. None: the ``mtp.parallel`` expert group when
-            :func:`mtp.parallel.initialize_model_parallel` ran, else a single rank.
+            :func:`mtp.parallel.initialize_model_parallel` ran (and then the expert-TP and TP
+            groups default to ``mtp.parallel``'s too), else a single rank.
+        expert_tensor_parallel_group: expert tensor parallelism (``Q`` ranks): each holds
+            ``F / Q`` of every local expert's features (``fc1`` column-, ``fc2`` row-parallel);
+            the dispatcher all-gathers the rows over the group and reduce-scatters the partial
+            outputs. ``mtp.parallel``'s default is ``expert_tensor_parallel_size = tp``.
+        tp_group: the dense tensor-parallel group (Megatron's TP x EP): the ranks of the group
+            route disjoint tokens (sequence parallel), the router and shared expert are
+            replicated there and their gradients summed over it in the backward.
+        sequence_parallel: with ``tp_group``: True when the input already is this rank's
+            sequence chunk (``[s / tp, b, h]``, Megatron's sequence parallelism; the output is
+            too); False (default) when every TP rank holds the same ``[..., H]`` input: the layer
+            keeps a ``1 / tp`` share of the tokens (the flattened token count must divide by
+            ``tp``), and all-gathers the output.
         capacity_factor: None is dropless; else each expert keeps at most
             ``C = min(ceil(T * topk / E * capacity_factor), T)`` tokens (dropped by
             ``drop_policy`` in the router) in ``C`` fixed slots: static shapes, no host sync.
             Every EP rank must then see the same token count.
-        activation: ``"gelu"`` or ``"swiglu"``.
+        activation: ``"gelu"``, ``"swiglu"``, ``"clamped_swiglu"`` (GPT-OSS) or ``"relu2"``;
+            ``activation_limit``/``activation_alpha`` for ``"clamped_swiglu"``.
+        probs_after_fc2: scale the expert output after ``fc2`` and its bias (GPT-OSS / Hugging
+            Face) instead of before ``fc2`` (Megatron), see :class:`~mtp.moe.GroupedMLP`.
         backend: kernels of the permutation, activation and grouped GEMMs (``"auto"``,
             ``"triton"``, ``"reference"``, or a grouped GEMM backend such as ``"sequential"``).
         bias: per-expert biases in the experts.
-        score_function, pre_softmax, aux_loss_coeff, z_loss_coeff, expert_bias, drop_policy,
-        num_groups, group_topk, scaling_factor, router_dtype: the router's
-            (:class:`~mtp.moe.TopKRouter`).
-        expert_tensor_parallel_group: must be None or of size 1 (expert tensor parallelism is
-            rejected with a ``ValueError``; so is an initialised ``mtp.parallel`` state with
-            ``expert_tensor_parallel_size > 1``).
+        token_dispatcher_type: ``"alltoall"`` (Megatron's default) or ``"allgather"``
+            (:class:`~mtp.moe.AllGatherTokenDispatcher`: every rank gathers all tokens and
+            keeps its experts' rows; static shapes; for small EP).
+        shared_expert_intermediate_size: adds a :class:`~mtp.moe.SharedExpertMLP` of this
+            size (same activation) that every token goes through; ``shared_expert_gate``: its
+            output is scaled by ``sigmoid(x @ gate_weight.T)`` (Qwen2-MoE). It runs after the
+            dispatch is issued and before the routed experts.
+        score_function, pre_softmax, norm_topk_prob, aux_loss_coeff, load_balancing_type,
+        z_loss_coeff, expert_bias, router_bias, drop_policy, num_groups, group_topk,
+        group_score, scaling_factor, input_jitter_eps, router_dtype, layer_number, num_layers:
+            the router's (:class:`~mtp.moe.TopKRouter`).
+        check_ranks: the dispatcher's rank-agreement check (see
+            :class:`~mtp.moe.AllToAllTokenDispatcher`).
         params_dtype, device: of the parameters.
         perform_initialization: initialise the weights: the router ``normal(0, 0.02)``, then the
             experts as ``nn.Linear`` pairs (see :meth:`GroupedMLP.reset_parameters`); every EP
-            rank draws all ``E`` pairs and keeps its own, so from one seed the ranks hold the
-            slices of the same single-process layer and stay in step for later layers.
+            rank draws all ``E`` pairs and keeps its own slice (and expert-TP shard), so from one
+            seed the ranks hold the slices of the same single-process layer; then the shared
+            expert.
 
-    ``forward(hidden_states [..., H]) -> [..., H]`` (any leading dims: ``[s, b, h]``,
-    ``[b, s, h]``, ``[T, h]``). The auxiliary losses ride on the autograd graph
-    (``loss.backward()`` includes them, see :class:`~mtp.moe.MoEAuxLossAutoScaler`); their
-    detached values are ``self.aux_loss`` and ``self.z_loss``. The workspace is built for the
-    first input's token count and rebuilt (with an INFO log line) when it changes.
+    ``forward(hidden_states [..., H], padding_mask=None) -> [..., H]`` (any leading dims:
+    ``[s, b, h]``, ``[b, s, h]``, ``[T, h]``; ``padding_mask``: see the router). The auxiliary
+    losses ride on the autograd graph (``loss.backward()`` includes them, see
+    :class:`~mtp.moe.MoEAuxLossAutoScaler`); their detached values are ``self.aux_loss`` and
+    ``self.z_loss``. The workspace is built for the first input's token count and rebuilt (with
+    an INFO log line) when it changes.
+
+    Gradients: each rank's parameter gradients are those of its own tokens; the usual
+    data-parallel reduction completes them (dense parameters: router, shared expert, over the
+    data-parallel group; expert parameters, marked ``allreduce = False``, over the
+    expert-data-parallel group). Nothing is scaled by hand.
     """
 
     def __init__(
@@ -120,60 +167,137 @@ class MoELayer(nn.Module):
         topk: int,
         *,
         ep_group: dist.ProcessGroup | None = None,
+        expert_tensor_parallel_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
         capacity_factor: float | None = None,
         activation: str = "gelu",
+        activation_limit: float = 7.0,
+        activation_alpha: float = 1.702,
+        probs_after_fc2: bool = False,
         backend: str = "auto",
         bias: bool = False,
+        token_dispatcher_type: str = "alltoall",
+        shared_expert_intermediate_size: int | None = None,
+        shared_expert_gate: bool = False,
         score_function: str = "softmax",
         pre_softmax: bool = False,
-        aux_loss_coeff: float = 0.0,
+        norm_topk_prob: bool | None = None,
+        aux_loss_coeff: float | list[float] = 0.0,
+        load_balancing_type: str | list[str] = "aux_loss",
         z_loss_coeff: float = 0.0,
         expert_bias: bool = False,
+        router_bias: bool = False,
         drop_policy: str = "probs",
         num_groups: int | None = None,
         group_topk: int | None = None,
+        group_score: str = "topk",
         scaling_factor: float | None = None,
+        input_jitter_eps: float | None = None,
         router_dtype: torch.dtype | None = None,
-        expert_tensor_parallel_group: dist.ProcessGroup | None = None,
+        layer_number: int | None = None,
+        num_layers: int | None = None,
+        check_ranks: bool | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         perform_initialization: bool = True,
     ) -> None:
         super().__init__()
+        check_int("hidden_size", hidden_size, 1)
+        check_int("ffn_hidden_size", ffn_hidden_size, 1)
         check_routing_config(
-            num_experts, topk, score_function, capacity_factor, drop_policy, num_groups, group_topk
+            num_experts, topk, score_function, capacity_factor, drop_policy, num_groups,
+            group_topk, norm_topk_prob=norm_topk_prob, group_score=group_score,
+            pre_softmax=pre_softmax, scaling_factor=scaling_factor,
         )
-        ep_group = _resolve_groups(ep_group, expert_tensor_parallel_group)
-        ep_size = _group_size(ep_group)
+        if token_dispatcher_type not in _DISPATCHERS:
+            raise ValueError(
+                f"token_dispatcher_type must be one of {_DISPATCHERS}, got "
+                f"{token_dispatcher_type!r}"
+            )
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
+        if shared_expert_intermediate_size is None and shared_expert_gate:
+            raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        if backend not in _LAYER_BACKENDS:
+            raise ValueError(f"backend must be one of {_LAYER_BACKENDS}, got {backend!r}")
+        for name, flag in (
+            ("bias", bias),
+            ("probs_after_fc2", probs_after_fc2),
+            ("shared_expert_gate", shared_expert_gate),
+        ):
+            check_bool(name, flag)
+        check_float_dtype("params_dtype", params_dtype)
+        check_device("device", device)
+        for name, group in (
+            ("ep_group", ep_group),
+            ("expert_tensor_parallel_group", expert_tensor_parallel_group),
+            ("tp_group", tp_group),
+        ):
+            check_group(name, group)
+        ep_group, etp_group, tp_group = _resolve_groups(
+            ep_group, expert_tensor_parallel_group, tp_group
+        )
+        ep_size, etp_size = _group_size(ep_group), _group_size(etp_group)
         if num_experts % ep_size:
             raise ValueError(
                 f"num_experts={num_experts} must be divisible by the expert-parallel size "
                 f"{ep_size} (each rank holds num_experts / ep_size experts)"
             )
+        if ffn_hidden_size % etp_size:
+            raise ValueError(
+                f"ffn_hidden_size={ffn_hidden_size} must be divisible by the expert tensor "
+                f"parallel size {etp_size}"
+            )
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.topk = num_experts, topk
         self.capacity_factor, self.backend = capacity_factor, backend
         self.ep_group, self.ep_size = ep_group, ep_size
+        self.etp_group, self.etp_size = etp_group, etp_size
+        self.tp_group, self.tp_size = tp_group, _group_size(tp_group)
+        self.sequence_parallel = sequence_parallel
+        self.token_dispatcher_type = token_dispatcher_type
         self.router = TopKRouter(
             hidden_size,
             num_experts,
             topk,
             score_function=score_function,
             pre_softmax=pre_softmax,
+            norm_topk_prob=norm_topk_prob,
             aux_loss_coeff=aux_loss_coeff,
+            load_balancing_type=load_balancing_type,
             z_loss_coeff=z_loss_coeff,
             expert_bias=expert_bias,
+            router_bias=router_bias,
             capacity_factor=capacity_factor,
             drop_policy=drop_policy,
             num_groups=num_groups,
             group_topk=group_topk,
+            group_score=group_score,
             scaling_factor=scaling_factor,
+            input_jitter_eps=input_jitter_eps,
             router_dtype=router_dtype,
+            tp_group=tp_group,
+            layer_number=layer_number,
+            num_layers=num_layers,
             params_dtype=params_dtype,
             device=device,
         )
-        self.token_dispatcher = AllToAllTokenDispatcher(
-            ep_group, num_experts, topk, capacity_factor=capacity_factor, backend=backend
+        kind = (
+            AllToAllTokenDispatcher
+            if token_dispatcher_type == "alltoall"
+            else AllGatherTokenDispatcher
+        )
+        self.token_dispatcher = kind(
+            ep_group,
+            num_experts,
+            topk,
+            capacity_factor=capacity_factor,
+            backend=backend,
+            etp_group=etp_group,
+            check_ranks=check_ranks,
         )
         self.num_local_experts = num_experts // ep_size
         self.local_expert_indices = self.token_dispatcher.local_expert_indices
@@ -182,14 +306,30 @@ class MoELayer(nn.Module):
             hidden_size,
             ffn_hidden_size,
             activation=activation,
+            activation_limit=activation_limit,
+            activation_alpha=activation_alpha,
+            probs_after_fc2=probs_after_fc2,
             bias=bias,
             backend=backend,
+            tp_size=etp_size,
+            tp_rank=0 if etp_group is None else dist.get_rank(etp_group),
             params_dtype=params_dtype,
             device=device,
             perform_initialization=False,
         )
         if perform_initialization:
             self.experts.reset_parameters(self.local_expert_indices[0], num_experts)
+        self.shared_experts = None
+        if shared_expert_intermediate_size is not None:
+            self.shared_experts = SharedExpertMLP(
+                hidden_size,
+                shared_expert_intermediate_size,
+                activation=activation,
+                gate=shared_expert_gate,
+                tp_group=tp_group,
+                params_dtype=params_dtype,
+                device=device,
+            )
 
     def extra_repr(self) -> str:
         mode = (
@@ -199,8 +339,9 @@ class MoELayer(nn.Module):
         )
         return (
             f"num_experts={self.num_experts}, topk={self.topk}, ep_size={self.ep_size}, "
+            f"etp_size={self.etp_size}, tp_size={self.tp_size}, "
             f"local_experts={self.local_expert_indices[0]}..{self.local_expert_indices[-1]}, "
-            f"{mode}, backend={self.backend!r}"
+            f"{mode}, dispatcher={self.token_dispatcher_type!r}, backend={self.backend!r}"
         )
 
     @property
@@ -218,7 +359,9 @@ class MoELayer(nn.Module):
         """Router z-loss of the last training forward (coefficient included, detached)."""
         return self.router.z_loss
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = hidden_states
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
@@ -229,18 +372,45 @@ class MoELayer(nn.Module):
         if x.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"hidden_states must be float32/float16/bfloat16, got {x.dtype}")
         shape = x.shape
-        tokens = x.reshape(-1, self.hidden_size)
-        probs, routing_map = self.router(tokens)
+        split = self.tp_size > 1 and not self.sequence_parallel
+        if split and padding_mask is not None:
+            padding_mask = split_along(padding_mask.reshape(-1), 0, self.tp_group)
+        if split:
+            tokens = x.reshape(-1, self.hidden_size)
+            if tokens.shape[0] % self.tp_size:
+                raise ValueError(
+                    f"hidden_states has {tokens.shape[0]} tokens, not divisible by the tensor "
+                    f"parallel size {self.tp_size} (sequence_parallel=False splits the tokens "
+                    "over the TP ranks)"
+                )
+            tokens = scatter_to_sequence_parallel_region(tokens, self.tp_group)
+            router_in = tokens
+            if x.dim() == 3 and x.shape[0] % self.tp_size == 0:  # [s/tp, b, h] for seq_aux_loss
+                router_in = tokens.view(x.shape[0] // self.tp_size, x.shape[1], x.shape[2])
+        else:
+            tokens = x.reshape(-1, self.hidden_size)
+            router_in = x
+        if padding_mask is not None and padding_mask.shape != router_in.shape[:-1]:
+            padding_mask = padding_mask.reshape(router_in.shape[:-1])
+        probs, routing_map = self.router(router_in, padding_mask)
         dispatched, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch(
             tokens, probs, routing_map
         )
+        shared = None if self.shared_experts is None else self.shared_experts(tokens)
         expert_output = self.experts(dispatched, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.combine(expert_output)
+        if shared is not None:
+            output = output + shared
+        if split:
+            output = gather_from_sequence_parallel_region(
+                output, tensor_parallel_output_grad=False, group=self.tp_group
+            )
         ws = self.token_dispatcher.workspace
         if (
             is_capturing()
             and ws is not None
             and ws.num_tokens == tokens.shape[0]
+            and output.shape[0] == tokens.shape[0]
             and not is_fake(output)
         ):
             return _IntoStatic.apply(output, ws.static_output(), shape)
@@ -248,17 +418,31 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
-        """Load a single-process layer's ``state_dict`` (all ``E`` experts): this rank takes the
-        router and its own experts' slices. Returns ``load_state_dict``'s result."""
-        first, local = self.local_expert_indices[0], self.num_local_experts
-        own = {}
-        for key, value in state_dict.items():
-            if key.startswith("experts."):
-                if value.shape[0] != self.num_experts:
-                    raise ValueError(
-                        f"{key}: expected {self.num_experts} experts in dim 0, got "
-                        f"{tuple(value.shape)}"
-                    )
-                value = value[first : first + local]
-            own[key] = value
-        return self.load_state_dict(own, strict=strict)
+        """Load a single-process layer's ``state_dict`` (all ``E`` experts, unsharded): this rank
+        takes the router, the shared expert and its own experts' slices (and expert-TP shards).
+        Returns ``load_state_dict``'s result for the non-expert part."""
+        prefix = "experts."
+        experts = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        own = {k: v for k, v in state_dict.items() if not k.startswith("experts.")}
+        for key, value in experts.items():
+            if value.shape[0] != self.num_experts:
+                raise ValueError(
+                    f"experts.{key}: expected {self.num_experts} experts in dim 0, got "
+                    f"{tuple(value.shape)}"
+                )
+        if "weight1" not in experts or "weight2" not in experts:
+            if strict:
+                raise ValueError("state_dict lacks experts.weight1 / experts.weight2")
+        else:
+            self.experts.load_full_weights(
+                experts["weight1"], experts["weight2"], experts.get("bias1"), experts.get("bias2"),
+                expert_offset=self.local_expert_indices[0],
+            )
+        result = self.load_state_dict(own, strict=False)
+        missing = [k for k in result.missing_keys if not k.startswith("experts.")]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"load_full_state_dict: missing keys {missing}, unexpected keys "
+                f"{result.unexpected_keys}"
+            )
+        return result

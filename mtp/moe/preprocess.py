@@ -57,6 +57,9 @@ class MoEPreprocessResult:
     recv_inverse: torch.Tensor | None = None
 
 
+# Field names as a constant: torch.compile cannot trace dataclasses.fields() of the class.
+_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(MoEPreprocessResult))
+
 # Let torch.utils._pytree (assert_graph_safe, torch.compile) see the tensors inside.
 _register_dataclass = getattr(torch.utils._pytree, "register_dataclass", None)
 if _register_dataclass is not None:
@@ -90,14 +93,11 @@ def _recv_reorder(recv_counts: torch.Tensor, max_rows: int) -> tuple[torch.Tenso
     return order, inverse[:max_rows]
 
 
-def compute_preprocess(
-    routing_map: torch.Tensor,
-    probs: torch.Tensor,
-    workspace: MoEWorkspace,
-    ep_group: dist.ProcessGroup | None = None,
+def local_preprocess(
+    routing_map: torch.Tensor, probs: torch.Tensor, workspace: MoEWorkspace
 ) -> MoEPreprocessResult:
-    """The preprocess into fresh tensors (``permuted_probs`` differentiable in ``probs``); no
-    checks. :func:`preprocess` copies the result into the workspace."""
+    """The rank-local part (no communication): counts, row map, permuted probs and, with
+    ``P > 1``, the rows sent to each rank. Pure function of its inputs (fresh tensors)."""
     lay = workspace.layout
     num_experts, capacity = lay.num_experts, lay.capacity
     device = routing_map.device
@@ -109,33 +109,74 @@ def compute_preprocess(
         routing_map, lay.num_rows, drop_and_pad=capacity is not None, capacity=capacity
     )
     result = MoEPreprocessResult(tokens_per_expert, row_id_map, select_probs(probs, pair), pair)
-    if lay.ep_size == 1:
-        return result
-    if capacity is not None:
+    if lay.ep_size > 1 and capacity is not None:
         result.send_counts = workspace.send_counts
         result.recv_counts = workspace.recv_counts
         result.local_tokens_per_expert = workspace.local_tokens_per_expert
-        return result
-    result.send_counts = tokens_per_expert.view(lay.ep_size, -1).sum(dim=1)
-    recv = torch.empty((lay.ep_size, lay.num_local_experts), dtype=torch.int64, device=device)
-    if not is_fake(tokens_per_expert):
-        dist.all_to_all_single(recv.view(-1), tokens_per_expert, group=ep_group)
-    result.recv_counts = recv
-    result.local_tokens_per_expert = recv.sum(dim=0)
-    result.recv_order, result.recv_inverse = _recv_reorder(recv, lay.max_recv_rows)
+    elif lay.ep_size > 1:
+        result.send_counts = tokens_per_expert.view(lay.ep_size, -1).sum(dim=1)
     return result
+
+
+def exchange_counts(
+    tokens_per_expert: torch.Tensor,
+    ep_size: int,
+    ep_group: dist.ProcessGroup | None,
+    meta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Device all-to-all of the per-expert counts ``[E]`` over the EP group: returns
+    ``recv_counts [P, L]`` and, when ``meta [m]`` (int64 metadata, e.g. token count and dtype
+    codes) is given, every rank's ``meta`` as ``[P, m]`` (it rides in the same exchange)."""
+    counts = tokens_per_expert.view(ep_size, -1)
+    local = counts.shape[1]
+    if meta is not None:
+        counts = torch.cat([counts, meta.view(1, -1).expand(ep_size, -1)], dim=1)
+    send = counts.contiguous().view(-1)
+    recv = torch.empty_like(send)
+    if not is_fake(send):
+        dist.all_to_all_single(recv, send, group=ep_group)
+    recv = recv.view(ep_size, -1)
+    return recv[:, :local], (None if meta is None else recv[:, local:])
+
+
+def finish_ep_preprocess(
+    result: MoEPreprocessResult, recv_counts: torch.Tensor, workspace: MoEWorkspace
+) -> MoEPreprocessResult:
+    """Dropless ``P > 1``: the received counts and the source-major -> expert-major reorder."""
+    result.recv_counts = recv_counts
+    result.local_tokens_per_expert = recv_counts.sum(dim=0)
+    result.recv_order, result.recv_inverse = _recv_reorder(
+        recv_counts, workspace.layout.max_recv_rows
+    )
+    return result
+
+
+def compute_preprocess(
+    routing_map: torch.Tensor,
+    probs: torch.Tensor,
+    workspace: MoEWorkspace,
+    ep_group: dist.ProcessGroup | None = None,
+) -> MoEPreprocessResult:
+    """The preprocess into fresh tensors (``permuted_probs`` differentiable in ``probs``); no
+    checks. :func:`preprocess` copies the result into the workspace."""
+    lay = workspace.layout
+    result = local_preprocess(routing_map, probs, workspace)
+    if lay.ep_size == 1 or lay.capacity is not None:
+        return result
+    recv, _ = exchange_counts(result.tokens_per_expert, lay.ep_size, ep_group)
+    return finish_ep_preprocess(result, recv, workspace)
 
 
 def store_preprocess(result: MoEPreprocessResult, workspace: MoEWorkspace) -> MoEPreprocessResult:
     """Copy ``result`` into the workspace; returns the workspace's views (fixed addresses)."""
     stored = {}
     with torch.no_grad():
-        for field in dataclasses.fields(MoEPreprocessResult):
-            value = getattr(result, field.name)
-            buf = getattr(workspace, field.name) if value is not None else None
+        for name in _RESULT_FIELDS:
+            value = getattr(result, name)
+            buf = getattr(workspace, name) if value is not None else None
             if buf is not None and value is not buf:
                 buf.copy_(value)
-            stored[field.name] = buf
+            stored[name] = buf
     return MoEPreprocessResult(**stored)
 
 

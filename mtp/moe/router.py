@@ -48,6 +48,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.moe.load_balancing import (
+    LOAD_BALANCING_TYPES,
+    save_to_aux_losses_tracker,
+    sequence_load_balancing_loss_func,
+)
+from mtp.moe.routing import (  # noqa: F401 - re-exported (their historical home)
+    MoEAuxLossAutoScaler,
+    check_routing_config,
+    compute_routing_scores_for_aux_loss,
+    get_capacity,
+    get_updated_expert_bias,
+    switch_load_balancing_loss_func,
+    topk_softmax_with_capacity,
+    z_loss_func,
+)
+from mtp.moe._checks import check_bool, check_device, check_float_dtype, check_group
 from mtp.utils import check_int
 
 __all__ = [
@@ -63,298 +79,43 @@ __all__ = [
 
 logger = logging.getLogger("mtp")
 
-_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-_DROP_POLICIES = ("probs", "position")
+
+def _check_coeff(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
-# --------------------------------------------------------------------------------------------
-# Auxiliary losses
-# --------------------------------------------------------------------------------------------
-
-
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Identity on ``output`` whose backward also gives ``aux_loss`` the gradient ``scale``.
-
-    ``MoEAuxLossAutoScaler.apply(activation, aux_loss)`` returns ``activation``; when the main
-    loss is back-propagated through it, ``aux_loss`` receives ``main_loss_backward_scale``
-    (default 1) as its gradient, so the auxiliary loss is optimised as if it had been added to
-    the main loss. Same name and behaviour as Megatron-Core's; the default scale is made with
-    ``torch.ones_like`` on the device (no host-to-device copy).
-    """
-
-    main_loss_backward_scale: torch.Tensor | None = None
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        grad_aux = torch.ones_like(aux_loss)
-        if scale is not None:
-            grad_aux = grad_aux * scale.to(device=aux_loss.device, dtype=aux_loss.dtype)
-        return grad_output, grad_aux
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor) -> None:
-        """Set the gradient the auxiliary losses receive (match the main loss's scale).
-
-        Args:
-            scale: a one-element tensor (kept; later calls copy into it, so a captured graph
-                that read it sees the new value).
-        """
-        if not isinstance(scale, torch.Tensor):
-            raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__}")
-        if MoEAuxLossAutoScaler.main_loss_backward_scale is None:
-            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
-        else:
-            MoEAuxLossAutoScaler.main_loss_backward_scale.copy_(scale)
-
-
-def switch_load_balancing_loss_func(
-    probs: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    total_num_tokens: int,
-    topk: int,
-    num_experts: int,
-    moe_aux_loss_coeff: float,
-) -> torch.Tensor:
-    """Switch-Transformer load-balancing loss, as Megatron-Core computes it.
-
-    ``loss = coeff * E / (topk * T**2) * sum_e(P_e * n_e)`` with ``P_e = sum_t probs[t, e]``.
-
-    Args:
-        probs: ``[T, E]`` scores over all experts (softmax, or normalised sigmoid).
-        tokens_per_expert: ``[E]`` tokens routed to each expert (any number dtype).
-        total_num_tokens: ``T``.
-        topk, num_experts, moe_aux_loss_coeff: ``k``, ``E`` and the coefficient.
-
-    Returns:
-        A 0-D tensor in ``probs``' dtype (fp32 for the router's scores), on the device.
-    """
-    aggregated = probs.sum(dim=0)
-    scale = num_experts * moe_aux_loss_coeff / (topk * max(total_num_tokens, 1) ** 2)
-    return torch.sum(aggregated * tokens_per_expert.to(aggregated.dtype)) * scale
-
-
-def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
-    """Router z-loss (ST-MoE): ``coeff * mean_t(logsumexp(logits[t])**2)``, a 0-D tensor."""
-    if logits.shape[0] == 0:
-        return logits.sum() * 0.0
-    math_dtype = torch.promote_types(logits.dtype, torch.float32)
-    return torch.mean(torch.square(torch.logsumexp(logits.to(math_dtype), dim=-1))) * z_loss_coeff
-
-
-def get_capacity(
-    num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int | None = None
-) -> int:
-    """Slots per expert: ``ceil(num_tokens / num_experts * capacity_factor)`` (Megatron-Core's
-    ``get_capacity``; ``num_tokens`` is ``T * topk`` there), at least ``min_capacity``."""
-    capacity = math.ceil((num_tokens / num_experts) * capacity_factor)
-    if min_capacity is not None and capacity < min_capacity:
-        capacity = min_capacity
-    return capacity
-
-
-def get_updated_expert_bias(
-    tokens_per_expert: torch.Tensor,
-    expert_bias: torch.Tensor,
-    expert_bias_update_rate: float,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Aux-loss-free balancing step (DeepSeek-V3, arXiv:2408.15664): ``bias + rate *
-    sign(mean(n) - n)``, ``n`` the token counts summed over ``group`` (all-reduced in place when
-    a group is given). Returns the new bias; no host sync."""
-    with torch.no_grad():
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(tokens_per_expert, group=group)
-        counts = tokens_per_expert.to(torch.float32)
-        offset = counts.mean(dim=-1, keepdim=True) - counts
-        return expert_bias + torch.sign(offset).to(expert_bias.dtype) * expert_bias_update_rate
-
-
-# --------------------------------------------------------------------------------------------
-# Top-k selection and capacity
-# --------------------------------------------------------------------------------------------
-
-
-def _group_limited_topk(
-    scores: torch.Tensor, topk: int, num_groups: int, group_topk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k restricted to the ``group_topk`` best of ``num_groups`` expert groups (a group
-    scores the sum of its best ``topk // group_topk`` experts), as in Megatron-Core."""
-    tokens, experts = scores.shape
-    grouped = scores.view(tokens, num_groups, experts // num_groups)
-    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False).indices
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_idx, True)
-    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
-    masked = scores.masked_fill(~expert_mask, float("-inf"))
-    return torch.topk(masked, k=topk, dim=-1)
-
-
-def _topk(scores, topk, num_groups, group_topk):
-    if group_topk:
-        return _group_limited_topk(scores, topk, num_groups, group_topk)
-    return torch.topk(scores, k=topk, dim=1)
-
-
-def _capacity_mask(
-    probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, drop_policy: str
-) -> torch.Tensor:
-    """``[T, E]`` bool: the (at most) ``capacity`` tokens each expert keeps."""
-    if drop_policy == "position":
-        rank = torch.cumsum(routing_map, dim=0, dtype=torch.int32)
-        return rank <= capacity
-    # "probs": highest probabilities first, ties to the lower token (stable sort).
-    order = torch.sort(probs.float(), dim=0, descending=True, stable=True).indices[:capacity]
-    return torch.zeros_like(routing_map).scatter(0, order, True)
-
-
-def topk_softmax_with_capacity(
-    logits: torch.Tensor,
-    topk: int,
-    capacity_factor: float | None = None,
-    pad_to_capacity: bool = False,
-    drop_policy: str = "probs",
-    use_pre_softmax: bool = False,
-    num_groups: int | None = None,
-    group_topk: int | None = None,
-    scaling_factor: float | None = None,
-    deterministic_mode: bool = False,
-    score_function: str = "softmax",
-    expert_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k routing with optional capacity (Megatron-Core's function of the same name).
-
-    Args:
-        logits: ``[T, E]`` router logits.
-        topk: experts per token.
-        capacity_factor: drop tokens beyond ``get_capacity(T * topk, E, capacity_factor)``
-            (at most ``T``) per expert, by ``drop_policy`` (see the module docstring).
-        pad_to_capacity: Megatron's padded map: ``routing_map`` marks exactly ``capacity``
-            tokens per expert (unrouted ones with probability 0). mtp's layers leave it False
-            and pad with empty slots instead (``permute(..., drop_and_pad=True)``).
-        drop_policy: ``"probs"`` or ``"position"``.
-        use_pre_softmax, num_groups, group_topk, scaling_factor, score_function, expert_bias:
-            see the module docstring. ``deterministic_mode`` is accepted for compatibility
-            (the computation is always deterministic).
-
-    Returns:
-        ``(probs [T, E] in logits' dtype (0 off the routing), routing_map [T, E] bool,
-        tokens_per_expert [E] int64 before dropping)``. Static shapes, no host sync.
-    """
-    del deterministic_mode
-    num_tokens, num_experts = logits.shape
-    check_routing_config(
-        num_experts, topk, score_function, capacity_factor, drop_policy, num_groups, group_topk
-    )
-    bias = None if expert_bias is None else expert_bias.float()
-    if score_function == "softmax":
-        if use_pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            select = scores if bias is None else scores + bias
-            _, top_indices = _topk(select, topk, num_groups, group_topk)
-            probs = torch.gather(scores, 1, top_indices)
-        else:
-            select = logits if bias is None else logits.float() + bias
-            _, top_indices = _topk(select, topk, num_groups, group_topk)
-            probs = torch.softmax(torch.gather(logits, 1, top_indices), dim=-1, dtype=torch.float32)
-    else:
-        scores = torch.sigmoid(logits.float())
-        select = scores if bias is None else scores + bias
-        _, top_indices = _topk(select, topk, num_groups, group_topk)
-        probs = torch.gather(scores, 1, top_indices)
-        if topk > 1:
-            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
-    if scaling_factor:
-        probs = probs * scaling_factor
-    probs = probs.to(logits.dtype)
-    routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
-    tokens_per_expert = routing_map.sum(dim=0)
-    if capacity_factor is None:
-        return routing_probs, routing_map, tokens_per_expert
-    capacity = min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
-    keep = _capacity_mask(routing_probs, routing_map, capacity, drop_policy)
-    final_map = keep if pad_to_capacity else routing_map & keep
-    return routing_probs * final_map, final_map, tokens_per_expert
-
-
-def compute_routing_scores_for_aux_loss(
-    logits: torch.Tensor, topk: int, score_function: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores over all experts (fp32 softmax, or sigmoid normalised per token) and the
-    ``[T, E]`` map of their (unbiased) top-k, as Megatron-Core feeds the load-balancing loss.
-
-    Returns ``(routing_map, scores)`` (Megatron's order)."""
-    if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float())
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    else:
-        raise ValueError(
-            f"score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}"
+def _load_balancing_config(load_balancing_type, aux_loss_coeff) -> dict[str, float]:
+    """``{type: coeff}`` from Megatron's ``moe_router_load_balancing_type`` (a name or a list)
+    and ``moe_aux_loss_coeff`` (a number or a list of the same length)."""
+    types = [load_balancing_type] if isinstance(load_balancing_type, str) else load_balancing_type
+    if not isinstance(types, (list, tuple)) or not types:
+        raise TypeError(
+            f"load_balancing_type must be a name or a list of names from "
+            f"{LOAD_BALANCING_TYPES}, got {load_balancing_type!r}"
         )
-    top_indices = torch.topk(scores, k=topk, dim=1).indices
-    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_indices, True)
-    return routing_map, scores
-
-
-# --------------------------------------------------------------------------------------------
-# The module
-# --------------------------------------------------------------------------------------------
-
-
-def check_routing_config(
-    num_experts: int,
-    topk: int,
-    score_function: str = "softmax",
-    capacity_factor: float | None = None,
-    drop_policy: str = "probs",
-    num_groups: int | None = None,
-    group_topk: int | None = None,
-) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the bad routing argument."""
-    check_int("num_experts", num_experts, 1)
-    check_int("topk", topk, 1)
-    if topk > num_experts:
-        raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
-    if score_function not in _SCORE_FUNCTIONS:
+    for t in types:
+        if t not in LOAD_BALANCING_TYPES + ("none",):
+            raise ValueError(
+                f"load_balancing_type must be among {LOAD_BALANCING_TYPES} (or 'none'), got {t!r}"
+            )
+    coeffs = aux_loss_coeff if isinstance(aux_loss_coeff, (list, tuple)) else [aux_loss_coeff]
+    if len(coeffs) == 1 and len(types) > 1:
+        coeffs = list(coeffs) * len(types)
+    if len(coeffs) != len(types):
         raise ValueError(
-            f"score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}"
+            f"aux_loss_coeff has {len(coeffs)} values for {len(types)} load_balancing_type "
+            "entries (give one coefficient per type)"
         )
-    if drop_policy not in _DROP_POLICIES:
-        raise ValueError(f"drop_policy must be one of {_DROP_POLICIES}, got {drop_policy!r}")
-    if capacity_factor is not None:
-        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-            raise TypeError(
-                f"capacity_factor must be a number or None, got {type(capacity_factor).__name__}"
-            )
-        if not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
-    if (num_groups is None) != (group_topk is None):
-        raise ValueError("num_groups and group_topk must be given together (group-limited routing)")
-    if num_groups is not None:
-        check_int("num_groups", num_groups, 1)
-        check_int("group_topk", group_topk, 1)
-        if num_experts % num_groups:
-            raise ValueError(
-                f"num_experts={num_experts} must be divisible by num_groups={num_groups}"
-            )
-        if (
-            group_topk > num_groups
-            or topk % group_topk
-            or topk // group_topk > num_experts // num_groups
-        ):
-            raise ValueError(
-                f"group_topk={group_topk} must divide topk={topk}, be <= num_groups={num_groups}, "
-                "and topk // group_topk must fit in one group"
-            )
+    out = {}
+    for t, c in zip(types, coeffs):
+        c = _check_coeff("aux_loss_coeff", c)
+        if t != "none" and c > 0:
+            out[t] = out.get(t, 0.0) + c
+    return out
 
 
 class TopKRouter(nn.Module):
@@ -366,27 +127,52 @@ class TopKRouter(nn.Module):
         topk: experts per token (``moe_router_topk``).
         score_function: ``"softmax"`` or ``"sigmoid"`` (``moe_router_score_function``).
         pre_softmax: softmax before the top-k (``moe_router_pre_softmax``).
-        aux_loss_coeff: load-balancing loss coefficient (``moe_aux_loss_coeff``); 0 disables.
+        norm_topk_prob: renormalise the chosen probabilities (see
+            :func:`topk_softmax_with_capacity`; None: Megatron's rule).
+        aux_loss_coeff: load-balancing loss coefficient(s) (``moe_aux_loss_coeff``; a list with
+            a list of ``load_balancing_type``); 0 disables.
+        load_balancing_type: ``"aux_loss"`` (Switch, per micro-batch), ``"seq_aux_loss"`` (per
+            sequence of a ``[s, b, h]`` input, averaged over ``b``), ``"global_aux_loss"`` (token
+            counts averaged over the micro-batches since :meth:`reset_global_aux_loss_tracker`),
+            or a list of them (``moe_router_load_balancing_type``).
         z_loss_coeff: router z-loss coefficient (``moe_z_loss_coeff``); 0 disables.
         expert_bias: aux-loss-free balancing (``moe_router_enable_expert_bias``): a float32
             ``expert_bias`` buffer steers the selection, ``local_tokens_per_expert`` counts the
             routed tokens in training forwards, and :meth:`update_expert_bias` (call it after
-            the optimizer step, outside any captured graph) moves the bias.
+            the optimizer step, outside any captured graph) moves the bias. DeepSeek-V3's
+            ``e_score_correction_bias``.
+        router_bias: a learnt bias ``[E]`` on the logits (GPT-OSS's router ``nn.Linear`` bias).
         capacity_factor: drop tokens beyond each expert's capacity (see the module docstring);
             None is dropless.
         drop_policy: ``"probs"`` or ``"position"`` (``moe_token_drop_policy``).
         num_groups, group_topk: group-limited routing (``moe_router_num_groups``,
-            ``moe_router_group_topk``).
-        scaling_factor: multiplies the routing probabilities (``moe_router_topk_scaling_factor``).
+            ``moe_router_group_topk``; DeepSeek-V3's ``n_group``, ``topk_group``).
+        group_score: ``"topk"`` (Megatron: a group scores its best ``topk // group_topk``) or
+            ``"top2"`` (DeepSeek-V3: its best two).
+        scaling_factor: multiplies the routing probabilities (``moe_router_topk_scaling_factor``,
+            DeepSeek-V3's ``routed_scaling_factor``).
+        input_jitter_eps: in training, multiply the input by ``U(1 - eps, 1 + eps)`` noise
+            (``moe_input_jitter_eps``); None disables.
         router_dtype: dtype of the logits and scores (``moe_router_dtype``: ``torch.float32``
             or ``torch.float64``); None uses the input dtype.
+        tp_group: the group over which the tokens of one sequence are split (sequence parallel
+            inside a tensor-parallel group): the weight's gradient is summed over it in the
+            backward (each rank sees its own tokens), and the load-balancing statistics are
+            computed over all its tokens (Megatron's ``tp_cp_group``). None: no such group.
+        aux_loss_group: where ``"global_aux_loss"`` sums its token counts (Megatron: tensor x
+            data x context parallel); None: ``tp_group``.
+        layer_number, num_layers: when given, the losses are recorded in the per-layer tracker
+            (:func:`mtp.moe.load_balancing.save_to_aux_losses_tracker`).
         init_std: the weight starts as ``normal(0, init_std)`` (Megatron's ``init_method``).
         params_dtype, device: of the ``[E, H]`` weight.
 
-    ``forward(input [..., H]) -> (probs [T, E], routing_map [T, E] bool)``, ``T`` the product of
-    the leading dims. ``probs`` is in the logits' dtype and zero off the routing. The auxiliary
-    losses ride on the autograd graph (see :class:`MoEAuxLossAutoScaler`); their detached
-    values are in ``self.aux_loss`` / ``self.z_loss``.
+    ``forward(input [..., H], padding_mask=None) -> (probs [T, E], routing_map [T, E] bool)``,
+    ``T`` the product of the leading dims. ``probs`` is in the logits' dtype and zero off the
+    routing. ``padding_mask`` (bool, the input's leading shape, True = ignored token): such
+    tokens are still routed (their output is whatever the experts give; mask them in the loss)
+    but take no part in the load-balancing losses, the z-loss or the expert-bias counts. The
+    auxiliary losses ride on the autograd graph (see :class:`MoEAuxLossAutoScaler`); their
+    detached values are in ``self.aux_loss`` (all load-balancing types summed) / ``self.z_loss``.
     """
 
     def __init__(
@@ -397,15 +183,24 @@ class TopKRouter(nn.Module):
         *,
         score_function: str = "softmax",
         pre_softmax: bool = False,
-        aux_loss_coeff: float = 0.0,
+        norm_topk_prob: bool | None = None,
+        aux_loss_coeff: float | list[float] = 0.0,
+        load_balancing_type: str | list[str] = "aux_loss",
         z_loss_coeff: float = 0.0,
         expert_bias: bool = False,
+        router_bias: bool = False,
         capacity_factor: float | None = None,
         drop_policy: str = "probs",
         num_groups: int | None = None,
         group_topk: int | None = None,
+        group_score: str = "topk",
         scaling_factor: float | None = None,
+        input_jitter_eps: float | None = None,
         router_dtype: torch.dtype | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        aux_loss_group: dist.ProcessGroup | None = None,
+        layer_number: int | None = None,
+        num_layers: int | None = None,
         init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
@@ -413,24 +208,55 @@ class TopKRouter(nn.Module):
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
         check_routing_config(
-            num_experts, topk, score_function, capacity_factor, drop_policy, num_groups, group_topk
+            num_experts, topk, score_function, capacity_factor, drop_policy, num_groups,
+            group_topk, norm_topk_prob=norm_topk_prob, group_score=group_score,
+            pre_softmax=pre_softmax, scaling_factor=scaling_factor,
         )
         if router_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(
                 f"router_dtype must be None, torch.float32 or torch.float64, got {router_dtype}"
             )
-        for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        check_float_dtype("params_dtype", params_dtype)
+        check_device("device", device)
+        for name, flag in (
+            ("pre_softmax", pre_softmax),
+            ("expert_bias", expert_bias),
+            ("router_bias", router_bias),
+        ):
+            check_bool(name, flag)
+        check_group("tp_group", tp_group)
+        check_group("aux_loss_group", aux_loss_group)
+        if input_jitter_eps is not None:
+            eps = _check_coeff("input_jitter_eps", input_jitter_eps)
+            if not 0 < eps < 1:
+                raise ValueError(f"input_jitter_eps must be in (0, 1), got {input_jitter_eps}")
+        _check_coeff("init_std", init_std)
+        if (layer_number is None) != (num_layers is None):
+            raise ValueError("layer_number and num_layers must be given together (loss logging)")
+        if layer_number is not None:
+            check_int("num_layers", num_layers, 1)
+            check_int("layer_number", layer_number, 1)
+            if layer_number > num_layers:
+                raise ValueError(f"layer_number={layer_number} must be <= num_layers={num_layers}")
+        self.load_balancing = _load_balancing_config(load_balancing_type, aux_loss_coeff)
         self.hidden_size, self.num_experts, self.topk = hidden_size, num_experts, topk
         self.score_function, self.pre_softmax = score_function, bool(pre_softmax)
-        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.norm_topk_prob, self.group_score = norm_topk_prob, group_score
+        self.aux_loss_coeff = sum(self.load_balancing.values())
+        self.z_loss_coeff = _check_coeff("z_loss_coeff", z_loss_coeff)
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.num_groups, self.group_topk = num_groups, group_topk
         self.scaling_factor, self.router_dtype = scaling_factor, router_dtype
-        self.weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device)
-        )
+        self.input_jitter_eps = input_jitter_eps
+        self.tp_group = tp_group
+        self.aux_loss_group = aux_loss_group if aux_loss_group is not None else tp_group
+        self.layer_number, self.num_layers = layer_number, num_layers
+        kw = dict(dtype=params_dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
+        if router_bias:
+            self.bias = nn.Parameter(torch.zeros(num_experts, **kw))
+        else:
+            self.register_parameter("bias", None)
         self.init_std = init_std
         self.enable_expert_bias = bool(expert_bias)
         if self.enable_expert_bias:
@@ -445,6 +271,15 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
+        if "global_aux_loss" in self.load_balancing:
+            self.register_buffer(
+                "global_tokens_per_expert",
+                torch.zeros(num_experts, dtype=torch.float32, device=device),
+                persistent=False,
+            )
+            self.register_buffer(
+                "ga_steps", torch.zeros((), dtype=torch.float32, device=device), persistent=False
+            )
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.reset_parameters()
@@ -452,6 +287,8 @@ class TopKRouter(nn.Module):
     def reset_parameters(self) -> None:
         with torch.no_grad():
             self.weight.normal_(0.0, self.init_std)
+            if self.bias is not None:
+                self.bias.zero_()
 
     def extra_repr(self) -> str:
         return (
@@ -467,23 +304,115 @@ class TopKRouter(nn.Module):
             get_capacity(num_tokens * self.topk, self.num_experts, self.capacity_factor), num_tokens
         )
 
+    def _tp_size(self) -> int:
+        return 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         """``[T, E]`` logits in ``router_dtype`` (default: the input dtype)."""
         dtype = self.router_dtype or input.dtype
         x = input.reshape(-1, input.shape[-1])
-        return F.linear(x.to(dtype), self.weight.to(dtype))
+        weight, bias = self.weight, self.bias
+        if self._tp_size() > 1:
+            from mtp.parallel.mappings import copy_to_tensor_model_parallel_region
+
+            weight = copy_to_tensor_model_parallel_region(weight, self.tp_group)
+            if bias is not None:
+                bias = copy_to_tensor_model_parallel_region(bias, self.tp_group)
+        return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+    def apply_input_jitter(self, input: torch.Tensor) -> torch.Tensor:
+        """``input * U(1 - eps, 1 + eps)`` in training with ``input_jitter_eps`` (Switch)."""
+        if self.input_jitter_eps is None or not self.training:
+            return input
+        eps = self.input_jitter_eps
+        noise = torch.empty_like(input).uniform_(1.0 - eps, 1.0 + eps)
+        return input * noise
 
     def _losses_enabled(self) -> bool:
         return self.training and torch.is_grad_enabled()
 
-    def routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k (and capacity) routing of ``[T, E]`` logits, with the auxiliary losses."""
+    def _track(self, name: str, loss: torch.Tensor, coeff: float) -> None:
+        if self.layer_number is not None and coeff > 0:
+            save_to_aux_losses_tracker(
+                name, loss / coeff, self.layer_number, self.num_layers, self.tp_group
+            )
+
+    def _load_balancing_losses(self, logits, valid, seq_length):
+        """The enabled load-balancing losses (coefficients included), summed: a 0-D tensor."""
+        aux_map, scores = compute_routing_scores_for_aux_loss(
+            logits, self.topk, self.score_function
+        )
+        if valid is not None:
+            scores = scores * valid.unsqueeze(1).to(scores.dtype)
+            aux_map = aux_map & valid.unsqueeze(1)
+        num_tokens = logits.shape[0] if valid is None else valid.sum()
+        tp = self._tp_size()
+        counts = aux_map.sum(dim=0)
+        if tp > 1:
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.tp_group)
+            if valid is None:
+                num_tokens = num_tokens * tp
+            else:
+                num_tokens = _all_reduced(num_tokens, self.tp_group)
+        total = None
+        for kind, coeff in self.load_balancing.items():
+            if kind == "aux_loss":
+                loss = switch_load_balancing_loss_func(
+                    scores, counts, num_tokens, self.topk, self.num_experts, coeff
+                )
+            elif kind == "seq_aux_loss":
+                loss = sequence_load_balancing_loss_func(
+                    scores, aux_map, seq_length, self.topk, coeff, self.tp_group
+                )
+            else:
+                loss = self._global_aux_loss(scores, aux_map, num_tokens, coeff)
+            self._track(kind, loss, coeff)
+            total = loss if total is None else total + loss
+        return total
+
+    def _global_aux_loss(self, scores, aux_map, num_tokens, coeff):
+        group = self.aux_loss_group
+        counts = aux_map.sum(dim=0).float()
+        size = 1
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+            size = dist.get_world_size(group)
+        with torch.no_grad():
+            self.global_tokens_per_expert += counts
+            self.ga_steps += 1
+        average = self.global_tokens_per_expert / self.ga_steps
+        return switch_load_balancing_loss_func(
+            scores, average, scores.shape[0] * size, self.topk, self.num_experts, coeff
+        )
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        """Start a new averaging window for ``"global_aux_loss"`` (e.g. each optimizer step)."""
+        if "global_aux_loss" in self.load_balancing:
+            self.global_tokens_per_expert.zero_()
+            self.ga_steps.zero_()
+
+    def routing(
+        self,
+        logits: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        seq_length: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k (and capacity) routing of ``[T, E]`` logits, with the auxiliary losses.
+
+        ``padding_mask``: ``[T]`` bool, True = ignored token; ``seq_length``: ``s`` of a
+        ``[s, b]`` token layout (``"seq_aux_loss"``; default ``T``, one sequence)."""
         num_tokens = logits.shape[0]
+        valid = None if padding_mask is None else ~padding_mask.reshape(-1)
         self.aux_loss = self.z_loss = None
         if self.z_loss_coeff > 0 and self._losses_enabled():
-            z_loss = z_loss_func(logits, self.z_loss_coeff)
+            z_logits = logits if valid is None else logits[valid]
+            # Each rank of tp_group holds a share of the tokens: the mean over all of them is
+            # the sum of the per-rank means divided by the group size.
+            z_loss = z_loss_func(z_logits, self.z_loss_coeff / self._tp_size())
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
             self.z_loss = z_loss.detach()
+            self._track("z_loss", z_loss, self.z_loss_coeff)
         probs, routing_map, _ = topk_softmax_with_capacity(
             logits,
             self.topk,
@@ -495,34 +424,49 @@ class TopKRouter(nn.Module):
             scaling_factor=self.scaling_factor,
             score_function=self.score_function,
             expert_bias=self.expert_bias,
+            norm_topk_prob=self.norm_topk_prob,
+            group_score=self.group_score,
         )
-        if self.aux_loss_coeff > 0 and self._losses_enabled():
-            aux_map, scores = compute_routing_scores_for_aux_loss(
-                logits, self.topk, self.score_function
-            )
-            aux_loss = switch_load_balancing_loss_func(
-                scores,
-                aux_map.sum(dim=0),
-                num_tokens,
-                self.topk,
-                self.num_experts,
-                self.aux_loss_coeff,
-            )
+        if self.load_balancing and self._losses_enabled():
+            aux_loss = self._load_balancing_losses(logits, valid, seq_length or num_tokens)
             probs = MoEAuxLossAutoScaler.apply(probs, aux_loss)
             self.aux_loss = aux_loss.detach()
         if self.enable_expert_bias and self._losses_enabled():
             with torch.no_grad():
-                self.local_tokens_per_expert += routing_map.sum(dim=0)
+                counted = routing_map if valid is None else routing_map & valid.unsqueeze(1)
+                self.local_tokens_per_expert += counted.sum(dim=0)
         return probs, routing_map
 
-    def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+        if not input.is_floating_point():
+            raise TypeError(
+                f"input must be a floating-point tensor (the router's weight is "
+                f"{self.weight.dtype}), got {input.dtype}"
+            )
         if input.dim() < 1 or input.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"input must be [..., hidden_size={self.hidden_size}], got {tuple(input.shape)}"
             )
-        return self.routing(self.gating(input))
+        if padding_mask is not None:
+            if not isinstance(padding_mask, torch.Tensor) or padding_mask.dtype != torch.bool:
+                raise TypeError("padding_mask must be a bool tensor (True = ignored token)")
+            if tuple(padding_mask.shape) != tuple(input.shape[:-1]):
+                raise ValueError(
+                    f"padding_mask must have the input's leading shape {tuple(input.shape[:-1])},"
+                    f" got {tuple(padding_mask.shape)}"
+                )
+        seq_length = input.shape[0] if input.dim() == 3 else None
+        if "seq_aux_loss" in self.load_balancing and input.dim() != 3 and self.training:
+            raise ValueError(
+                "load_balancing_type 'seq_aux_loss' needs a [s, b, h] input (the sequences), got "
+                f"{tuple(input.shape)}"
+            )
+        input = self.apply_input_jitter(input)
+        return self.routing(self.gating(input), padding_mask, seq_length)
 
     @torch.no_grad()
     def update_expert_bias(
@@ -538,3 +482,9 @@ class TopKRouter(nn.Module):
         )
         self.expert_bias.copy_(new_bias)
         self.local_tokens_per_expert.zero_()
+
+
+def _all_reduced(value: torch.Tensor, group) -> torch.Tensor:
+    value = value.clone()
+    dist.all_reduce(value, group=group)
+    return value

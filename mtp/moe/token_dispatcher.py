@@ -2,37 +2,45 @@
 
 ``dispatch(hidden_states [T, H], probs [T, E], routing_map [T, E])`` returns the rows this rank's
 experts must process, grouped by local expert, with their counts and probabilities;
-``combine(expert_output)`` brings the results back and sums them per token.
+``combine(expert_output)`` brings the results back and sums them per token. The dispatcher owns
+the whole flow; the preprocess pieces it calls (:mod:`mtp.moe.preprocess`) are functions of the
+routing and the workspace, and the workspace only holds the fixed buffers.
 
-Steps (``P`` expert-parallel ranks, ``L = E / P`` local experts):
+Steps (``P`` expert-parallel ranks, ``L = E / P`` local experts, ``Q`` expert-tensor-parallel
+ranks):
 
-1. :func:`mtp.moe.preprocess` into the dispatcher's :class:`~mtp.moe.MoEWorkspace` (counts,
-   row map, permuted probs; for ``P > 1`` dropless, a device all-to-all of the per-expert counts).
-2. Permute: gather the token rows in expert-major order (``mtp.ops`` permute kernel).
+1. :func:`~mtp.moe.preprocess.local_preprocess` (counts, row map, permuted probs), copied into
+   the :class:`~mtp.moe.MoEWorkspace`; dropless ``P > 1``: a device all-to-all of the
+   per-expert counts, which also carries each rank's token count, hidden size and dtypes.
+2. Permute: gather the token rows in expert-major order.
 3. ``P > 1``: ``all_to_all_single`` of the rows and of their probabilities, then reorder the
-   received rows from source-major to expert-major (index computed in step 1).
-4. ``combine``: the inverse reorder, the reverse all-to-all, and :func:`mtp.ops.unpermute` (a
-   deterministic per-token sum of the expert outputs).
+   received rows from source-major to expert-major.
+4. ``Q > 1``: all-gather the rows (and probabilities) of the ``Q`` ranks sharing the experts
+   (each holds ``F / Q`` of their features) and reorder them expert-major again.
+5. ``combine``: the inverse of each step (the expert-TP partial outputs are reduce-scattered),
+   then :func:`mtp.ops.unpermute` (a deterministic per-token sum of the expert outputs).
 
 Host synchronisation:
 
-- ``P == 1``, or any ``P`` with ``capacity_factor``: none. With a capacity every expert owns
-  ``C`` slots, so every split size is ``L * C`` rows, known on the host in advance; the whole
-  dispatch is graph-safe.
-- ``P > 1`` dropless: exactly **one** device-to-host copy per layer, of the ``2 * P`` split sizes
-  (rows sent to and received from each rank), placed right before the token all-to-all (after
-  the permutation is queued, as late as possible, like Megatron-Core's ``before_ep_alltoall``
-  sync point). ``all_to_all_single`` needs the split sizes as host integers; the backward reuses
-  them (no sync there).
+- ``P == Q == 1``, or any ``P``/``Q`` with ``capacity_factor``: none (every split size is known
+  in advance; graph-safe). The rank-agreement check of a capacity dispatch (see
+  ``check_ranks``) is a tiny all-to-all and a device-side assert, no host sync.
+- Dropless ``P > 1`` or ``Q > 1``: exactly **one** device-to-host copy per layer, of the split
+  sizes (and the ranks' metadata, checked there: a :class:`RankMismatchError` on every rank when
+  they disagree), placed right before the token all-to-all (after the permutation is queued, as
+  late as possible, like Megatron-Core's ``before_ep_alltoall`` sync point). The backward
+  reuses the sizes (no sync there).
 
-Collectives per forward (``torch.distributed.all_to_all_single`` on the EP group): dropless 4
-(counts, tokens, probs, combine), capacity 3, none for ``P == 1``; the backward runs one
-all-to-all per forward token/probs/combine exchange.
+Collectives per forward on the EP group (``all_to_all_single``): dropless 4 (counts + metadata,
+tokens, probs, combine), capacity 3 (+1 tiny one on the first dispatch), none for ``P == 1``;
+with ``Q > 1`` three more on the expert-TP group (counts, tokens, probs; capacity: two) and one
+in the combine. The backward runs one all-to-all per forward token/probs/combine exchange.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -41,70 +49,35 @@ from mtp.moe.preprocess import (
     MoEPreprocessResult,
     _recv_reorder,
     check_routing,
-    compute_preprocess,
+    exchange_counts,
+    finish_ep_preprocess,
+    local_preprocess,
     store_preprocess,
 )
+from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported (their first home)
+    _group_ranks,
+    all_to_all,
+    check_rank_meta,
+    gather_rows,
+    gather_v,
+    permute_backend,
+    rank_meta,
+    reduce_scatter_v,
+)
 from mtp.moe.workspace import MoEWorkspace
-from mtp.ops._backend import resolve_backend
 from mtp.ops.moe_permute import unpermute
-from mtp.utils import is_fake
+from mtp.parallel.errors import RankMismatchError
+from mtp.utils import check_values, data_checks_enabled, is_capturing, is_fake, validation_mode
 
-__all__ = ["AllToAllTokenDispatcher", "all_to_all"]
+__all__ = [
+    "AllToAllTokenDispatcher",
+    "RankMismatchError",
+    "all_to_all",
+    "gather_v",
+    "reduce_scatter_v",
+]
 
 logger = logging.getLogger("mtp")
-
-_PERMUTE_BACKENDS = ("triton", "reference")
-
-
-def permute_backend(backend: str, device: torch.device) -> str:
-    """The permute/unpermute backend for a layer backend name (grouped-GEMM-only names such as
-    ``"sequential"`` fall back to ``"auto"``)."""
-    name = backend if backend in _PERMUTE_BACKENDS else "auto"
-    return resolve_backend("permute", name, device, _PERMUTE_BACKENDS)
-
-
-def gather_rows(x: torch.Tensor, index: torch.Tensor, backend: str) -> torch.Tensor:
-    """``out[i] = x[index[i]]`` (zero row where ``index[i] < 0``); differentiable in ``x``."""
-    if backend == "triton":
-        return torch.ops.mtp.moe_gather_rows(x, index, None)
-    valid = (index >= 0).unsqueeze(1)
-    if x.shape[0] == 0:  # nothing to gather; keep the autograd link (collectives hang on it)
-        x = torch.cat([x, x.new_zeros((1, x.shape[1]))])
-    rows = x.index_select(0, index.clamp(min=0))
-    return torch.where(valid, rows, rows.new_zeros(()))
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with its adjoint as backward (the reverse exchange)."""
-
-    @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        ctx.in_rows = x.shape[0]
-        rows = x.shape[0] if output_splits is None else sum(output_splits)
-        out = x.new_empty((rows, *x.shape[1:]))
-        if not is_fake(x):  # tracing: shapes only
-            dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_in = grad.new_empty((ctx.in_rows, *grad.shape[1:]))
-        if not is_fake(grad):
-            dist.all_to_all_single(
-                grad_in, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group
-            )
-        return grad_in, None, None, None
-
-
-def all_to_all(
-    x: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    output_splits: list[int] | None = None,
-    input_splits: list[int] | None = None,
-) -> torch.Tensor:
-    """Differentiable ``all_to_all_single`` along dim 0 (equal splits when None)."""
-    return _AllToAll.apply(x, group, output_splits, input_splits)
 
 
 class AllToAllTokenDispatcher:
@@ -121,6 +94,20 @@ class AllToAllTokenDispatcher:
             the group must then see the same token count ``T``.
         backend: for the permute/unpermute kernels: ``"auto"``, ``"triton"`` or
             ``"reference"`` (other names: ``"auto"``).
+        etp_group: expert tensor parallelism (``Q`` ranks holding shards of the same experts,
+            Megatron's expert-TP group): after the EP all-to-all the rows of the ``Q`` ranks are
+            all-gathered so that each shard sees every row of its experts, and the partial
+            outputs are reduce-scattered back in :meth:`combine` (Megatron-Core's order).
+        check_ranks: check that the ranks agree on the hidden size, the dtypes and (with a
+            capacity) the token count before exchanging tokens, raising
+            :class:`RankMismatchError` on every rank instead of letting the collective fail.
+            Dropless folds the check into the count exchange and its one host sync (free, every
+            dispatch). With a capacity (no count exchange, no host sync) it costs one tiny
+            all-to-all and a device-side assert (no host sync; on CPU it raises at once;
+            ``MTP_VALIDATE=sync`` gives :class:`RankMismatchError` naming the values after a
+            sync): ``None`` (default) checks the first dispatch only, or every dispatch under
+            ``MTP_CHECK_COLLECTIVES=1``; ``True`` every dispatch; ``False`` never. Skipped
+            while capturing or compiling.
 
     The :class:`~mtp.moe.MoEWorkspace` is built on the first :meth:`dispatch` for its token
     count, dtype and device and rebuilt (with an INFO log line) when they change.
@@ -136,10 +123,15 @@ class AllToAllTokenDispatcher:
         *,
         capacity_factor: float | None = None,
         backend: str = "auto",
+        etp_group: dist.ProcessGroup | None = None,
+        check_ranks: bool | None = None,
     ) -> None:
         self.ep_group = ep_group
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        self.etp_size = 1 if etp_group is None else dist.get_world_size(etp_group)
+        self.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
+        self.etp_group = etp_group if self.etp_size > 1 else None
         if num_experts % self.ep_size:
             raise ValueError(
                 f"num_experts={num_experts} must be divisible by the expert-parallel size "
@@ -153,6 +145,10 @@ class AllToAllTokenDispatcher:
         self.local_expert_indices = list(range(first, first + self.num_local_experts))
         self.capacity_factor = capacity_factor
         self.backend = backend
+        if check_ranks not in (None, True, False):
+            raise TypeError(f"check_ranks must be None, True or False, got {check_ranks!r}")
+        self.check_ranks = check_ranks
+        self._static_checked = False
         self.workspace: MoEWorkspace | None = None
         self._state: dict | None = None
 
@@ -174,17 +170,7 @@ class AllToAllTokenDispatcher:
             and ws.probs_dtype == probs_dtype
         ):
             return ws
-        new = MoEWorkspace(
-            num_tokens,
-            hidden_size,
-            self.num_experts,
-            self.topk,
-            ep_size=self.ep_size,
-            capacity_factor=self.capacity_factor,
-            dtype=dtype,
-            probs_dtype=probs_dtype,
-            device=device,
-        )
+        new = self._new_workspace(num_tokens, hidden_size, dtype, probs_dtype, device)
         if ws is not None:
             logger.info(
                 "MoE dispatcher: rebuilding the workspace for %d tokens (was %d): %s",
@@ -195,24 +181,27 @@ class AllToAllTokenDispatcher:
         self.workspace = new
         return new
 
+    def _new_workspace(self, num_tokens, hidden_size, dtype, probs_dtype, device):
+        return MoEWorkspace(
+            num_tokens,
+            hidden_size,
+            self.num_experts,
+            self.topk,
+            ep_size=self.ep_size,
+            capacity_factor=self.capacity_factor,
+            dtype=dtype,
+            probs_dtype=probs_dtype,
+            device=device,
+        )
+
     def _workspace_for(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> MoEWorkspace:
         args = (hidden_states.shape[0], hidden_states.shape[1], hidden_states.dtype, probs.dtype)
         if is_fake(hidden_states):
             # Tracing with fake tensors: a throwaway workspace (never keep fake buffers).
-            return MoEWorkspace(
-                args[0],
-                args[1],
-                self.num_experts,
-                self.topk,
-                ep_size=self.ep_size,
-                capacity_factor=self.capacity_factor,
-                dtype=args[2],
-                probs_dtype=args[3],
-                device=hidden_states.device,
-            )
+            return self._new_workspace(*args, hidden_states.device)
         return self.get_workspace(*args, device=hidden_states.device)
 
-    # -- dispatch / combine -------------------------------------------------------------------
+    # -- dispatch -----------------------------------------------------------------------------
 
     def dispatch(
         self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
@@ -227,7 +216,8 @@ class AllToAllTokenDispatcher:
         Returns:
             ``(tokens [M, H], tokens_per_expert [L] int64 (device), permuted_probs [M])``: the
             rows of this rank's ``L`` experts, expert-major; ``M`` is ``T * topk`` (``P = 1``),
-            ``L * P * C`` (capacity) or the received count (dropless ``P > 1``).
+            ``L * P * C`` (capacity) or the received count (dropless ``P > 1``), times ``Q``
+            with expert tensor parallelism.
         """
         if hidden_states.dim() != 2:
             raise ValueError(f"hidden_states must be [T, H], got {tuple(hidden_states.shape)}")
@@ -238,42 +228,152 @@ class AllToAllTokenDispatcher:
             )
         ws = self._workspace_for(hidden_states, probs)
         check_routing(routing_map, probs, ws, validate=False)
-        res = compute_preprocess(routing_map, probs, ws, self.ep_group)
-        store_preprocess(res, ws)
+        res = local_preprocess(routing_map, probs, ws)
         backend = permute_backend(self.backend, hidden_states.device)
-        permuted = gather_rows(hidden_states, res.row_id_map, backend)
         self._state = dict(
-            ws=ws,
-            res=res,
-            backend=backend,
-            num_tokens=hidden_states.shape[0],
-            hidden=hidden_states.shape[1],
+            ws=ws, backend=backend, num_tokens=hidden_states.shape[0], hidden=hidden_states.shape[1]
         )
-        if self.ep_size == 1:
-            return permuted, res.tokens_per_expert, res.permuted_probs
         if ws.capacity is not None:
+            self._check_static(hidden_states, probs)
+            store_preprocess(res, ws)  # fixed-address copies; ``res`` keeps the autograd link
+            self._state["res"] = res
+            permuted = gather_rows(hidden_states, res.row_id_map, backend)
             return self._dispatch_static(permuted, res, ws)
-        return self._dispatch_dropless(permuted, res, backend)
+        return self._dispatch_dropless(hidden_states, probs, res, ws, backend)
+
+    def _distributed(self) -> bool:
+        return self.ep_size > 1 or self.etp_size > 1
+
+    def _check_static(self, hidden_states, probs) -> None:
+        """Capacity mode: one tiny exchange of the metadata before the fixed-size all-to-alls."""
+        if self.check_ranks is False or not self._distributed():
+            return
+        if not data_checks_enabled(True, hidden_states) or is_capturing():
+            return
+        every = self.check_ranks or os.environ.get("MTP_CHECK_COLLECTIVES", "0") not in ("", "0")
+        if self._static_checked and not every:
+            return
+        self._static_checked = True
+        meta = rank_meta(hidden_states, probs)
+        sync = validation_mode(True) == "sync"
+        for group, size in ((self.ep_group, self.ep_size), (self.etp_group, self.etp_size)):
+            if size > 1:
+                rows = all_to_all(meta.view(1, -1).expand(size, -1).contiguous(), group)
+                ranks = _group_ranks(group, size)
+                if sync:  # typed error naming the values, at the cost of a host sync
+                    check_rank_meta(rows.tolist(), ranks, True, "dispatch")
+                    continue
+                check_values(  # no host sync: a device-side assert (CPU: raises at once)
+                    (rows == rows[:1]).all(),
+                    f"MoE dispatch: the ranks {ranks} disagree on the token count, hidden size "
+                    "or dtypes (a capacity_factor makes every split static, so all ranks need "
+                    "the same token count); MTP_VALIDATE=sync names the values",
+                    validate=True,
+                    error=RankMismatchError,
+                    tensors=(rows,),
+                )
 
     def _dispatch_static(self, permuted, res: MoEPreprocessResult, ws: MoEWorkspace):
-        ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
-        recv = all_to_all(permuted, self.ep_group)
-        recv_probs = all_to_all(res.permuted_probs, self.ep_group)
-        tokens = recv.view(ep, local, cap, -1).transpose(0, 1).reshape(local * ep * cap, -1)
-        probs = recv_probs.view(ep, local, cap).transpose(0, 1).reshape(-1)
-        return tokens, res.local_tokens_per_expert, probs
+        local, cap = self.num_local_experts, ws.capacity
+        tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
+        rows = cap
+        if self.ep_size > 1:
+            ep = self.ep_size
+            recv = all_to_all(permuted, self.ep_group)
+            recv_probs = all_to_all(res.permuted_probs, self.ep_group)
+            tokens = recv.view(ep, local, cap, -1).transpose(0, 1).reshape(local * ep * cap, -1)
+            probs = recv_probs.view(ep, local, cap).transpose(0, 1).reshape(-1)
+            counts, rows = res.local_tokens_per_expert, ep * cap
+        if self.etp_size > 1:
+            q = self.etp_size
+            n = tokens.shape[0]
+            tokens = gather_v(tokens, self.etp_group, [n] * q, self.etp_rank)
+            probs = gather_v(probs, self.etp_group, [n] * q, self.etp_rank)
+            tokens = tokens.view(q, local, rows, -1).transpose(0, 1).reshape(q * n, -1)
+            probs = probs.view(q, local, rows).transpose(0, 1).reshape(-1)
+            counts = torch.full_like(counts, q * rows)
+            self._state["etp_rows"] = rows
+        return tokens, counts, probs
 
-    def _dispatch_dropless(self, permuted, res: MoEPreprocessResult, backend: str):
-        ep = self.ep_size
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    def _dispatch_dropless(self, hidden_states, probs, res, ws, backend):
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if self._distributed() and capturing:
             raise RuntimeError(
                 "dropless expert parallelism reads the all-to-all split sizes on the host (one "
                 "sync per layer) and cannot be captured in a CUDA graph; set capacity_factor "
                 "for a static, capturable dispatch (or capture only up to the dispatch)"
             )
-        # The one device-to-host sync of the layer: split sizes for the token all-to-all.
-        splits = torch.cat([res.send_counts, res.recv_counts.sum(dim=1)]).tolist()
-        send, recv_sizes = splits[:ep], splits[ep:]
+        ep, q = self.ep_size, self.etp_size
+        check = (
+            self.check_ranks is not False
+            and self._distributed()
+            and data_checks_enabled(True, hidden_states)
+        )
+        meta = rank_meta(hidden_states, probs) if check else None
+        ep_meta = etp_meta = None
+        if ep > 1:
+            recv_counts, ep_meta = exchange_counts(res.tokens_per_expert, ep, self.ep_group, meta)
+            res = finish_ep_preprocess(res, recv_counts, ws)
+            local_counts = res.local_tokens_per_expert
+        else:
+            local_counts = res.tokens_per_expert
+        store_preprocess(res, ws)
+        self._state["res"] = res
+        permuted = gather_rows(hidden_states, res.row_id_map, backend)
+        if q > 1:
+            mine = local_counts if meta is None else torch.cat([local_counts, meta])
+            gathered = all_to_all(mine.view(1, -1).expand(q, -1).contiguous(), self.etp_group)
+            etp_counts = gathered[:, : self.num_local_experts]
+            if meta is not None:
+                etp_meta = gathered[:, self.num_local_experts :]
+        if not self._distributed():
+            return permuted, res.tokens_per_expert, res.permuted_probs
+        # The one device-to-host sync of the layer: split sizes (and the ranks' metadata).
+        host = self._read_sizes(res, ep_meta, etp_counts if q > 1 else None, etp_meta)
+        tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
+        if ep > 1:
+            tokens, probs = self._ep_exchange(permuted, res, host, backend)
+            counts = res.local_tokens_per_expert
+        if q > 1:
+            sizes = host["etp_sizes"]
+            total = sum(sizes)
+            tokens = gather_v(tokens, self.etp_group, sizes, self.etp_rank)
+            probs = gather_v(probs, self.etp_group, sizes, self.etp_rank)
+            order, inverse = _recv_reorder(etp_counts, total)
+            self._state.update(etp_sizes=sizes, etp_inverse=inverse)
+            tokens = gather_rows(tokens, order, backend)
+            probs = probs.index_select(0, order)
+            counts = etp_counts.sum(dim=0)
+        return tokens, counts, probs
+
+    def _read_sizes(self, res, ep_meta, etp_counts, etp_meta) -> dict:
+        ep, q = self.ep_size, self.etp_size
+        parts = []
+        if ep > 1:
+            parts += [res.send_counts, res.recv_counts.sum(dim=1)]
+        if etp_counts is not None:
+            parts.append(etp_counts.sum(dim=1))
+        for m in (ep_meta, etp_meta):
+            if m is not None:
+                parts.append(m.reshape(-1))
+        flat = torch.cat(parts).tolist()
+        host, i = {}, 0
+        if ep > 1:
+            host["send"], host["recv"] = flat[:ep], flat[ep : 2 * ep]
+            i = 2 * ep
+        if etp_counts is not None:
+            host["etp_sizes"] = flat[i : i + q]
+            i += q
+        for m, size, group in ((ep_meta, ep, self.ep_group), (etp_meta, q, self.etp_group)):
+            if m is not None:
+                width = m.shape[1]
+                rows = [flat[i + r * width : i + (r + 1) * width] for r in range(size)]
+                i += size * width
+                check_rank_meta(rows, _group_ranks(group, size), False, "dispatch")
+        return host
+
+    def _ep_exchange(self, permuted, res, host, backend):
+        send, recv_sizes = host["send"], host["recv"]
         received = sum(recv_sizes)
         recv = all_to_all(permuted, self.ep_group, recv_sizes, send)
         recv_probs = all_to_all(res.permuted_probs, self.ep_group, recv_sizes, send)
@@ -282,17 +382,18 @@ class AllToAllTokenDispatcher:
             # Another rank routed more tokens than this one (the workspace's worst case assumes
             # at most T per rank): reorder for the actual count, now known on the host.
             order, inverse = _recv_reorder(res.recv_counts, received)
-        self._state.update(send=send, recv_sizes=recv_sizes, received=received, inverse=inverse)
-        tokens = gather_rows(recv, order, backend)
-        probs = recv_probs.index_select(0, order)
-        return tokens, res.local_tokens_per_expert, probs
+        self._state.update(send=send, recv_sizes=recv_sizes, inverse=inverse)
+        return gather_rows(recv, order, backend), recv_probs.index_select(0, order)
+
+    # -- combine ------------------------------------------------------------------------------
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
         """Return the expert outputs to their tokens and sum them: ``[T, H]``.
 
         Args:
             expert_output: ``[M, H]``, rows as returned by :meth:`dispatch` (already scaled by
-                the probabilities, as :class:`~mtp.moe.GroupedMLP` does).
+                the probabilities, as :class:`~mtp.moe.GroupedMLP` does; partial sums over the
+                expert-tensor-parallel shards with ``Q > 1``).
         """
         state = self._state
         if state is None:
@@ -303,7 +404,7 @@ class AllToAllTokenDispatcher:
             raise ValueError(
                 f"expert_output must be [M, {shape[1]}], got {tuple(expert_output.shape)}"
             )
-        y = expert_output
+        y = self._combine_etp(expert_output, state, ws, backend)
         if self.ep_size > 1 and ws.capacity is not None:
             ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
             y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
@@ -318,6 +419,19 @@ class AllToAllTokenDispatcher:
             # joins the all-to-alls the other ranks run.
             out = out + y.sum() * 0
         return out
+
+    def _combine_etp(self, y, state, ws, backend):
+        """``Q > 1``: sum the shards' partial outputs and give each rank its own rows back."""
+        q = self.etp_size
+        if q == 1:
+            return y
+        if ws.capacity is not None:
+            local, rows = self.num_local_experts, state["etp_rows"]
+            y = y.view(local, q, rows, -1).transpose(0, 1).reshape(q * local * rows, -1)
+            n = local * rows
+            return reduce_scatter_v(y, self.etp_group, [n] * q, self.etp_rank)
+        y = gather_rows(y, state["etp_inverse"], backend)
+        return reduce_scatter_v(y, self.etp_group, state["etp_sizes"], self.etp_rank)
 
     # -- Megatron-Core names ------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ import dataclasses
 import torch
 
 from mtp.moe.router import get_capacity
+from mtp.moe._checks import check_device, check_float_dtype, check_positive
 from mtp.utils import check_int
 
 __all__ = ["MoEWorkspace", "WorkspaceMismatchError"]
@@ -137,10 +138,12 @@ class MoEWorkspace:
                 f"num_experts={num_experts} must be divisible by ep_size={ep_size} (each "
                 "expert-parallel rank holds num_experts / ep_size experts)"
             )
+        check_positive("capacity_factor", capacity_factor)
+        check_float_dtype("dtype", dtype)
+        check_float_dtype("probs_dtype", probs_dtype, allow_none=True)
+        check_device("device", device)
         capacity = None
         if capacity_factor is not None:
-            if not capacity_factor > 0:
-                raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
             capacity = min(
                 get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens
             )

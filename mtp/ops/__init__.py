@@ -8,5 +8,6 @@ kernel on CUDA and the reference on CPU (see :func:`mtp.ops._backend.resolve_bac
 
 from .bias_act import bias_gelu, bias_swiglu  # noqa: E402,F401
 from .cross_entropy import vocab_parallel_cross_entropy  # noqa: E402,F401
+from .linear_cross_entropy import linear_cross_entropy  # noqa: E402,F401
 from .moe_permute import permute, unpermute  # noqa: E402,F401
 from .grouped_gemm import grouped_gemm, grouped_gemm_reference  # noqa: E402,F401

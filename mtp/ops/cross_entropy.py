@@ -1,23 +1,28 @@
 """Fused vocab-parallel cross-entropy (``mtp.ops.vocab_parallel_cross_entropy``).
 
-Custom ops (``torch.ops.mtp.*``) with fake implementations:
+The gradient is computed in the forward, while the logits are read (the backward only scales
+it by the upstream gradient, and does nothing when that is 1). Custom ops (``torch.ops.mtp.*``)
+with fake implementations:
 
 - ``mtp::vocab_parallel_cross_entropy(logits, target, label_smoothing, ignore_index,
-  z_loss_weight, vocab_start, vocab_size, group_name, inplace_backward, backend)
-  -> (loss, rowstat)``, with autograd. ``loss`` is fp32 with ``target``'s shape; ``rowstat``
-  (fp32 ``[..., 2]``, not differentiable) holds ``(max, log(sum(exp(logits - max))))`` of each
-  row over the *global* vocab, so ``lse = rowstat[..., 0] + rowstat[..., 1]``.
-- ``mtp::vocab_parallel_cross_entropy_backward(dloss, logits, target, rowstat, ...) -> grad``
-  and ``mtp::vocab_parallel_cross_entropy_backward_`` (writes the gradient into ``logits``).
+  z_loss_weight, vocab_start, vocab_size, group_name, world_size, reduction, compute_grad,
+  check, backend) -> (loss, grad, info)``: ``loss`` fp32 (``target``'s shape for
+  ``reduction="none"``, else 0-d), ``grad`` the gradient of the (reduced) loss for a unit
+  upstream gradient (``logits``' shape and dtype; ``[0]`` when ``compute_grad`` is False),
+  ``info`` int32 ``[world_size + 1, 4]`` (see :mod:`mtp.kernels.cross_entropy`).
+- ``mtp::vocab_parallel_cross_entropy_(logits!, ...) -> (loss, info)``: the same, writing the
+  gradient into ``logits`` (``inplace_backward=True``).
+- ``mtp::vocab_parallel_cross_entropy_scale_(grad!, dloss, backend)``: the backward,
+  ``grad *= dloss`` per row.
 
-Distributed: each rank holds ``logits[..., rank*Vl:(rank+1)*Vl]`` of the global vocab. The
-forward reduces its shard to three fp32 values per row and the ranks exchange them in one
-``all_gather`` (``12 * rows`` bytes per rank); the backward needs no communication and returns
-this rank's shard of the gradient. The group travels through the op as the name
-``torch.distributed`` registered it under (custom ops cannot take a ``ProcessGroup``; see
-:mod:`mtp.parallel.groups`, trace-safe under ``torch.compile``).
-
-Autograd saves the logits (no copy), the targets and ``rowstat`` (8 bytes per row).
+Distributed: each rank holds ``logits[..., rank*Vl:(rank+1)*Vl]`` of the global vocab. Pass 1
+reduces the shard to three fp32 values per row, and one ``all_gather`` exchanges them together
+with two metadata rows per rank (shard size, valid-target count, a checksum of the targets, the
+range check): ``12 * (rows + 2)`` bytes per rank. Pass 2 combines them into the loss, checks
+that every rank saw the same targets and shard size, and writes this rank's gradient shard.
+The group travels through the op as the name ``torch.distributed`` registered it under (custom
+ops cannot take a ``ProcessGroup``; :mod:`mtp.parallel.groups`, trace-safe under
+``torch.compile``).
 """
 
 from __future__ import annotations
@@ -26,13 +31,24 @@ import torch
 import torch.distributed as dist
 
 from mtp.ops._backend import resolve_backend
+from mtp.ops._cross_entropy_reference import reference_forward
+from mtp.parallel.errors import RankMismatchError
 from mtp.parallel.groups import group_from_mesh, group_name, resolve_group_name
-from mtp.utils import check_tensor, data_checks_enabled, empty
+from mtp.utils import (
+    check_tensor,
+    check_values,
+    data_checks_enabled,
+    empty,
+    poison_,
+    poison_enabled,
+    validation_mode,
+)
 
 __all__ = [
     "vocab_parallel_cross_entropy",
     "vocab_parallel_cross_entropy_reference",
     "TargetOutOfRangeError",
+    "RankMismatchError",
     "REDUCTIONS",
 ]
 
@@ -40,7 +56,6 @@ _LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TARGET_DTYPES = (torch.int64, torch.int32)
 _BACKENDS = ("triton", "reference")
 REDUCTIONS = ("none", "mean", "sum")
-
 
 class TargetOutOfRangeError(ValueError, IndexError):
     """A target id is outside ``[0, vocab_size)`` and is not ``ignore_index``.
@@ -69,70 +84,12 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[str, int, int]:
 
 
 def _all_gather_stats(stats: torch.Tensor, group_name: str) -> torch.Tensor:
-    """``[world, rows, 3]``: every rank's ``stats`` ``[rows, 3]`` (one collective)."""
+    """``[world, rows + 2, 3]``: every rank's ``stats`` (one collective, also with 0 rows)."""
     group = resolve_group_name(group_name)
     world = dist.get_world_size(group)
     gathered = torch.empty((world, *stats.shape), dtype=stats.dtype, device=stats.device)
-    if stats.numel():  # no rows here means no rows on any rank (the targets are replicated)
-        dist.all_gather(list(gathered.unbind(0)), stats, group=group)
+    dist.all_gather(list(gathered.unbind(0)), stats, group=group)
     return gathered
-
-
-# --------------------------------------------------------------------------------------------
-# Reference (plain PyTorch; fp32 copies of the shard are fine here)
-# --------------------------------------------------------------------------------------------
-
-
-def _coefs(label_smoothing: float, vocab_size: int) -> tuple[float, float]:
-    return 1.0 - label_smoothing, label_smoothing / vocab_size
-
-
-def _local_target(target: torch.Tensor, vocab_start: int, v_local: int):
-    local = target.reshape(-1).long() - vocab_start
-    owns = (local >= 0) & (local < v_local)
-    return local.clamp(0, v_local - 1), owns
-
-
-def _reference_stats(logits, target, label_smoothing, vocab_start, vocab_size) -> torch.Tensor:
-    """``[rows, 3]`` fp32 ``(m, s, c)`` of this shard (see :mod:`mtp.kernels.cross_entropy`)."""
-    v_local = logits.shape[-1]
-    x = logits.reshape(-1, v_local).float()
-    m = x.amax(-1)
-    m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    s = torch.exp(x - m_ref[:, None]).sum(-1)
-    local, owns = _local_target(target, vocab_start, v_local)
-    x_t = torch.where(owns, x.gather(1, local[:, None])[:, 0], torch.zeros_like(m))
-    coef_target, coef_uniform = _coefs(label_smoothing, vocab_size)
-    c = coef_target * x_t
-    if label_smoothing > 0:
-        c = c + coef_uniform * x.sum(-1)
-    return torch.stack([m, s, c], dim=-1)
-
-
-def _reference_combine(gathered, target, ignore_index, z_loss_weight):
-    """``(loss [rows], rowstat [rows, 2])`` from ``[world, rows, 3]`` statistics."""
-    m_all, s_all, c_all = gathered.unbind(-1)
-    m = m_all.amax(0)
-    m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    log_s = torch.log((s_all * torch.exp(m_all - m_ref)).sum(0))
-    lse = m + log_s
-    loss = (m - c_all.sum(0)) + log_s + z_loss_weight * lse * lse
-    valid = target.reshape(-1) != ignore_index
-    return torch.where(valid, loss, torch.zeros_like(loss)), torch.stack([m, log_s], dim=-1)
-
-
-def _reference_grad(dloss, logits, target, rowstat, eps, ignore_index, z, vocab_start, vocab_size):
-    v_local = logits.shape[-1]
-    x = logits.reshape(-1, v_local).float()
-    m, log_s = rowstat.reshape(-1, 2).unbind(-1)
-    p = torch.exp((x - m[:, None]) - log_s[:, None])
-    coef_target, coef_uniform = _coefs(eps, vocab_size)
-    g = p * (1.0 + 2.0 * z * (m + log_s))[:, None] - coef_uniform
-    local, owns = _local_target(target, vocab_start, v_local)
-    g.scatter_add_(1, local[:, None], torch.where(owns, -coef_target, 0.0)[:, None])
-    valid = (target.reshape(-1) != ignore_index)[:, None]
-    g = torch.where(valid, g * dloss.reshape(-1, 1).float(), torch.zeros_like(g))
-    return g.reshape(logits.shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,6 +108,61 @@ def _kernel_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return t, layout
 
 
+def _new_grad(logits: torch.Tensor) -> torch.Tensor:
+    """A gradient buffer with ``logits``' strides when it is dense (the same row alignment;
+    ``empty_like`` keeps the layout of a dense permutation and is contiguous otherwise)."""
+    out = torch.empty_like(logits)
+    return poison_(out) if poison_enabled() else out
+
+
+def _forward(
+    logits, target, grad, label_smoothing, ignore_index, z_loss_weight, vocab_start,
+    vocab_size, group_name, world_size, reduction, check, backend,
+):  # fmt: skip
+    """Loss and info; the gradient goes into ``grad`` when given."""
+    backend = resolve_backend("vocab_parallel_cross_entropy", backend, logits.device, _BACKENDS)
+    rank = vocab_start // logits.shape[-1] if group_name else 0
+    target1 = target.reshape(-1).contiguous()
+    if backend == "reference":
+        loss, g, info = reference_forward(
+            logits, target1, label_smoothing, ignore_index, z_loss_weight, vocab_start,
+            vocab_size, group_name, rank, reduction, grad is not None, _all_gather_stats,
+        )  # fmt: skip
+        if grad is not None:
+            grad.copy_(g)
+        return loss.reshape(target.shape) if reduction == "none" else loss, info
+
+    from mtp.kernels import cross_entropy as kernels
+
+    device = logits.device
+    loss_shape = target.shape if reduction == "none" else ()
+    loss = empty(loss_shape, dtype=torch.float32, device=device)
+    info = empty((world_size + 1, kernels.INFO_COLS), dtype=torch.int32, device=device)
+    logits, layout = _kernel_view(logits)
+    grad_view, grad_layout = (None, None) if grad is None else _kernel_view(grad)
+    common = dict(label_smoothing=label_smoothing, ignore_index=ignore_index)
+    if not group_name:
+        kernels.cross_entropy_fused(
+            logits, layout, target1, loss, info, grad=grad_view, grad_layout=grad_layout,
+            z_loss_weight=z_loss_weight, reduction=reduction, check=check, **common,
+        )  # fmt: skip
+    else:
+        stats = empty((target1.numel() + kernels.META_ROWS, kernels.NUM_STATS),
+                      dtype=torch.float32, device=device)  # fmt: skip
+        kernels.cross_entropy_stats(
+            logits, layout, target1, stats, vocab_start=vocab_start, vocab_size=vocab_size,
+            **common,
+        )  # fmt: skip
+        kernels.cross_entropy_finish(
+            _all_gather_stats(stats, group_name), logits, layout, target1, loss, info,
+            rank=rank, grad=grad_view, grad_layout=grad_layout, vocab_start=vocab_start,
+            vocab_size=vocab_size, z_loss_weight=z_loss_weight, reduction=reduction, **common,
+        )  # fmt: skip
+    if grad is not None and grad_view is not grad:
+        grad.copy_(grad_view)
+    return loss, info
+
+
 @torch.library.custom_op("mtp::vocab_parallel_cross_entropy", mutates_args=())
 def _ce_op(
     logits: torch.Tensor,
@@ -161,162 +173,110 @@ def _ce_op(
     vocab_start: int,
     vocab_size: int,
     group_name: str,
-    inplace_backward: bool,
+    world_size: int,
+    reduction: str,
+    compute_grad: bool,
+    check: bool,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    backend = resolve_backend("vocab_parallel_cross_entropy", backend, logits.device, _BACKENDS)
-    rows, device = target.numel(), logits.device
-    target1 = target.reshape(-1).contiguous()
-    if backend == "reference":
-        stats = _reference_stats(logits, target1, label_smoothing, vocab_start, vocab_size)
-        gathered = _all_gather_stats(stats, group_name) if group_name else stats[None]
-        loss, rowstat = _reference_combine(gathered, target1, ignore_index, z_loss_weight)
-        return loss.reshape(target.shape), rowstat.reshape(*target.shape, 2)
-
-    from mtp.kernels import cross_entropy as kernels
-
-    loss = empty(target.shape, dtype=torch.float32, device=device)
-    rowstat = empty((*target.shape, 2), dtype=torch.float32, device=device)
-    common = dict(
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-        label_smoothing=label_smoothing,
-        ignore_index=ignore_index,
-        z_loss_weight=z_loss_weight,
-    )
-    logits, layout = _kernel_view(logits)
-    if not group_name:
-        kernels.cross_entropy_forward(
-            logits, layout, target1, **common, loss=loss, rowstat=rowstat, stats=None
-        )
-        return loss, rowstat
-    stats = empty((rows, kernels.NUM_STATS), dtype=torch.float32, device=device)
-    kernels.cross_entropy_forward(
-        logits, layout, target1, **common, loss=None, rowstat=None, stats=stats
-    )
-    kernels.cross_entropy_combine(
-        _all_gather_stats(stats, group_name),
-        target1,
-        ignore_index=ignore_index,
-        z_loss_weight=z_loss_weight,
-        loss=loss,
-        rowstat=rowstat,
-    )
-    return loss, rowstat
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad = _new_grad(logits) if compute_grad else logits.new_empty(0)
+    loss, info = _forward(
+        logits, target, grad if compute_grad else None, label_smoothing, ignore_index,
+        z_loss_weight, vocab_start, vocab_size, group_name, world_size, reduction, check, backend,
+    )  # fmt: skip
+    return loss, grad, info
 
 
 @_ce_op.register_fake
-def _(logits, target, *args):
+def _(logits, target, eps, ii, z, start, size, group, world, reduction, compute_grad, *args):
     return (
-        logits.new_empty(target.shape, dtype=torch.float32),
-        logits.new_empty((*target.shape, 2), dtype=torch.float32),
+        logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32),
+        logits.new_empty(logits.shape if compute_grad else (0,)),
+        logits.new_empty((world + 1, 4), dtype=torch.int32),
     )
 
 
-def _backward_into(
-    grad, dloss, logits, target, rowstat, eps, ignore_index, z, start, size, backend
-) -> None:
-    backend = resolve_backend("vocab_parallel_cross_entropy", backend, logits.device, _BACKENDS)
+@torch.library.custom_op("mtp::vocab_parallel_cross_entropy_", mutates_args=("logits",))
+def _ce_inplace_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    z_loss_weight: float,
+    vocab_start: int,
+    vocab_size: int,
+    group_name: str,
+    world_size: int,
+    reduction: str,
+    check: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(
+        logits, target, logits, label_smoothing, ignore_index, z_loss_weight, vocab_start,
+        vocab_size, group_name, world_size, reduction, check, backend,
+    )  # fmt: skip
+
+
+@_ce_inplace_op.register_fake
+def _(logits, target, eps, ii, z, start, size, group, world, reduction, *args):
+    return (
+        logits.new_empty(target.shape if reduction == "none" else (), dtype=torch.float32),
+        logits.new_empty((world + 1, 4), dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op("mtp::vocab_parallel_cross_entropy_scale_", mutates_args=("grad",))
+def _ce_scale_op(grad: torch.Tensor, dloss: torch.Tensor, backend: str) -> None:
+    """``grad[..., :] *= dloss[...]`` (``dloss``: the loss's shape, fp32)."""
+    backend = resolve_backend("vocab_parallel_cross_entropy", backend, grad.device, _BACKENDS)
     if backend == "reference":
-        g = _reference_grad(dloss, logits, target, rowstat, eps, ignore_index, z, start, size)
-        grad.copy_(g)
+        grad.mul_(dloss.unsqueeze(-1).to(grad.dtype) if dloss.dim() else dloss.to(grad.dtype))
         return
-    from mtp.kernels.cross_entropy import cross_entropy_backward
+    from mtp.kernels.cross_entropy import cross_entropy_scale
 
-    logits, layout = _kernel_view(logits)
-    out, out_layout = _kernel_view(grad)
-    cross_entropy_backward(
-        dloss.reshape(-1).float(),
-        logits,
-        layout,
-        target.reshape(-1).contiguous(),
-        rowstat.reshape(-1, 2).contiguous(),
-        out,
-        out_layout,
-        vocab_start=start,
-        vocab_size=size,
-        label_smoothing=eps,
-        ignore_index=ignore_index,
-        z_loss_weight=z,
-    )
-    if out is not grad:
-        grad.copy_(out)
+    view, layout = _kernel_view(grad)
+    cross_entropy_scale(view, layout, dloss.reshape(-1) if dloss.dim() else dloss)
+    if view is not grad:
+        grad.copy_(view)
 
 
-@torch.library.custom_op("mtp::vocab_parallel_cross_entropy_backward", mutates_args=())
-def _ce_backward_op(
-    dloss: torch.Tensor,
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    rowstat: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    z_loss_weight: float,
-    vocab_start: int,
-    vocab_size: int,
-    backend: str,
-) -> torch.Tensor:
-    grad = empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _backward_into(
-        grad, dloss, logits, target, rowstat, label_smoothing, ignore_index, z_loss_weight,
-        vocab_start, vocab_size, backend,
-    )  # fmt: skip
-    return grad
-
-
-@_ce_backward_op.register_fake
-def _(dloss, logits, *args):
-    return logits.new_empty(logits.shape)
-
-
-@torch.library.custom_op("mtp::vocab_parallel_cross_entropy_backward_", mutates_args=("logits",))
-def _ce_backward_inplace_op(
-    dloss: torch.Tensor,
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    rowstat: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    z_loss_weight: float,
-    vocab_start: int,
-    vocab_size: int,
-    backend: str,
-) -> None:
-    _backward_into(
-        logits, dloss, logits, target, rowstat, label_smoothing, ignore_index, z_loss_weight,
-        vocab_start, vocab_size, backend,
-    )  # fmt: skip
-
-
-@_ce_backward_inplace_op.register_fake
-def _(*args):
+@_ce_scale_op.register_fake
+def _(grad, dloss, backend):
     return None
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    logits, target, eps, ignore_index, z, start, size, _, inplace, backend = inputs
-    rowstat = output[1]
-    ctx.save_for_backward(logits, target, rowstat)
-    ctx.mark_non_differentiable(rowstat)
-    ctx.args = (eps, ignore_index, z, start, size, backend)
-    ctx.inplace = inplace
+class _CrossEntropyFunction(torch.autograd.Function):
+    """Forward writes the gradient (for a unit upstream gradient); backward scales it in place.
 
+    Saves one tensor: the gradient buffer (``logits`` itself with ``inplace_backward``).
+    """
 
-def _ce_autograd(ctx, dloss, _drowstat):
-    logits, target, rowstat = ctx.saved_tensors
-    if ctx.inplace:
-        torch.ops.mtp.vocab_parallel_cross_entropy_backward_(
-            dloss, logits, target, rowstat, *ctx.args
-        )
-        grad = logits
-    else:
-        grad = torch.ops.mtp.vocab_parallel_cross_entropy_backward(
-            dloss, logits, target, rowstat, *ctx.args
-        )
-    return (grad,) + (None,) * 9
+    @staticmethod
+    def forward(ctx, logits, target, args, inplace, backend):
+        if inplace:
+            loss, info = torch.ops.mtp.vocab_parallel_cross_entropy_(
+                logits, target, *args, backend
+            )
+            grad = logits
+        else:
+            loss, grad, info = torch.ops.mtp.vocab_parallel_cross_entropy(
+                logits, target, *args[:-1], True, args[-1], backend
+            )
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(info)
+        ctx.set_materialize_grads(False)
+        ctx.backend = backend
+        return loss, info
 
-
-_ce_op.register_autograd(_ce_autograd, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, dloss, _dinfo):
+        (grad,) = ctx.saved_tensors
+        if dloss is None:
+            return None, None, None, None, None
+        # A second backward through the same graph (retain_graph=True) fails in autograd's
+        # version check of ``grad``: it was scaled in place by the first one.
+        torch.ops.mtp.vocab_parallel_cross_entropy_scale_(grad, dloss, ctx.backend)
+        return grad, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,14 +312,64 @@ def _check_args(logits, target, label_smoothing, ignore_index, reduction, z_loss
         raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
 
 
-def _check_targets(target: torch.Tensor, ignore_index: int, vocab_size: int) -> None:
+def _raise_from_info(info, target, ignore_index, vocab_size, world) -> None:
+    """``validate="sync"``: the typed error for a failed check (reads ``info`` on the host)."""
+    rows = info.tolist()
+    if rows[world][0]:
+        return
+    per_rank = rows[:world]
+    for col, what in ((0, "vocab shard size"), (2, "target checksum")):
+        values = {r: per_rank[r][col] for r in range(world)}
+        if len(set(values.values())) > 1:
+            first = min(values)
+            other = next(r for r in values if values[r] != values[first])
+            hint = (
+                "every rank must hold a vocab shard of the same size (pad the vocab to a "
+                "multiple of the tensor-parallel size)"
+                if col == 0
+                else "every tensor-parallel rank must pass the same target"
+            )
+            raise RankMismatchError(
+                f"vocab_parallel_cross_entropy: {what} differs between tensor-parallel ranks: "
+                f"{values[first]} on rank {first}, {values[other]} on rank {other} "
+                f"(all: {values}); {hint}",
+                what=what,
+                values=values,
+            )
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
-    if bool(bad.any()):
-        first = target[bad][0].item()
-        raise TargetOutOfRangeError(
-            f"target holds {int(bad.sum())} id(s) outside [0, {vocab_size}) that are not "
-            f"ignore_index={ignore_index} (e.g. {first}); vocab_size is the global vocab "
-            "(shard size x group size). Pass validate=False to skip this check."
+    first = target[bad][0].item() if bool(bad.any()) else "?"
+    raise TargetOutOfRangeError(
+        f"target holds {int(bad.sum())} id(s) outside [0, {vocab_size}) that are not "
+        f"ignore_index={ignore_index} (e.g. {first}); vocab_size is the global vocab "
+        "(shard size x group size). Pass validate=False to skip this check."
+    )
+
+
+def _check_info(info, target, ignore_index, vocab_size, world, validate) -> None:
+    if validation_mode(validate) == "sync":
+        _raise_from_info(info, target, ignore_index, vocab_size, world)
+        return
+    message = (
+        f"vocab_parallel_cross_entropy: target holds ids outside [0, {vocab_size}) that are not "
+        f"ignore_index={ignore_index}"
+    )
+    if world > 1:
+        message += (
+            ", or the target or the vocab shard size differs between the tensor-parallel ranks"
+        )
+    message += " (validate='sync' or MTP_VALIDATE=sync raises a typed error with the values)"
+    check_values(info[world, 0], message, validate=validate, tensors=(target,))
+
+
+def _check_transforms(logits: torch.Tensor) -> None:
+    if torch.compiler.is_compiling():
+        return
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise NotImplementedError(
+            "vocab_parallel_cross_entropy does not support torch.func transforms (grad, vmap, "
+            "jacrev...): its fused kernel computes the gradient during the forward and the "
+            "backward scales it in place. Use loss.backward() / torch.autograd.grad, or "
+            "torch.nn.functional.cross_entropy inside the transform."
         )
 
 
@@ -373,10 +383,11 @@ def vocab_parallel_cross_entropy(
     reduction: str = "none",
     z_loss_weight: float = 0.0,
     inplace_backward: bool = False,
-    validate: bool = True,
+    validate: bool | str = True,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Cross-entropy of logits split over the vocab, fused (one pass forward, one backward).
+    """Cross-entropy of logits split over the vocab, fused (the gradient is written while the
+    logits are read in the forward).
 
     Equal to ``F.cross_entropy(full_logits.float(), target, label_smoothing=..., ignore_index=...,
     reduction=...) + z_loss_weight * lse**2`` (per row, before the reduction), where
@@ -386,62 +397,85 @@ def vocab_parallel_cross_entropy(
 
     Args:
         logits: this rank's shard ``[..., Vl]`` (fp32 / fp16 / bf16) of a vocab of
-            ``V = Vl * group_size`` ids; rank ``r`` holds ids ``[r*Vl, (r+1)*Vl)``. Any leading
-            dims (strided leading dims are read in place; the last dim should be contiguous).
+            ``V = Vl * group_size`` ids; rank ``r`` holds ids ``[r*Vl, (r+1)*Vl)``; every rank
+            holds the same ``Vl`` (uneven shards are rejected, see Raises). Any leading dims
+            (strided leading dims are read in place; the last dim should be contiguous).
         target: ``[...]`` (``logits.shape[:-1]``) int64 / int32 global ids in ``[0, V)`` or
-            ``ignore_index``.
+            ``ignore_index``; the same on every rank of ``group``.
         group: the tensor-parallel group the vocab is split over; None (or a group of size 1)
             is ordinary fused cross-entropy.
         label_smoothing: in ``[0, 1]``, as in ``F.cross_entropy``.
         ignore_index: rows with this target get loss 0 and gradient 0.
         reduction: ``"none"`` (per-row loss, ``target``'s shape), ``"sum"`` or ``"mean"`` (over
-            the non-ignored rows, computed on the device; NaN when every row is ignored, as in
+            the non-ignored rows, computed in the kernel; NaN when every row is ignored, as in
             PyTorch).
         z_loss_weight: adds ``z_loss_weight * lse**2`` per row (PaLM's z-loss), with its gradient.
-        inplace_backward: the backward writes the gradient into ``logits`` (saves one
-            logits-sized buffer; ``logits`` must not be needed afterwards).
-        validate: check that the targets are in range (one host sync); skipped automatically
+        inplace_backward: the forward writes the gradient into ``logits`` (saves one
+            logits-sized buffer; ``logits`` holds the gradient after the call and must not be
+            needed afterwards; ``logits`` with overlapping elements, e.g. ``expand``-ed, are
+            rejected).
+        validate: the data checks (targets in range; with a group, same targets and shard size
+            on every rank). ``True``: on the device, no host sync (``torch._assert_async``: a
+            device-side assert on CUDA, a ``RuntimeError`` at once on CPU); ``"sync"`` (or
+            ``MTP_VALIDATE=sync``): a typed error after one host sync; ``False``: off. Skipped
             while tracing, compiling or capturing a CUDA graph.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
         The loss in float32: ``target``'s shape for ``"none"``, a scalar otherwise.
 
-    Communication: one ``all_gather`` of ``3 * rows`` fp32 per rank in the forward, none in the
-    backward; the gradient is this rank's shard (``logits.dtype``, ``logits.shape``).
-    Memory: autograd saves ``logits`` (no copy), ``target`` and 8 bytes per row.
-    Bytes moved: forward reads the shard once (``rows * Vl * s``); backward reads it again and
-    writes the gradient (``2 * rows * Vl * s``), plus ``O(rows)``.
+    Launches (triton): one rank: 1 kernel forward (+1 ``_assert_async`` with the default
+    ``validate``), 1 kernel backward (it returns at once where the upstream gradient is 1).
+    With a group: 2 kernels and one ``all_gather`` of ``3 * (rows + 2)`` fp32 per rank forward,
+    1 kernel and no communication backward.
+    Memory: when ``logits`` requires grad, the forward allocates the gradient (``logits``' shape
+    and dtype; none with ``inplace_backward``), which autograd keeps until the backward; that
+    is the only tensor saved (the logits are not).
+    Bytes moved: without grad, the shard once (``rows * Vl * s``); with grad, one read of the
+    shard and one write of the gradient (the second read of a row is by the same program, a
+    cache hit), plus one more read of the shard with a group; ``O(rows)`` besides.
 
     Raises:
         TypeError / ValueError: bad arguments (named in the message).
-        TargetOutOfRangeError: a target outside ``[0, V)`` other than ``ignore_index``.
+        TargetOutOfRangeError: (``validate="sync"``) a target outside ``[0, V)`` other than
+            ``ignore_index``.
+        RankMismatchError: (``validate="sync"``) the target or the shard size differs between
+            the ranks of ``group`` (raised on every rank).
+        NotImplementedError: called inside a ``torch.func`` transform.
     """
     _check_args(logits, target, label_smoothing, ignore_index, reduction, z_loss_weight)
+    _check_transforms(logits)
     group_name, rank, world = _group_info(group)
     backend = resolve_backend("vocab_parallel_cross_entropy", backend, logits.device, _BACKENDS)
     v_local = logits.shape[-1]
     vocab_size = v_local * world
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    if inplace_backward and compute_grad and any(
+        st == 0 and sz > 1 for st, sz in zip(logits.stride(), logits.shape)
+    ):
+        raise ValueError(
+            "inplace_backward=True writes the gradient into logits, but logits has overlapping "
+            f"elements (shape {tuple(logits.shape)}, strides {logits.stride()}: an expanded "
+            "tensor); pass inplace_backward=False or logits.contiguous()"
+        )
     if backend == "triton":
         logits, _ = _kernel_view(logits)  # a copy only if the rows need more than two strides
-    if data_checks_enabled(validate, target):
-        _check_targets(target, ignore_index, vocab_size)
-    loss, _ = torch.ops.mtp.vocab_parallel_cross_entropy(
-        logits,
-        target,
-        float(label_smoothing),
-        int(ignore_index),
-        float(z_loss_weight),
-        rank * v_local,
-        vocab_size,
-        group_name,
-        bool(inplace_backward),
-        backend,
-    )
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "mean":
-        return loss.sum() / (target != ignore_index).sum()
+    validation_mode(validate)  # a bad value raises here, naming the argument
+    check = data_checks_enabled(validate, target)
+    args = (
+        float(label_smoothing), int(ignore_index), float(z_loss_weight), rank * v_local,
+        vocab_size, group_name, world, reduction, check,
+    )  # fmt: skip
+    if compute_grad:
+        loss, info = _CrossEntropyFunction.apply(
+            logits, target, args, bool(inplace_backward), backend
+        )
+    else:
+        loss, _, info = torch.ops.mtp.vocab_parallel_cross_entropy(
+            logits, target, *args[:-1], False, check, backend
+        )
+    if check:
+        _check_info(info, target, ignore_index, vocab_size, world, validate)
     return loss
 
 

@@ -43,7 +43,7 @@ import torch
 
 from mtp.kernels import grouped_gemm as _kernels
 from mtp.ops._backend import resolve_backend
-from mtp.utils import check_tensor, data_checks_enabled, empty
+from mtp.utils import check_tensor, data_checks_enabled, empty, is_fake
 
 __all__ = [
     "GROUPED_GEMM_BACKENDS",
@@ -519,6 +519,48 @@ def _check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=_FLOAT_DTYPES) -
         shape = (x.shape[0], _n_of(w, trans_b))
         if tuple(out.shape) != shape:
             raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+        _check_out_memory(out, {"x": x, "w": w, "tokens_per_expert": tokens_per_expert})
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses a (non-empty) strided tensor can touch."""
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (extent + 1) * t.element_size()
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` may overlap in memory (same storage, intersecting spans)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    if is_fake(a) or is_fake(b):
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
+    """``out`` must be written without clobbering an input or itself, and with autograd."""
+    for name, t in inputs.items():
+        if _shares_memory(out, t):
+            raise ValueError(
+                f"out shares memory with {name}; grouped_gemm cannot write its result over an "
+                "input (the rows of one expert would overwrite what the others still read): "
+                "pass a separate buffer"
+            )
+    if not is_fake(out) and torch._debug_has_internal_overlap(out) == 1:
+        raise ValueError(
+            f"out (shape {tuple(out.shape)}, strides {out.stride()}) has elements that share "
+            "memory (an expanded or broadcast tensor); pass a dense buffer"
+        )
+    if torch.is_grad_enabled() and out.requires_grad and out.is_leaf:
+        raise ValueError(
+            "out is a leaf tensor that requires grad; autograd cannot record an in-place write "
+            "into it. Pass a buffer with requires_grad=False (the result is differentiable in "
+            "x and w either way), or call under torch.no_grad()"
+        )
 
 
 def _check_count_values(tokens_per_expert: torch.Tensor, M: int) -> None:
@@ -581,6 +623,13 @@ def grouped_gemm(
         impl.check(x, w)
     # Loop backends read the sizes on the host: copy them once here (their only sync); the
     # validation and the backward read that copy. Single-launch backends read them on the device.
+    if not impl.device_counts and tokens_per_expert.device.type == "meta":
+        raise ValueError(
+            f"grouped_gemm: backend={name!r} reads tokens_per_expert on the host, but it is a "
+            "meta tensor (no values); pass the counts on the CPU, or use a backend that reads "
+            "them on the device ('triton', 'torch')"
+        )
+    tokens_per_expert = tokens_per_expert.contiguous()  # [E] ints: a no-op or a tiny copy
     counts = tokens_per_expert if impl.device_counts else tokens_per_expert.to("cpu")
     if data_checks_enabled(validate, counts):
         _check_count_values(counts, x.shape[0])

@@ -5,7 +5,9 @@ generators as a table and the ranks as a grid; ``--json`` prints
 ``{"dense": {"tp": [[...]], ...}, "expert": {"ep": [[...]], ...}}`` instead. With
 ``--gpus-per-node`` it warns (on stderr) about tp, cp, ep or etp groups that span nodes, since
 those carry the most traffic and belong inside a node (seed 001's bandwidth priority).
-Bad arguments exit with code 2 and a one-line error.
+Above ``--full-limit`` ranks (default 1024) the text report shows the first and last groups of
+each kind and no grid (``--full-limit 0`` prints everything); a world of 10^6 ranks answers in
+about a second. Bad arguments exit with code 2 and a one-line error.
 """
 
 from __future__ import annotations
@@ -15,8 +17,15 @@ import json
 import sys
 import textwrap
 
-from .parallel_state import GROUP_KINDS
-from .rank_generator import DEFAULT_ORDER, ParallelConfigError, RankGenerator, make_rank_generators
+import numpy as np
+
+from .rank_generator import (
+    DEFAULT_ORDER,
+    GROUP_KINDS,
+    ParallelConfigError,
+    RankGenerator,
+    make_rank_generators,
+)
 
 # Group kinds that should stay inside a node, most bandwidth-hungry first.
 _INTRA_NODE_KINDS = ("tp", "cp", "etp", "ep")
@@ -42,22 +51,44 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--order", default=DEFAULT_ORDER, help=f"rank order (default {DEFAULT_ORDER})")
     p.add_argument("--gpus-per-node", type=int, default=None, help="warn about groups that span nodes")
     p.add_argument("--json", action="store_true", help="print the groups as JSON")
+    p.add_argument("--full-limit", type=int, default=1024,
+                   help="above this many ranks, summarise the groups and skip the grid "
+                   "(0: always print everything; default 1024)")  # fmt: skip
     return p
 
 
-def layout_groups(dense: RankGenerator, expert: RankGenerator) -> dict[str, dict[str, list]]:
-    """``{"dense": {kind: groups}, "expert": {kind: groups}}`` for every kind in GROUP_KINDS."""
+def layout_arrays(dense: RankGenerator, expert: RankGenerator) -> dict[str, dict[str, np.ndarray]]:
+    """``{"dense": {kind: groups}, "expert": {kind: groups}}`` as int64 arrays
+    ``[groups, group_size]`` for every kind in GROUP_KINDS."""
     gens = {"dense": dense, "expert": expert}
-    out: dict[str, dict[str, list]] = {"dense": {}, "expert": {}}
+    out: dict[str, dict[str, np.ndarray]] = {"dense": {}, "expert": {}}
     for kind, (which, token) in GROUP_KINDS.items():
-        out[which][kind] = gens[which].get_ranks(token)
-    out["expert"]["pp"] = expert.get_ranks("pp")
+        out[which][kind] = gens[which].get_ranks_array(token)
+    out["expert"]["pp"] = expert.get_ranks_array("pp")
     return out
 
 
-def _format_groups(kind: str, groups: list[list[int]], width: int = 100) -> str:
+def layout_groups(dense: RankGenerator, expert: RankGenerator) -> dict[str, dict[str, list]]:
+    """:func:`layout_arrays` as lists of lists (what ``--json`` prints)."""
+    arrays = layout_arrays(dense, expert)
+    return {which: {k: a.tolist() for k, a in kinds.items()} for which, kinds in arrays.items()}
+
+
+_SHOWN = 3  # groups shown at each end of a summarised kind
+
+
+def _format_groups(kind: str, groups, width: int = 100, summary: bool = False) -> str:
     head = f"  {kind:<9}{len(groups):>4} x {len(groups[0]):<4}"
-    body = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups)
+
+    def text(g) -> str:
+        if summary and len(g) > 2 * _SHOWN:
+            g = [*g[:_SHOWN].tolist(), "...", *g[-1:].tolist()]
+        return "[" + ",".join(map(str, g)) + "]"
+
+    if summary and len(groups) > 2 * _SHOWN:
+        body = " ".join([*(text(g) for g in groups[:_SHOWN]), "...", text(groups[-1])])
+    else:
+        body = " ".join(text(g) for g in groups)
     lines = textwrap.wrap(body, width=width - len(head) - 1) or [""]
     pad = " " * (len(head) + 1)
     return "\n".join([f"{head} {lines[0]}"] + [pad + line for line in lines[1:]])
@@ -90,19 +121,25 @@ def _grid(gen: RankGenerator, row: str, cols: tuple[str, str], labels: dict[str,
     return "\n".join(lines)
 
 
-def _report(dense: RankGenerator, expert: RankGenerator, groups: dict) -> str:
+def _report(dense: RankGenerator, expert: RankGenerator, groups: dict, summary: bool) -> str:
     out = [
         f"Dense layout, order {dense.order}: world {dense.world_size} = "
         f"tp {dense.tp} x cp {dense.cp} x dp {dense.dp} x pp {dense.pp}",
         "  kind     groups x size  ranks",
     ]
-    out += [_format_groups(k, g) for k, g in groups["dense"].items()]
+    out += [_format_groups(k, g, summary=summary) for k, g in groups["dense"].items()]
     out.append(
         f"\nExpert layout, order {expert.order}: world {expert.world_size} = "
         f"etp {expert.tp} x ep {expert.ep} x edp {expert.dp} x pp {expert.pp}"
     )
     out.append("  kind     groups x size  ranks")
-    out += [_format_groups(k, g) for k, g in groups["expert"].items()]
+    out += [_format_groups(k, g, summary=summary) for k, g in groups["expert"].items()]
+    if summary:
+        out.append(
+            f"\n(world of {dense.world_size} ranks: groups summarised and no rank grid; "
+            "--full-limit 0 prints everything, --json every group)"
+        )
+        return "\n".join(out)
     out.append("\nDense rank grid: rows dp, columns cp.tp, one block per pipeline stage")
     out.append(_grid(dense, "dp", ("cp", "tp"), {"dp": "dp", "cp": "cp", "tp": "tp"}))
     out.append("\nExpert rank grid: rows edp, columns ep.etp, one block per pipeline stage")
@@ -115,12 +152,13 @@ def node_span_warnings(groups: dict, gpus_per_node: int) -> list[str]:
     warnings = []
     flat = {**groups["dense"], **groups["expert"]}
     for kind in _INTRA_NODE_KINDS:
-        spanning = [g for g in flat[kind] if len({r // gpus_per_node for r in g}) > 1]
-        if spanning:
-            g = spanning[0]
+        node = np.asarray(flat[kind]) // gpus_per_node
+        spanning = np.flatnonzero(node.min(axis=1) != node.max(axis=1))
+        if spanning.size:
+            g = np.asarray(flat[kind])[spanning[0]].tolist()
             nodes = sorted({r // gpus_per_node for r in g})
             warnings.append(
-                f"warning: {len(spanning)} {kind} group(s) span nodes, e.g. {g} on nodes {nodes} "
+                f"warning: {spanning.size} {kind} group(s) span nodes, e.g. {g} on nodes {nodes} "
                 f"({gpus_per_node} GPUs per node); keep {kind} inside a node (tp innermost, "
                 f"then cp, ep) or it runs over the slower inter-node network"
             )
@@ -138,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ParallelConfigError, TypeError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
-    groups = layout_groups(dense, expert)
     if args.json:
+        groups = layout_groups(dense, expert)
         print(json.dumps(groups))
     else:
-        print(_report(dense, expert, groups))
+        groups = layout_arrays(dense, expert)
+        summary = 0 < args.full_limit < dense.world_size
+        print(_report(dense, expert, groups, summary))
     if args.gpus_per_node:
         for line in node_span_warnings(groups, args.gpus_per_node):
             sys.stderr.write(line + "\n")

@@ -25,6 +25,11 @@ Collectives are called through the ``torch.distributed`` module (so
 :func:`mtp.testing.count_collectives` sees them); all-gather and reduce-scatter use one flat
 collective (``all_gather_single`` / ``reduce_scatter_single``, or their older names
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on torch releases without them).
+
+Ranks that disagree (:mod:`mtp.parallel.agreement`): with ``MTP_CHECK_COLLECTIVES=1`` each
+collective is preceded by an all-gather of (op, dtype, shape, dim) and a mismatch raises
+``RankMismatchError`` on every rank; an exception inside a mapping follows
+``MTP_ABORT_ON_ERROR`` (abort the group by default).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state
+from .agreement import check_collective, collective_region
 from .groups import group_from_mesh
 
 __all__ = [
@@ -160,6 +166,7 @@ def gather_along(x: torch.Tensor, dim: int, group, async_op: bool = False):
     world = dist.get_world_size(group)
     if world == 1:
         return GatherHandle(None, x.unsqueeze(0), dim, 1) if async_op else x
+    check_collective("all_gather", x, group, dim=dim)
     x = x.contiguous()
     if x.dim() == 0:
         x = x.view(1)
@@ -186,6 +193,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group, async_op: bool = Fals
     world = dist.get_world_size(group)
     if world == 1:
         return ScatterHandle(None, x, 0) if async_op else x
+    check_collective("reduce_scatter", x, group, dim=dim)
     _check_divisible(x, dim, world, "reduce-scatter")
     src = (x if dim == 0 else x.movedim(dim, 0)).contiguous()
     out = torch.empty((src.size(0) // world, *src.shape[1:]), dtype=x.dtype, device=x.device)
@@ -202,6 +210,7 @@ def all_reduce_(x: torch.Tensor, group, async_op: bool = False):
     """
     if dist.get_world_size(group) == 1:
         return None
+    check_collective("all_reduce", x, group)
     return dist.all_reduce(x, group=group, async_op=_traceable(async_op))
 
 
@@ -292,6 +301,7 @@ def _setup(x: torch.Tensor, group, name: str):
     return group, dist.get_world_size(group)
 
 
+@collective_region("copy_to_tensor_model_parallel_region", group_arg="group")
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """The paper's ``f``: identity forward, all-reduce of the gradient backward.
 
@@ -304,6 +314,7 @@ def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> to
     return _CopyToRegion.apply(input_, group)
 
 
+@collective_region("reduce_from_tensor_model_parallel_region", group_arg="group")
 def reduce_from_tensor_model_parallel_region(
     input_: torch.Tensor, group=None, *, inplace: bool = False
 ) -> torch.Tensor:
@@ -319,6 +330,7 @@ def reduce_from_tensor_model_parallel_region(
     return _ReduceFromRegion.apply(input_, group, inplace)
 
 
+@collective_region("scatter_to_tensor_model_parallel_region", group_arg="group")
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Keep this rank's chunk of the last dimension; backward all-gathers the last dimension.
 
@@ -332,6 +344,7 @@ def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) ->
     return _ScatterToRegion.apply(input_, group, dim)
 
 
+@collective_region("gather_from_tensor_model_parallel_region", group_arg="group")
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather the last dimension (rank-major); backward keeps this rank's chunk."""
     group, world = _setup(input_, group, "gather_from_tensor_model_parallel_region")
@@ -341,6 +354,7 @@ def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -
     return _GatherFromRegion.apply(input_, group, dim, False)
 
 
+@collective_region("scatter_to_sequence_parallel_region", group_arg="group")
 def scatter_to_sequence_parallel_region(
     input_: torch.Tensor, group=None, seq_dim: int = 0
 ) -> torch.Tensor:
@@ -356,6 +370,7 @@ def scatter_to_sequence_parallel_region(
     return _ScatterToRegion.apply(input_, group, dim)
 
 
+@collective_region("gather_from_sequence_parallel_region", group_arg="group")
 def gather_from_sequence_parallel_region(
     input_: torch.Tensor,
     tensor_parallel_output_grad: bool = True,
@@ -379,6 +394,7 @@ def gather_from_sequence_parallel_region(
     return _GatherFromRegion.apply(input_, group, dim, bool(tensor_parallel_output_grad))
 
 
+@collective_region("reduce_scatter_to_sequence_parallel_region", group_arg="group")
 def reduce_scatter_to_sequence_parallel_region(
     input_: torch.Tensor, group=None, seq_dim: int = 0
 ) -> torch.Tensor:

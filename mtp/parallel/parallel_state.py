@@ -33,9 +33,18 @@ import logging
 
 import torch.distributed as dist
 
-from .rank_generator import DEFAULT_ORDER, ParallelSizes, RankGenerator, make_rank_generators
+from .agreement import _ABORTED, exchange_and_compare, is_aborted, value_field
+from .errors import CollectiveAbortedError
+from .rank_generator import (
+    DEFAULT_ORDER,
+    GROUP_KINDS,
+    ParallelSizes,
+    RankGenerator,
+    make_rank_generators,
+)
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "GROUP_KINDS",
     "ParallelStateError",
     "initialize_model_parallel",
@@ -91,23 +100,9 @@ __all__ = [
 
 logger = logging.getLogger("mtp")
 
-#: kind -> (generator, token), in the order the groups are created on every rank.
-GROUP_KINDS: dict[str, tuple[str, str]] = {
-    "tp": ("dense", "tp"),
-    "pp": ("dense", "pp"),
-    "dp": ("dense", "dp"),
-    "cp": ("dense", "cp"),
-    "dp-cp": ("dense", "dp-cp"),
-    "tp-pp": ("dense", "tp-pp"),
-    "tp-cp": ("dense", "tp-cp"),
-    "tp-dp": ("dense", "tp-dp"),
-    "tp-dp-cp": ("dense", "tp-dp-cp"),
-    "ep": ("expert", "ep"),
-    "etp": ("expert", "tp"),
-    "edp": ("expert", "dp"),
-    "tp-ep": ("expert", "tp-ep"),
-    "tp-ep-pp": ("expert", "tp-ep-pp"),
-}
+#: Collective timeout of the groups :func:`initialize_model_parallel` creates: a rank whose peer
+#: never joins a collective fails after this long instead of torch.distributed's default 30 min.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 _DESCRIPTIONS = {
     "tp": "tensor model parallel",
@@ -168,11 +163,20 @@ def initialize_model_parallel(
         expert_tensor_parallel_size: tensor parallel size inside experts (default: tp).
         order: rank order, fastest dimension first (default ``tp-cp-ep-dp-pp``).
         backend: backend of the new groups (default: that of the default process group).
-        timeout: collective timeout of the new groups (default: torch.distributed's).
+        timeout: collective timeout of every new group (a ``datetime.timedelta`` or seconds;
+            default :data:`DEFAULT_TIMEOUT`, 10 minutes): a collective whose peer never joins
+            fails after this long instead of hanging.
+
+    Every rank must call it with the same arguments: they are all-gathered once over the default
+    group first, so that ranks that disagree all fail with the same error instead of creating
+    mismatched groups (which hangs).
 
     Raises:
         ParallelStateError: torch.distributed is not initialized, or groups already exist.
+        RankMismatchError: the ranks passed different arguments (on every rank; a
+            ``RuntimeError``).
         ParallelConfigError: the sizes do not fit the world size (a ``ValueError``).
+        TypeError: ``timeout`` is not a timedelta or a positive number of seconds.
     """
     global _STATE
     if not dist.is_available() or not dist.is_initialized():
@@ -184,6 +188,21 @@ def initialize_model_parallel(
         raise ParallelStateError(
             "model parallel groups are already initialized; call destroy_model_parallel() first"
         )
+    _agree_on_arguments(
+        {
+            "tensor_model_parallel_size": tensor_model_parallel_size,
+            "pipeline_model_parallel_size": pipeline_model_parallel_size,
+            "context_parallel_size": context_parallel_size,
+            "expert_model_parallel_size": expert_model_parallel_size,
+            "expert_tensor_parallel_size": expert_tensor_parallel_size,
+            "order": order,
+            "backend": backend,
+            "timeout": (
+                timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+            ),
+        }
+    )
+    timeout = _check_timeout(timeout)
     world_size, me = dist.get_world_size(), dist.get_rank()
     dense, expert = make_rank_generators(
         world_size,
@@ -195,9 +214,7 @@ def initialize_model_parallel(
         order=order,
     )
     generators = {"dense": dense, "expert": expert}
-    kwargs = {"backend": backend}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
+    kwargs = {"backend": backend, "timeout": timeout}
     groups: dict[str, _Group] = {}
     for kind, (which, token) in GROUP_KINDS.items():
         for ranks in generators[which].get_ranks(token):
@@ -219,6 +236,27 @@ def initialize_model_parallel(
         logger.info("initialized model parallel groups: %s", sizes)
 
 
+def _check_timeout(timeout) -> datetime.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(
+            f"timeout must be a datetime.timedelta or a number of seconds, got "
+            f"{type(timeout).__name__} {timeout!r}"
+        )
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timeout
+
+
+def _agree_on_arguments(arguments: dict[str, object]) -> None:
+    """All-gather the arguments once; the same RankMismatchError on every rank if they differ."""
+    fields = [value_field(name, value) for name, value in arguments.items()]
+    exchange_and_compare("initialize_model_parallel", fields, None)
+
+
 def destroy_model_parallel() -> None:
     """Forget (and destroy) the groups made by :func:`initialize_model_parallel`."""
     global _STATE
@@ -228,8 +266,9 @@ def destroy_model_parallel() -> None:
     for entry in state.groups.values():
         try:
             dist.destroy_process_group(entry.group)
-        except (RuntimeError, ValueError):  # already gone with the default group
+        except (RuntimeError, ValueError):  # already gone with the default group, or aborted
             pass
+        _ABORTED.discard(getattr(entry.group, "group_name", None))
 
 
 def model_parallel_is_initialized() -> bool:
@@ -261,8 +300,18 @@ def get_rank_generators() -> tuple[RankGenerator, RankGenerator]:
 
 
 def get_process_group(kind: str) -> dist.ProcessGroup:
-    """This rank's group of ``kind`` (``"tp"``, ``"dp-cp"``, ``"ep"``... see the module table)."""
-    return _state(kind).groups[kind].group
+    """This rank's group of ``kind`` (``"tp"``, ``"dp-cp"``, ``"ep"``... see the module table).
+
+    Raises ``CollectiveAbortedError`` when an error in a collective region aborted it.
+    """
+    group = _state(kind).groups[kind].group
+    if _ABORTED and is_aborted(group):
+        raise CollectiveAbortedError(
+            f"the {_DESCRIPTIONS[kind]} group ({kind!r}) was aborted after an error on this "
+            "rank; call mtp.parallel.destroy_model_parallel() and initialize_model_parallel() "
+            "again on every rank (or restart)"
+        )
+    return group
 
 
 def get_process_group_ranks(kind: str) -> list[int]:

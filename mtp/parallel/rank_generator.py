@@ -20,10 +20,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 __all__ = [
     "ParallelConfigError",
     "DIMENSIONS",
     "DEFAULT_ORDER",
+    "MAX_WORLD_SIZE",
     "generate_masked_orthogonal_groups",
     "RankGenerator",
     "ParallelSizes",
@@ -33,6 +36,28 @@ __all__ = [
 
 DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+#: Largest world size the generator accepts (4 Mi ranks): far past any machine, small enough
+#: that every group list fits in memory and is built in well under a second per kind.
+MAX_WORLD_SIZE = 1 << 22
+
+
+#: kind -> (generator, token), in the order the groups are created on every rank.
+GROUP_KINDS: dict[str, tuple[str, str]] = {
+    "tp": ("dense", "tp"),
+    "pp": ("dense", "pp"),
+    "dp": ("dense", "dp"),
+    "cp": ("dense", "cp"),
+    "dp-cp": ("dense", "dp-cp"),
+    "tp-pp": ("dense", "tp-pp"),
+    "tp-cp": ("dense", "tp-cp"),
+    "tp-dp": ("dense", "tp-dp"),
+    "tp-dp-cp": ("dense", "tp-dp-cp"),
+    "ep": ("expert", "ep"),
+    "etp": ("expert", "tp"),
+    "edp": ("expert", "dp"),
+    "tp-ep": ("expert", "tp-ep"),
+    "tp-ep-pp": ("expert", "tp-ep-pp"),
+}
 
 
 class ParallelConfigError(ValueError, RuntimeError):
@@ -87,6 +112,18 @@ def generate_masked_orthogonal_groups(
         raise ParallelConfigError(
             f"mask has {len(mask)} entries but parallel_size has {len(parallel_size)}"
         )
+    return masked_orthogonal_groups_array(world_size, parallel_size, mask).tolist()
+
+
+def masked_orthogonal_groups_array(
+    world_size: int, parallel_size: Sequence[int], mask: Sequence[bool]
+) -> np.ndarray:
+    """:func:`generate_masked_orthogonal_groups` as an int64 array ``[groups, group_size]``
+    (vectorised: a reshape and a transpose of ``arange(world_size)``)."""
+    if len(parallel_size) != len(mask):
+        raise ParallelConfigError(
+            f"mask has {len(mask)} entries but parallel_size has {len(parallel_size)}"
+        )
     if any(int(s) < 1 for s in parallel_size):
         raise ParallelConfigError(f"every parallel size must be >= 1, got {list(parallel_size)}")
     strides = _prefix_products(parallel_size)
@@ -95,19 +132,23 @@ def generate_masked_orthogonal_groups(
             f"world_size {world_size} != product of parallel sizes {list(parallel_size)} "
             f"(= {strides[-1]})"
         )
-    inside = [(s, strides[k]) for k, s in enumerate(parallel_size) if mask[k]]
-    outside = [(s, strides[k]) for k, s in enumerate(parallel_size) if not mask[k]]
-    group_size = _prefix_products([s for s, _ in inside])[-1]
-    groups = []
-    for g in range(world_size // group_size):
-        base = sum(c * st for c, (_, st) in zip(_coordinates(g, [s for s, _ in outside]), outside))
-        groups.append(
-            [
-                base + sum(c * st for c, (_, st) in zip(_coordinates(r, [s for s, _ in inside]), inside))
-                for r in range(group_size)
-            ]
+    _check_world_size(world_size)
+    # numpy axis j is parallel axis n-1-j (C order: the last numpy axis varies fastest).
+    n = len(parallel_size)
+    grid = np.arange(world_size, dtype=np.int64).reshape([int(s) for s in parallel_size][::-1])
+    numpy_axes = list(range(n))
+    outside = [j for j in numpy_axes if not mask[n - 1 - j]]
+    inside = [j for j in numpy_axes if mask[n - 1 - j]]
+    group_size = _prefix_products([parallel_size[n - 1 - j] for j in inside])[-1]
+    return grid.transpose(outside + inside).reshape(world_size // group_size, group_size)
+
+
+def _check_world_size(world_size: int) -> None:
+    if world_size > MAX_WORLD_SIZE:
+        raise ParallelConfigError(
+            f"world_size {world_size} exceeds the supported maximum of {MAX_WORLD_SIZE} ranks "
+            "(mtp.parallel.MAX_WORLD_SIZE); check the sizes"
         )
-    return groups
 
 
 def _check_size(name: str, value: object) -> int:
@@ -190,6 +231,7 @@ class RankGenerator:
         self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
         self.rank_offset = rank_offset
         self.world_size = tp * ep * dp * pp * cp
+        _check_world_size(self.world_size)
         self.name_to_size = sizes
         self.order = "-".join(tokens)
         self.ordered_size = [sizes[t] for t in tokens]
@@ -205,11 +247,13 @@ class RankGenerator:
 
         Returns ``world_size // group_size`` lists of global ranks (plus ``rank_offset``).
         """
+        return self.get_ranks_array(token).tolist()
+
+    def get_ranks_array(self, token: str) -> np.ndarray:
+        """:meth:`get_ranks` as an int64 array ``[groups, group_size]`` (no Python lists)."""
         mask = self.get_mask(self.order, token)
-        groups = generate_masked_orthogonal_groups(self.world_size, self.ordered_size, mask)
-        if self.rank_offset:
-            groups = [[r + self.rank_offset for r in g] for g in groups]
-        return groups
+        groups = masked_orthogonal_groups_array(self.world_size, self.ordered_size, mask)
+        return groups + self.rank_offset if self.rank_offset else groups
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """The position of global ``rank`` along each dimension, e.g. ``{"tp": 1, "dp": 0, ...}``."""
@@ -262,6 +306,7 @@ def derive_parallel_sizes(
             layers must have the same data parallel size (as in Megatron-Core).
     """
     world_size = _check_size("world_size", world_size)
+    _check_world_size(world_size)
     tp, pp, cp, ep = (_check_size(n, v) for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
     etp = tp if etp is None else _check_size("etp", etp)
     dense = tp * cp * pp
@@ -303,7 +348,7 @@ def make_rank_generators(
     s = derive_parallel_sizes(world_size, tp, pp, cp, ep, etp, order)
     dense = RankGenerator(tp=s.tp, ep=1, dp=s.dp, pp=s.pp, cp=s.cp, order=order)
     expert = RankGenerator(tp=s.etp, ep=s.ep, dp=s.edp, pp=s.pp, cp=1, order=order)
-    if dense.get_ranks("pp") != expert.get_ranks("pp"):
+    if not np.array_equal(dense.get_ranks_array("pp"), expert.get_ranks_array("pp")):
         raise ParallelConfigError(
             f"pipeline groups differ between the dense ({s.tp=}, {s.cp=}, {s.dp=}) and expert "
             f"({s.etp=}, {s.ep=}, {s.edp=}) layouts under order {order!r}; put pp last"

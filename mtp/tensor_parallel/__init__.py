@@ -9,6 +9,8 @@
   ``nn.Linear`` / ``nn.Embedding`` modules by name pattern.
 - :class:`VocabParallelCrossEntropy` / :func:`vocab_parallel_cross_entropy`: the loss on
   vocab-parallel logits (fused kernel, one small all-gather), Megatron-Core's argument names.
+- :class:`VocabParallelLinearCrossEntropy`: the LM head fused with the loss (the logits are
+  never materialised; :func:`mtp.ops.linear_cross_entropy`).
 - :func:`allreduce_sequence_parallel_grads`: sum the partial gradients of replicated
   parameters under sequence parallelism (call after backward).
 
@@ -36,6 +38,7 @@ from mtp.parallel.random import (
 
 from .attention import ParallelSelfAttention
 from .cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from .linear_cross_entropy import VocabParallelLinearCrossEntropy
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -66,6 +69,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
+    "VocabParallelLinearCrossEntropy",
     "VocabRangeError",
     "VocabUtility",
     "allreduce_sequence_parallel_grads",

@@ -11,10 +11,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.parallel.agreement import collective_region
 from mtp.parallel.random import get_cuda_rng_tracker
 
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .utils import InitMethod, divide, group_rank_and_size
+from .utils import (
+    InitMethod,
+    check_float_input,
+    check_layer_args,
+    check_positive_int,
+    divide,
+    group_rank_and_size,
+)
 
 __all__ = ["ParallelSelfAttention"]
 
@@ -48,8 +56,10 @@ class ParallelSelfAttention(nn.Module):
             for :class:`mtp.tensor_parallel.ParallelMLP`.
 
     Forward: ``hidden_states`` ``[s, b, h]`` (or ``[b, s, h]``); optional ``attention_mask``
-    broadcastable to ``[b, 1, s, s]`` (bool: True = attend; float: added to the scores),
-    combined with the causal mask when ``causal``. Returns the same shape as the input.
+    broadcastable to ``[b, 1, s, s]``, or ``[b, num_heads, s, s]`` with every head's mask (each
+    rank keeps its heads'), ``s`` being the full sequence (bool: True = attend; floating: added
+    to the scores; other dtypes and shapes raise ``TypeError``/``ValueError``), combined with
+    the causal mask when ``causal``. Returns the same shape as the input.
     """
 
     def __init__(
@@ -73,11 +83,41 @@ class ParallelSelfAttention(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        name = "ParallelSelfAttention"
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or num_kv_heads <= 0 or hidden_size <= 0:
+        for arg, value in (
+            ("hidden_size", hidden_size),
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+        ):
+            check_positive_int(name, arg, value)
+        check_layer_args(
+            name,
+            flags={
+                "bias": bias,
+                "causal": causal,
+                "skip_bias_add": skip_bias_add,
+                "sequence_parallel": sequence_parallel,
+                "perform_initialization": perform_initialization,
+            },
+            seq_dim=seq_dim,
+            init_methods={
+                "init_method": init_method,
+                "output_layer_init_method": output_layer_init_method,
+            },
+            group=group,
+            dtype=dtype,
+            device=device,
+        )
+        if softmax_scale is not None and not (
+            isinstance(softmax_scale, (int, float))
+            and not isinstance(softmax_scale, bool)
+            and math.isfinite(softmax_scale)
+            and softmax_scale > 0
+        ):
             raise ValueError(
-                f"ParallelSelfAttention: hidden_size, num_heads and num_kv_heads must be "
-                f"positive, got {hidden_size}, {num_heads}, {num_kv_heads}"
+                f"{name}: softmax_scale must be a finite positive number or None, got "
+                f"{softmax_scale!r}"
             )
         if hidden_size % num_heads:
             raise ValueError(
@@ -96,8 +136,8 @@ class ParallelSelfAttention(nn.Module):
                 f"ParallelSelfAttention: attention_dropout must be in [0, 1), got "
                 f"{attention_dropout}"
             )
-        group, _, tp = group_rank_and_size(group)
-        self.group, self.tp_size = group, tp
+        group, tp_rank, tp = group_rank_and_size(group)
+        self.group, self.tp_size, self.tp_rank = group, tp, tp_rank
         self.num_heads_per_partition = divide(num_heads, tp, "ParallelSelfAttention num_heads")
         self.num_kv_heads_per_partition = divide(
             num_kv_heads, tp, "ParallelSelfAttention num_kv_heads"
@@ -138,22 +178,59 @@ class ParallelSelfAttention(nn.Module):
         t = t.unflatten(-1, (heads, self.head_dim))
         return t.permute(1, 2, 0, 3) if self.seq_dim == 0 else t.transpose(1, 2)
 
+    def _check_mask(self, mask: object, b: int, s: int) -> torch.Tensor | None:
+        """``attention_mask`` checked against ``[b, 1 or num_heads, s, s]``; a per-head mask
+        is narrowed to this rank's heads."""
+        if mask is None:
+            return None
+        name = "ParallelSelfAttention: attention_mask"
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            raise TypeError(
+                f"{name} must be bool (True = attend) or floating (added to the scores), got "
+                f"{mask.dtype}; convert an integer 0/1 mask with .bool()"
+            )
+        heads = mask.size(-3) if mask.dim() >= 3 else 1
+        target = (b, heads if heads == self.num_heads else 1, s, s)
+        try:
+            ok = 2 <= mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, target) == target
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{name} of shape {tuple(mask.shape)} does not broadcast to [b, 1, s, s] = "
+                f"{[b, 1, s, s]} (or [b, num_heads, s, s] = {[b, self.num_heads, s, s]})"
+            )
+        if heads == self.num_heads and heads > 1:  # this rank's heads
+            n = self.num_heads_per_partition
+            mask = mask.narrow(-3, self.tp_rank * n, n)
+        return mask
+
     def _mask(self, attention_mask: torch.Tensor | None, s: int, like: torch.Tensor):
         if attention_mask is None:
             return None
+        if attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask.to(like.dtype)
         if not self.causal:
             return attention_mask
         causal = torch.ones(s, s, dtype=torch.bool, device=like.device).tril()
         if attention_mask.dtype == torch.bool:
             return attention_mask & causal
-        return attention_mask.to(like.dtype).masked_fill(~causal, float("-inf"))
+        return attention_mask.masked_fill(~causal, float("-inf"))
 
+    @collective_region("ParallelSelfAttention.forward")
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        name = "ParallelSelfAttention"
+        check_float_input(name, "hidden_states", hidden_states, self.linear_qkv.weight)
         if hidden_states.dim() != 3:
             raise ValueError(
                 f"ParallelSelfAttention: hidden_states must be 3-D ([s, b, h] or [b, s, h]), "
                 f"got shape {tuple(hidden_states.shape)}"
             )
+        s_local = hidden_states.size(self.seq_dim)
+        s = s_local * self.tp_size if self.linear_qkv.sequence_parallel else s_local
+        attention_mask = self._check_mask(attention_mask, hidden_states.size(1 - self.seq_dim), s)
         qkv = self.linear_qkv(hidden_states)
         nq, nkv = self.num_heads_per_partition, self.num_kv_heads_per_partition
         d = self.head_dim

@@ -7,8 +7,9 @@ loss, the gradient of this rank's vocab shard. They run the fused op
 :func:`mtp.ops.vocab_parallel_cross_entropy` (one all-gather of ``O(rows)`` bytes forward, no
 communication backward). Two deliberate differences from Megatron-Core: label smoothing is
 spread over the global vocab (identical to ``F.cross_entropy`` on the gathered logits; Megatron
-smooths over the local shard), and out-of-range targets raise instead of being silently
-treated as belonging to no shard.
+smooths over the local shard), and out-of-range targets (or targets / shard sizes that differ
+between the ranks) fail instead of being silently treated as belonging to no shard: by default
+on the device, without a host sync (``validate="sync"`` raises typed errors).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def vocab_parallel_cross_entropy(
     reduction: str = "none",
     z_loss_weight: float = 0.0,
     inplace_backward: bool = False,
-    validate: bool = True,
+    validate: bool | str = True,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Cross-entropy when the logits are split over the vocab across tensor-parallel ranks.
@@ -94,7 +95,7 @@ class VocabParallelCrossEntropy(nn.Module):
         reduction: str = "none",
         z_loss_weight: float = 0.0,
         inplace_backward: bool = False,
-        validate: bool = True,
+        validate: bool | str = True,
         backend: str = "auto",
     ) -> None:
         super().__init__()

@@ -10,6 +10,13 @@ Initialisation (default): every rank builds the full ("master") weight exactly a
 single-device layer would from the same random state (``nn.Linear`` / ``nn.Embedding``
 defaults, or ``init_method``), then keeps its shard. A tensor-parallel model is therefore the
 same model at every tp size, and equal to the plain PyTorch model built from the same seed.
+
+Argument checks: constructor arguments of the wrong type raise ``TypeError`` naming them
+(sizes must be ints, flags bools, ``dtype`` a floating dtype); inputs that are not floating, or
+not of the weight's dtype outside ``torch.autocast``, raise ``TypeError`` naming ``input_``.
+An exception inside ``forward`` follows ``MTP_ABORT_ON_ERROR`` (see
+:mod:`mtp.parallel.agreement`): by default the group is aborted so that it is not used with
+collectives that no longer match the peers'.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.parallel.agreement import collective_region
 from mtp.parallel.mappings import (
     all_reduce_,
     gather_along,
@@ -35,6 +43,9 @@ from .utils import (
     Stride,
     VocabUtility,
     block_sizes,
+    check_float_input,
+    check_layer_args,
+    check_positive_int,
     default_linear_bias_init,
     default_linear_init,
     divide,
@@ -141,8 +152,10 @@ def _master_then_shard(
     return shard(full, dim, blocks, rank, world) if world > 1 else full
 
 
-def _check_features(x: torch.Tensor, expected: int, what: str, layer: str) -> None:
-    check_tensor("input_", x)
+def _check_features(
+    x: torch.Tensor, expected: int, what: str, layer: str, weight: torch.Tensor
+) -> None:
+    check_float_input(layer, "input_", x, weight)
     if x.dim() == 0 or x.size(-1) != expected:
         raise ValueError(
             f"{layer}: input_ must have {expected} features in its last dimension ({what}), "
@@ -181,11 +194,23 @@ class _ParallelLinearBase(nn.Module):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if input_size <= 0 or output_size <= 0:
-            raise ValueError(
-                f"{name}: input_size and output_size must be positive, got {input_size}, "
-                f"{output_size}"
-            )
+        check_positive_int(name, "input_size", input_size)
+        check_positive_int(name, "output_size", output_size)
+        check_layer_args(
+            name,
+            flags={
+                "bias": bias,
+                "skip_bias_add": skip_bias_add,
+                "sequence_parallel": sequence_parallel,
+                "perform_initialization": perform_initialization,
+            },
+            seq_dim=seq_dim,
+            stride=stride,
+            init_methods={"init_method": init_method},
+            group=group,
+            dtype=dtype,
+            device=device,
+        )
         self.group, self.tp_rank, self.tp_size = group_rank_and_size(group)
         self.input_size, self.output_size = input_size, output_size
         self.skip_bias_add = skip_bias_add
@@ -311,6 +336,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
         device: torch.device | str | None = None,
         disable_grad_reduce: bool = False,
     ) -> None:
+        check_layer_args(
+            "ColumnParallelLinear",
+            flags={"gather_output": gather_output, "disable_grad_reduce": disable_grad_reduce},
+            seq_dim=0,
+        )
         if gather_output and sequence_parallel and not disable_grad_reduce:
             raise ValueError(
                 "ColumnParallelLinear: gather_output=True cannot be combined with "
@@ -336,14 +366,17 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if self.bias is not None:
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
 
+    @collective_region("ColumnParallelLinear.forward")
     def forward(self, input_: torch.Tensor):
-        _check_features(input_, self.input_size, "input_size", "ColumnParallelLinear")
+        _check_features(
+            input_, self.input_size, "input_size", "ColumnParallelLinear", self.weight
+        )
+        if self.sequence_parallel:
+            _check_seq_dim(input_, self.seq_dim, "ColumnParallelLinear")
         bias = None if self.skip_bias_add else self.bias
         if self.disable_grad_reduce:
             output = F.linear(input_, self.weight, bias)
         else:
-            if self.sequence_parallel:
-                _check_seq_dim(input_, self.seq_dim, "ColumnParallelLinear")
             output = linear_with_grad_reduction(
                 input_,
                 self.weight,
@@ -419,6 +452,9 @@ class RowParallelLinear(_ParallelLinearBase):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        check_layer_args(
+            "RowParallelLinear", flags={"input_is_parallel": input_is_parallel}, seq_dim=0
+        )
         if sequence_parallel and not input_is_parallel:
             raise ValueError(
                 "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (its "
@@ -443,11 +479,12 @@ class RowParallelLinear(_ParallelLinearBase):
             set_tensor_model_parallel_attributes(self.bias, False, 0, 1)
             self.bias.sequence_parallel = sequence_parallel
 
+    @collective_region("RowParallelLinear.forward")
     def forward(self, input_: torch.Tensor):
         local_in = self.input_size_per_partition
         expected = local_in if self.input_is_parallel else self.input_size
         what = "input_size / tp" if self.input_is_parallel else "input_size"
-        _check_features(input_, expected, what, "RowParallelLinear")
+        _check_features(input_, expected, what, "RowParallelLinear", self.weight)
         if self.sequence_parallel:
             _check_seq_dim(input_, self.seq_dim, "RowParallelLinear")
         if not self.input_is_parallel:
@@ -511,11 +548,25 @@ class VocabParallelEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if num_embeddings <= 0 or embedding_dim <= 0:
-            raise ValueError(
-                f"VocabParallelEmbedding: num_embeddings and embedding_dim must be positive, "
-                f"got {num_embeddings}, {embedding_dim}"
-            )
+        name = "VocabParallelEmbedding"
+        check_positive_int(name, "num_embeddings", num_embeddings)
+        check_positive_int(name, "embedding_dim", embedding_dim)
+        check_layer_args(
+            name,
+            flags={
+                "sequence_parallel": sequence_parallel,
+                "perform_initialization": perform_initialization,
+            },
+            seq_dim=seq_dim,
+            init_methods={"init_method": init_method},
+            group=group,
+            dtype=dtype,
+            device=device,
+        )
+        if padding_idx is not None and (
+            isinstance(padding_idx, bool) or not isinstance(padding_idx, int)
+        ):
+            raise TypeError(f"{name}: padding_idx must be an int or None, got {padding_idx!r}")
         if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
             raise ValueError(
                 f"VocabParallelEmbedding: padding_idx={padding_idx} is outside the vocabulary "
@@ -576,6 +627,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"got values in [{int(ids.min())}, {int(ids.max())}]"
             )
 
+    @collective_region("VocabParallelEmbedding.forward")
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         self._validate(input_)
         if self.sequence_parallel:

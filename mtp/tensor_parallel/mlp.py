@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtp.parallel.agreement import collective_region
+
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .utils import InitMethod, divide, group_rank_and_size
 
@@ -158,6 +160,7 @@ class ParallelMLP(nn.Module):
         )
         self.group, self.tp_size = self.linear_fc1.group, self.linear_fc1.tp_size
 
+    @collective_region("ParallelMLP.forward")
     def forward(self, hidden_states: torch.Tensor):
         intermediate, bias = self.linear_fc1(hidden_states)
         intermediate = apply_bias_activation(intermediate, bias, self.activation)

@@ -183,3 +183,85 @@ def default_linear_bias_init(bias: torch.Tensor, fan_in: int) -> None:
     """``nn.Linear``'s bias init: uniform in ``±1/sqrt(fan_in)``."""
     bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
     nn.init.uniform_(bias, -bound, bound)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks shared by the layers
+# --------------------------------------------------------------------------------------------
+
+
+def check_positive_int(layer: str, name: str, value: object) -> int:
+    """``value`` as an int >= 1; ``TypeError``/``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{layer}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{layer}: {name} must be positive, got {value}")
+    return value
+
+
+def check_layer_args(
+    layer: str,
+    *,
+    flags: dict[str, object],
+    seq_dim: object,
+    stride: object = 1,
+    init_methods: dict[str, object] | None = None,
+    group: object = None,
+    dtype: object = None,
+    device: object = None,
+) -> None:
+    """Type checks of a tensor-parallel layer's constructor arguments (clear errors naming the
+    argument instead of failures deep in ``torch.empty`` or the first forward)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{layer}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+        raise TypeError(
+            f"{layer}: seq_dim must be an int, got {type(seq_dim).__name__} {seq_dim!r}"
+        )
+    if isinstance(stride, bool) or not (
+        isinstance(stride, int)
+        or (isinstance(stride, Sequence) and stride and all(
+            isinstance(b, int) and not isinstance(b, bool) for b in stride))  # fmt: skip
+    ):
+        raise TypeError(
+            f"{layer}: stride must be an int or a non-empty sequence of block sizes (ints), got "
+            f"{stride!r}"
+        )
+    for name, fn in (init_methods or {}).items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{layer}: {name} must be callable (fn(weight)) or None, got {fn!r}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{layer}: group must be a torch.distributed.ProcessGroup or None (the tensor "
+            f"parallel group), got {type(group).__name__}"
+        )
+    if dtype is not None and (
+        not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"{layer}: dtype must be a floating-point torch.dtype (float32, bfloat16, ...) or "
+            f"None, got {dtype!r}"
+        )
+    if device is not None:
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"{layer}: device {device!r} is not a valid device ({exc})") from None
+
+
+def check_float_input(layer: str, name: str, x: object, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` must be a real floating tensor of ``weight``'s dtype (any dtype under autocast)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{layer}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(
+            f"{layer}: {name} must be a floating-point tensor (like the layer's {weight.dtype} "
+            f"weight), got dtype {x.dtype}"
+        )
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(
+            f"{layer}: {name} has dtype {x.dtype} but the layer's weight is {weight.dtype}; cast "
+            f"the input (or the layer with .to(dtype)), or run under torch.autocast"
+        )
+    return x

@@ -9,6 +9,9 @@
 - :func:`assert_graph_safe`: the CPU-side proxy for "a CUDA graph can capture this".
 - :func:`count_collectives` / :func:`count_host_syncs`: count what a forward or backward sends
   over the wire and how often it waits for the device.
+- :mod:`mtp.testing.traffic` (:func:`~mtp.testing.traffic.count_traffic`): bytes each Triton
+  program reads and writes, counted by address under the interpreter, plus aten bytes, launches
+  and host syncs: ``bytes / floor`` of an op.
 """
 
 from __future__ import annotations

@@ -1,0 +1,442 @@
+"""The GPU run kit, checked without a GPU.
+
+* ``tools/gpu_bundle.py``: the CUTLASS header closure of csrc/, copied into a folder that then
+  alone (no other CUTLASS on any include path) satisfies nvcc's preprocessor for the sm_90a and
+  sm_100a passes; what travels to the GPU machine stays under the device tool's 64 MiB.
+* ``tools/gpu_check.py``: ``--dry-run`` walks every step and writes the table with "not run: no
+  GPU"; the time box kills a step's whole process group; the JUnit and bench summaries.
+* ``tools/triton_min_check.py``: which test files and tests it selects, which kernels it counts
+  as covered, and that its pytest plugin fails the run when a kernel does not compile.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_mtp_kit_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_bundle = _load("gpu_bundle")
+gpu_check = _load("gpu_check")
+triton_min = _load("triton_min_check")
+
+
+def _clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OUT", "TRITON_INTERPRET", "CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
+    env.update(extra)
+    return env
+
+
+# ----------------------------------------------------------------------------------------------
+# The bundle
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cutlass_include():
+    build_ext = gpu_bundle.load_build_ext()
+    try:
+        return build_ext.find_cutlass()
+    except build_ext.BuildInputError as err:
+        pytest.skip(f"no CUTLASS headers to bundle here: {err}")
+
+
+@pytest.fixture(scope="module")
+def bundle(cutlass_include, tmp_path_factory):
+    """A fresh header bundle (what `make gpu-bundle` puts in .gpu/cutlass) in a temp folder."""
+    dest = tmp_path_factory.mktemp("gpu") / "cutlass"
+    files = gpu_bundle.copy_headers(cutlass_include, dest / "include")
+    return dest, files
+
+
+def test_header_closure_follows_includes_regardless_of_conditionals(tmp_path):
+    inc = tmp_path / "include"
+    (inc / "lib" / "detail").mkdir(parents=True)
+    (inc / "lib" / "a.h").write_text('#include "detail/b.h"\n#include <vector>\n')
+    (inc / "lib" / "detail" / "b.h").write_text('#if 0\n#  include "lib/c.h"\n#endif\n')
+    (inc / "lib" / "c.h").write_text("// leaf\n")
+    (inc / "lib" / "unused.h").write_text("// never included\n")
+    src = tmp_path / "k.cu"
+    src.write_text('#include "lib/a.h"\n#include <cuda_runtime_api.h>\n')
+    closure = gpu_bundle.header_closure([src], inc)
+    assert closure == [Path("lib/a.h"), Path("lib/c.h"), Path("lib/detail/b.h")]
+    copied = gpu_bundle.copy_headers(inc, tmp_path / "out", sources=[src])
+    out = tmp_path / "out"
+    assert sorted(p.relative_to(out) for p in out.rglob("*.h")) == copied
+
+
+def test_bundle_has_every_header_csrc_names(bundle, cutlass_include):
+    dest, files = bundle
+    inc = dest / "include"
+    direct = set()
+    for src in gpu_bundle.csrc_sources():
+        direct |= set(re.findall(r'#include\s+"((?:cutlass|cute)/[^"]+)"', src.read_text()))
+    assert direct, "csrc/ includes no CUTLASS header?"
+    for name in sorted(direct) + ["cutlass/version.h"]:
+        assert (inc / name).is_file(), name
+    # The build's own finder accepts the bundle, and it is a pruned copy of the package.
+    env_before = os.environ.get("CUTLASS_DIR")
+    os.environ["CUTLASS_DIR"] = str(dest)
+    try:
+        assert gpu_bundle.load_build_ext().find_cutlass() == dest / "include"
+    finally:
+        os.environ.pop("CUTLASS_DIR")
+        if env_before is not None:
+            os.environ["CUTLASS_DIR"] = env_before
+    total = sum(1 for p in cutlass_include.rglob("*") if p.is_file())
+    assert len(files) < total
+
+
+def test_what_travels_fits_the_device_limit(bundle):
+    dest, _ = bundle
+    headers = gpu_bundle.folder_bytes(dest)
+    # The wheels as `make gpu-bundle` downloaded them, else an allowance for them (~1.2 MiB).
+    wheels = gpu_bundle.folder_bytes(ROOT / ".gpu" / "wheels") or 4 * 2**20
+    tree = gpu_bundle.tree_bytes(gpu_bundle.travelling_files())
+    total = headers + wheels + tree
+    assert total < gpu_bundle.LIMIT_BYTES, f"{total / 2**20:.1f} MiB travels"
+    assert headers < 32 * 2**20, f"headers alone {headers / 2**20:.1f} MiB"
+
+
+def _nvcc():
+    path = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    return path if os.path.exists(path) else None
+
+
+GENCODES = {"sm90": "arch=compute_90a,code=sm_90a", "sm100": "arch=compute_100a,code=sm_100a"}
+
+
+def _instance_cmd(nvcc, include: Path, arch: str, *extra) -> list[str]:
+    return [nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{include}",
+            f"-DMTP_ARCH={arch}", "-DMTP_OP=kFwd", "-DMTP_DTYPE=kBF16", "-gencode", GENCODES[arch],
+            *extra, str(ROOT / "csrc" / "grouped_gemm_instance.cu")]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_bundle_alone_satisfies_the_preprocessor(bundle, cutlass_include, tmp_path, arch):
+    """nvcc -M runs the host and the device pass's preprocessor: a header missing from the
+    bundle is a fatal error, and every CUTLASS dependency must come from the bundle."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    dest, _ = bundle
+    deps = tmp_path / "deps.d"
+    cmd = _instance_cmd(nvcc, dest / "include", arch, "-M", "-o", str(deps))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    paths = deps.read_text().replace("\\\n", " ").split()[1:]
+    ours = [p for p in paths if re.search(r"/(cutlass|cute)/", p) and "/csrc/" not in p]
+    assert len(ours) > 100
+    outside = [p for p in ours if not Path(p).resolve().is_relative_to(dest.resolve())]
+    assert not outside, outside[:5]
+    assert not any(str(cutlass_include) in p for p in paths)
+
+
+@pytest.mark.slow
+def test_bundle_alone_compiles_one_instantiation(bundle, tmp_path):
+    """The real thing for sm_90a (one instantiation: about a minute and 3.6 GiB)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    dest, _ = bundle
+    cmd = _instance_cmd(nvcc, dest / "include", "sm90", "-O3",
+                        "-DNDEBUG", "-Xcompiler", "-fPIC", "-c", "-o", str(tmp_path / "k.o"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "k.o").stat().st_size > 10_000
+
+
+# ----------------------------------------------------------------------------------------------
+# gpu_check
+# ----------------------------------------------------------------------------------------------
+
+
+def test_dry_run_walks_every_step(bundle, tmp_path):
+    dest, _ = bundle
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run", "--out", str(out),
+         "--bundle", str(dest.parent)],
+        capture_output=True, text=True, env=_clean_env(), timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("== mtp gpu-check") :]
+    rows = {line.split()[0]: line for line in table.splitlines()[2:6]}
+    assert list(rows) == ["env", "build", "pytest", "bench"], table
+    assert "not run: no GPU" in rows["bench"] and "not run: no GPU" in rows["pytest"]
+    assert "tests: not run: no GPU" in table and "bench: not run: no GPU" in table
+    collected = re.search(r"\((\d+) of (\d+) tests collected with -m gpu\)", rows["pytest"])
+    assert collected and 0 < int(collected.group(1)) < int(collected.group(2)), rows["pytest"]
+    if _nvcc():  # the build plan was made against the bundle, for sm_90a only
+        assert rows["build"].split()[1:3] == ["dry-run", "ok"], rows["build"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "env.json", "gpu-check.tar.gz", "pytest.log", "summary.txt"]
+    assert (out / "summary.txt").read_text().strip() == table.split("\n(unpack")[0].strip()
+    env = json.loads((out / "env.json").read_text())
+    import torch
+    import triton
+
+    assert (env["torch"], env["triton"], env["dry_run"]) == (torch.__version__, triton.__version__,
+                                                             True)  # fmt: skip
+    with tarfile.open(out / "gpu-check.tar.gz") as tar:
+        names = set(tar.getnames())
+        build_log = tar.extractfile("dry-run/gpu-check/build.log").read().decode()
+    assert {"dry-run/gpu-check/summary.txt", "dry-run/gpu-check/steps.json",
+            "dry-run/gpu-check/pytest.log", "dry-run/gpu-check/bench.log"} <= names
+    if _nvcc():
+        assert f"-I{dest / 'include'}" in build_log and "code=sm_90a" in build_log
+        assert "sm_100" not in build_log
+
+
+def _checker(tmp_path):
+    return gpu_check.Checker(gpu_check.parse_args(["--dry-run", "--out", str(tmp_path / "o")]))
+
+
+def test_time_box_kills_the_whole_step(tmp_path):
+    checker = _checker(tmp_path)
+    log, pidfile = tmp_path / "step.log", tmp_path / "pid"
+    t0 = time.monotonic()
+    status, rc, seconds = checker.run(
+        ["bash", "-c", f"sleep 60 & echo $! > {pidfile}; echo started; wait"], log, cap=1.5,
+        reserve=0,
+    )  # fmt: skip
+    assert status.startswith("timeout") and rc is None
+    assert time.monotonic() - t0 < 15 and 1.4 < seconds < 15
+    assert "started" in log.read_text() and "killed after" in log.read_text()
+    grandchild = int(pidfile.read_text())
+    for _ in range(50):  # the background sleep went with its process group
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the step's background process survived the time box")
+    # The next step runs; a step with no budget left is skipped, not started.
+    assert checker.run([sys.executable, "-c", "print(7)"], log, cap=30, reserve=0)[:2] == ("ok", 0)
+    assert checker.run(["false"], log, cap=30, reserve=0)[0] == "failed (rc 1)"
+    checker.deadline = time.monotonic()
+    assert checker.run(["true"], log, cap=30)[0] == "skipped (budget)"
+
+
+def test_junit_counts(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text(textwrap.dedent("""\
+        <?xml version="1.0" encoding="utf-8"?>
+        <testsuites><testsuite name="pytest" tests="5">
+          <testcase classname="tests.test_a" name="test_ok"/>
+          <testcase classname="tests.test_a" name="test_ok2"/>
+          <testcase classname="tests.test_b" name="test_bad"><failure message="x"/></testcase>
+          <testcase classname="tests.test_b" name="test_err"><error message="y"/></testcase>
+          <testcase classname="tests.test_c" name="test_skip"><skipped message="z"/></testcase>
+        </testsuite></testsuites>"""))
+    counts = gpu_check.junit_counts(xml)
+    assert (counts["tests"], counts["passed"], counts["failed"], counts["errors"],
+            counts["skipped"]) == (5, 2, 1, 1, 1)  # fmt: skip
+    assert counts["first_failure"] == "tests.test_b::test_bad"
+    assert gpu_check.tests_text(counts).startswith("2 passed, 1 failed, 1 errors, 1 skipped")
+
+
+def _rec(case, provider, kind, ms=None, status="ok", op="grouped_gemm", pas="fwd"):
+    rec = dict(op=op, case=case, provider=provider, kind=kind, status=status, note="")
+    rec["pass"] = pas
+    if ms is not None:
+        rec["timing"] = {"median_ms": ms}
+    return rec
+
+
+def test_bench_table_best_backend_and_ratios():
+    records = [
+        _rec("a", "triton", "mtp", 2.0), _rec("a", "multistream", "mtp", 3.0),
+        _rec("a", "reference", "baseline", 4.0), _rec("a", "torch.compile", "baseline", 1.0),
+        _rec("a", "te", "peer", status="failed"),
+        _rec("b", "triton", "mtp", 5.0), _rec("b", "multistream", "mtp", 4.0),
+        _rec("b", "reference", "baseline", 12.0), _rec("b", "torch.compile", "baseline", 8.0),
+        _rec("c", "triton", "mtp", status="skipped"), _rec("c", "reference", "baseline", 1.0),
+        _rec("x", "fused", "mtp", 0.5, op="bias_act"), _rec("x", "reference", "baseline", 1.5,
+                                                            op="bias_act"),
+    ]  # fmt: skip
+    lines = gpu_check.bench_table({"gpu_timing": True, "records": records})
+    rows = {tuple(line.split()[:2]): line for line in lines[2:] if line.split()}
+    gg = rows[("grouped_gemm", "fwd")]
+    # case a: best triton 2 ms (reference 2x, compile 0.5x); case b: best multistream 4 ms
+    # (reference 3x, compile 2x); case c has no timed mtp backend and is left out.
+    assert re.search(r"\s2\s+multistream 1, triton 1\s", gg), gg
+    assert f"{math.sqrt(2.0 * 4.0):.4g}" in gg
+    assert f"reference {math.sqrt(2.0 * 3.0):.2f}x" in gg and "torch.compile 1.00x" in gg
+    ba = rows[("bias_act", "fwd")]
+    assert "fused 1" in ba and "0.5" in ba and "reference 3.00x" in ba
+    assert lines[-1] == "failed records: grouped_gemm/te"
+    assert gpu_check.bench_table({"gpu_timing": False, "records": []}) == [
+        "bench: not run: no GPU"]
+
+
+# ----------------------------------------------------------------------------------------------
+# triton_min_check
+# ----------------------------------------------------------------------------------------------
+
+
+def test_selects_aot_test_files_and_their_importers(tmp_path):
+    (tmp_path / "test_a.py").write_text("from mtp.testing import compile_for_targets\n")
+    (tmp_path / "test_b.py").write_text("from test_a import helper\n")
+    (tmp_path / "test_c.py").write_text("from test_b import other\n")
+    (tmp_path / "test_d.py").write_text("import torch\n")
+    (tmp_path / "helpers.py").write_text("compile_for_targets\n")
+    names = [p.name for p in triton_min.aot_test_files(tmp_path)]
+    assert names == ["test_a.py", "test_b.py", "test_c.py"]
+    real = [p.name for p in triton_min.aot_test_files()]
+    assert "test_ops_grouped_gemm.py" in real and "test_gpu_kit.py" not in real
+
+
+def test_jit_kernels_and_coverage(tmp_path):
+    (tmp_path / "m.py").write_text(textwrap.dedent("""\
+        import triton
+        from triton import jit
+
+        @triton.jit
+        def _leaf(x):
+            return x
+
+        @jit
+        def _helper(x):
+            return _leaf(x) + 1
+
+        @triton.jit
+        def kernel(p):
+            _helper(p)
+
+        @triton.jit
+        def lonely(p):
+            pass
+
+        def host():
+            kernel[(1,)](0)
+        """))
+    found = triton_min.jit_kernels(tmp_path)
+    assert sorted(found) == ["m._helper", "m._leaf", "m.kernel", "m.lonely"]
+    assert triton_min.covered_kernels(found, {"m.kernel": {90}}) == {"m.kernel", "m._helper",
+                                                                    "m._leaf"}  # fmt: skip
+    assert all(k.split(".")[0] in {p.stem for p in (ROOT / "kernels").glob("*.py")}
+               for k in triton_min.jit_kernels())  # fmt: skip
+
+
+def _target():
+    pass
+
+
+def _calls_target():
+    return _target()
+
+
+def _indirect():
+    return [_calls_target() for _ in range(1)]
+
+
+def _unrelated():
+    return len("x")
+
+
+def test_reaches_follows_helpers():
+    assert triton_min.reaches(_indirect, _target)
+    assert triton_min.reaches(_calls_target, _target)
+    assert not triton_min.reaches(_unrelated, _target)
+
+
+PLANTED = '''
+import triton
+import triton.language as tl
+
+from mtp.testing import compile_for_targets
+
+
+@triton.jit
+def _good_kernel(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs) * 2.0)
+
+
+@triton.jit
+def _bad_kernel(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.sum(tl.{api}(tl.load(x_ptr + offs), 0), 0))
+
+
+def _build(kernel):
+    return compile_for_targets(kernel, {{"x_ptr": "*fp32"}}, {{"BLOCK": 16}}, targets=(90,))
+
+
+def test_good():
+    assert _build(_good_kernel)[90].arch == "sm_90a"
+
+
+def test_bad():
+    _build(_bad_kernel)
+
+
+def test_not_a_compile_test():
+    pass
+'''
+
+
+def _run_plugin(python, folder: Path, api: str, want: str):
+    (folder / "test_planted.py").write_text(PLANTED.format(api=api))
+    cmd = [python, "-m", "pytest", "-p", "triton_min_check", "-p", "no:cacheprovider", "-q",
+           "test_planted.py"]  # fmt: skip
+    return subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=600,
+                          env=_clean_env(MTP_MIN_TRITON=want))  # fmt: skip
+
+
+def test_plugin_fails_when_a_kernel_does_not_compile(tmp_path):
+    import triton
+
+    version = ".".join(triton.__version__.split(".")[:2])
+    proc = _run_plugin(sys.executable, tmp_path, "not_an_api_in_any_triton", version)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "1 failed, 1 passed, 1 deselected" in out, out[-3000:]
+    assert "not_an_api_in_any_triton" in out
+    assert f"AOT compile under triton {triton.__version__}" in out
+    proc = _run_plugin(sys.executable, tmp_path, "not_an_api_in_any_triton", "2.0")
+    assert proc.returncode != 0 and "is not the minimum 2.0.x" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_min_venv_rejects_an_api_newer_than_triton_3_6(tmp_path):
+    """tl.unsqueeze (triton >= 3.7) compiles under the newest triton, not under 3.6."""
+    python = ROOT / ".venv-min" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no .venv-min (make test-triton-min creates it)")
+    proc = _run_plugin(str(python), tmp_path, "unsqueeze", triton_min.MIN_TRITON)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "1 failed, 1 passed" in out, out[-3000:]
+    assert "has no attribute 'unsqueeze'" in out
+
+
+def test_progress_of_a_killed_pytest(tmp_path):
+    log = tmp_path / "pytest.log"
+    log.write_text("$ python -m pytest -m gpu -x -q\n..s.F                  [ 40%]\n"
+                   "..E.ss                 [ 90%]\nsomething else .F\n")
+    assert gpu_check.progress_text(log) == "6 passed, 1 failed, 1 errors, 3 skipped (from the log)"

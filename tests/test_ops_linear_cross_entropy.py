@@ -1,0 +1,248 @@
+"""mtp.ops.linear_cross_entropy against an unfused float64 reference (F.linear + F.cross_entropy
+on the gathered weight), single process and under gloo at tp = 2 and 4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mtp.ops.linear_cross_entropy import default_chunk_size, linear_cross_entropy
+from mtp.testing import count_collectives, count_host_syncs, run_distributed
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
+
+
+def _reference(h, w, b, t, eps=0.0, ignore=-100, z=0.0, reduction="mean"):
+    """float64 loss of the unfused pair; logits rounded to the input dtype first."""
+    logits = F.linear(h, w, b).to(h.dtype).double() if h.dtype != torch.float64 else F.linear(h, w, b)
+    per = F.cross_entropy(logits, t.long(), label_smoothing=eps, ignore_index=ignore, reduction="none")
+    lse = torch.logsumexp(logits, -1)
+    per = torch.where(t != ignore, per + z * lse * lse, torch.zeros_like(per))
+    if reduction == "sum":
+        return per.sum()
+    if reduction == "mean":
+        return per.sum() / (t != ignore).sum()
+    return per
+
+
+def _inputs(n, h, v, dtype, seed=0, bias=True, ignore_frac=0.2):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.1).to(dtype) if bias else None
+    target = torch.randint(0, v, (n,), generator=g)
+    target[torch.rand(n, generator=g) < ignore_frac] = -100
+    dloss = torch.randn((), generator=g)
+    return hidden, weight, b, target, dloss
+
+
+def _grads_ref(hidden, weight, b, target, dloss, **kw):
+    leaves = [hidden.double().requires_grad_(), weight.double().requires_grad_()]
+    if b is not None:
+        leaves.append(b.double().requires_grad_())
+    hh, ww = leaves[0], leaves[1]
+    bb = leaves[2] if b is not None else None
+    if hidden.dtype != torch.float32:  # round the logits like the op (through the dtype)
+        logits = F.linear(hh, ww, bb)
+        logits = logits + (logits.to(hidden.dtype).double() - logits).detach()
+        loss = _reference_from_logits(logits, target, **kw)
+    else:
+        loss = _reference(hh, ww, bb, target, **kw)
+    out = loss if loss.dim() == 0 else loss
+    (out * dloss.double()).sum().backward()
+    return loss.detach(), [x.grad for x in leaves]
+
+
+def _reference_from_logits(logits, t, eps=0.0, ignore=-100, z=0.0, reduction="mean"):
+    per = F.cross_entropy(logits, t.long(), label_smoothing=eps, ignore_index=ignore, reduction="none")
+    lse = torch.logsumexp(logits, -1)
+    per = torch.where(t != ignore, per + z * lse * lse, torch.zeros_like(per))
+    return {"sum": per.sum(), "mean": per.sum() / (t != ignore).sum(), "none": per}[reduction]
+
+
+def _close(a, b, dtype, what):
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "reduction,eps,z,chunk",
+    [("mean", 0.0, 0.0, 7), ("sum", 0.1, 1e-3, 16), ("none", 0.2, 0.0, None), ("mean", 0.0, 1e-2, 64)],
+)
+def test_matches_unfused_reference(dtype, reduction, eps, z, chunk):
+    hidden, weight, b, target, dloss = _inputs(37, 24, 50, dtype, seed=hash((reduction, chunk)) % 1000)
+    kw = dict(eps=eps, z=z, reduction=reduction)
+    ref, (dh_ref, dw_ref, db_ref) = _grads_ref(hidden, weight, b, target, dloss, **kw)
+    leaves = [x.clone().requires_grad_() for x in (hidden, weight, b)]
+    loss = linear_cross_entropy(
+        leaves[0], leaves[1], target, bias=leaves[2], label_smoothing=eps, z_loss_weight=z,
+        reduction=reduction, chunk_size=chunk,
+    )  # fmt: skip
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    _close(loss, ref, dtype, "loss")
+    (loss * dloss).sum().backward()
+    for leaf, want, name in zip(leaves, (dh_ref, dw_ref, db_ref), ("hidden", "weight", "bias")):
+        assert leaf.grad.dtype == dtype
+        _close(leaf.grad, want, dtype, f"d{name}")
+
+
+def test_no_bias_leading_dims_and_all_ignored():
+    hidden, weight, _, target, _ = _inputs(12, 8, 10, torch.float32, seed=3, bias=False)
+    h3, t3 = hidden.view(3, 4, 8), target.view(3, 4)
+    loss = linear_cross_entropy(h3, weight, t3, reduction="none", chunk_size=5)
+    _close(loss.view(-1), _reference(hidden.double(), weight.double(), None, target, reduction="none"), torch.float32, "loss")
+    assert loss.shape == (3, 4)
+    allign = torch.full((12,), -100)
+    assert torch.isnan(linear_cross_entropy(hidden, weight, allign))  # mean over no rows, as PyTorch
+    h = hidden.clone().requires_grad_()
+    linear_cross_entropy(h, weight, allign, reduction="sum").backward()
+    assert torch.equal(h.grad, torch.zeros_like(h))
+
+
+def test_empty_rows():
+    weight = torch.randn(10, 8, requires_grad=True)
+    hidden = torch.randn(0, 8, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long), reduction="sum")
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_no_host_sync_and_chunk_memory():
+    """Zero host syncs fwd+bwd; the largest vocab-wide intermediate depends on chunk_size only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self, v):
+            super().__init__()
+            self.v, self.peak = v, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and self.v in o.shape and o.dim() == 2:
+                    self.peak = max(self.peak, o.numel() * o.element_size())
+            return out
+
+    peaks = []
+    for n in (1024, 4096):
+        hidden, weight, b, target, _ = _inputs(n, 8, 96, torch.float32, seed=n)
+        hidden.requires_grad_()
+        weight.requires_grad_()
+        mode = Largest(96)
+        with count_host_syncs() as syncs, mode:
+            linear_cross_entropy(hidden, weight, target, chunk_size=128).backward()
+        assert syncs.events == [], syncs.events
+        peaks.append(mode.peak)
+    assert peaks[0] == peaks[1] and peaks[0] <= 128 * 96 * 8, peaks  # O(chunk x V), not O(N x V)
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(8192, 152064) == 1024
+    assert default_chunk_size(8192, 152064 // 8) == 8192
+    assert default_chunk_size(10, 50) == 10 and default_chunk_size(0, 50) == 1
+
+
+def test_bad_inputs_name_the_argument():
+    h, w, b, t, _ = _inputs(6, 4, 10, torch.float32)
+    cases = [
+        (dict(hidden=h.long()), TypeError, "hidden"),
+        (dict(weight=w.double()), TypeError, "weight"),
+        (dict(weight=w[:, :3]), ValueError, "hidden must be"),
+        (dict(target=t.float()), TypeError, "target"),
+        (dict(target=t[:5]), ValueError, "target must have shape"),
+        (dict(bias=b[:4]), ValueError, "bias"),
+        (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
+        (dict(z_loss_weight=float("inf")), ValueError, "z_loss_weight"),
+        (dict(reduction="avg"), ValueError, "reduction"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(ignore_index=1.0), TypeError, "ignore_index"),
+        (dict(group="tp"), TypeError, "group"),
+        (dict(backend="triton"), ValueError, "backend"),
+    ]
+    for override, exc, words in cases:
+        args = dict(hidden=h, weight=w, target=t, bias=b) | override
+        with pytest.raises(exc, match=words):
+            linear_cross_entropy(args.pop("hidden"), args.pop("weight"), args.pop("target"), **args)
+    bad = t.clone()
+    bad[0] = 10
+    with pytest.raises(RuntimeError, match="target"):
+        linear_cross_entropy(h, w, bad)
+    with pytest.raises(ValueError, match="target"):
+        linear_cross_entropy(h, w, bad, validate="sync")
+    linear_cross_entropy(h, w, t, validate=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor parallel (gloo)
+# --------------------------------------------------------------------------------------------
+
+
+def _shards(v, world, uneven):
+    if not uneven:
+        return [v // world] * world
+    sizes = [v // world] * world
+    sizes[-1] += v - sum(sizes)
+    sizes[0] -= 1
+    sizes[-1] += 1
+    return sizes
+
+
+def _tp_worker(rank, world, cfg):
+    n, hsz, v, sp, uneven, chunk, dtype = cfg
+    group = dist.group.WORLD
+    hidden, weight, b, target, dloss = _inputs(n, hsz, v, dtype, seed=11)
+    kw = dict(eps=0.1, z=1e-3, reduction="none")
+    ref, grads_ref = _grads_ref(hidden, weight, b, target, dloss, **kw)
+    sizes = _shards(v, world, uneven)
+    lo = sum(sizes[:rank])
+    w_loc = weight[lo : lo + sizes[rank]].clone().requires_grad_()
+    b_loc = b[lo : lo + sizes[rank]].clone().requires_grad_()
+    rows = n // world
+    h_loc = (hidden[rank * rows : (rank + 1) * rows] if sp else hidden).clone().requires_grad_()
+    with count_collectives() as log:
+        loss = linear_cross_entropy(
+            h_loc, w_loc, target, group=group, bias=b_loc, label_smoothing=0.1,
+            z_loss_weight=1e-3, reduction="none", chunk_size=chunk, sequence_parallel=sp,
+        )  # fmt: skip
+    fwd = [c.name for c in log.calls]
+    with count_collectives() as log:
+        (loss * dloss).sum().backward()
+    bwd = [c.name for c in log.calls]
+    _close(loss, ref, dtype, "loss")
+    dh_ref = grads_ref[0][rank * rows : (rank + 1) * rows] if sp else grads_ref[0]
+    _close(h_loc.grad, dh_ref, dtype, "dhidden")
+    _close(w_loc.grad, grads_ref[1][lo : lo + sizes[rank]], dtype, "dweight")
+    _close(b_loc.grad, grads_ref[2][lo : lo + sizes[rank]], dtype, "dbias")
+    return fwd, bwd
+
+
+@pytest.mark.parametrize(
+    "world,sp,uneven,chunk",
+    [(2, False, False, 5), (2, True, False, 6), (4, False, True, 16), (4, True, False, None)],
+)
+def test_tensor_parallel_matches_single_process(world, sp, uneven, chunk):
+    n = 24
+    cfg = (n, 16, 36, sp, uneven, chunk, torch.float32)
+    (fwd, bwd), *_ = run_distributed(_tp_worker, world, cfg, timeout=120)
+    c = chunk or n
+    chunks = -(-n // c) if not sp else -(-(n // world) // max(1, c // world))
+    assert len(fwd) == 1 + chunks * (2 if sp else 1) and all("all_gather" in c for c in fwd), fwd
+    reduce = "reduce_scatter" if sp else "all_reduce"
+    assert sum(reduce in c for c in bwd) == 1 and len(bwd) == 1 + (chunks if sp else 0), bwd
+
+
+def _mismatch_worker(rank, world):
+    hidden, weight, _, target, _ = _inputs(8, 4, 10, torch.float32, seed=rank)  # targets differ
+    try:
+        linear_cross_entropy(hidden, weight[:5], target % 10, group=dist.group.WORLD)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_disagree_fail_on_every_rank():
+    msgs = run_distributed(_mismatch_worker, 2, timeout=60)
+    assert all("disagree" in m for m in msgs), msgs

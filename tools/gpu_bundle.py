@@ -1,0 +1,207 @@
+"""``make gpu-bundle``: prepare ``.gpu/``, what a lent GPU machine needs and cannot download.
+
+The GPU machines (H100/H200: Python 3.12, torch 2.11 CUDA 13, triton 3.6, nvcc 13, ninja,
+pybind11, pytest, hypothesis, pytest-xdist; no network) lack the CUTLASS headers, and the
+CUTLASS module built here (Python 3.11) cannot load there. This script fills the ignored folder
+``.gpu/`` with:
+
+* ``.gpu/cutlass/include/``: the CUTLASS/CuTe headers that ``csrc/`` includes, transitively
+  (every ``#include`` followed regardless of ``#if``, so a superset of what any architecture's
+  device or host pass reads), copied from the pinned ``nvidia-cutlass`` package that
+  ``csrc/build_ext.py`` finds (or ``CUTLASS_DIR``). ``CUTLASS_DIR=.gpu/cutlass`` points the
+  build at them.
+* ``.gpu/wheels/``: pure-Python wheels of the test-time packages mtp needs beyond torch, triton,
+  numpy and pytest (``hypothesis``, ``pytest-xdist`` and their needs). The GPU image has them
+  today; ``tools/gpu_check.py`` installs one only when its import fails there.
+* ``.gpu/MANIFEST.json``: CUTLASS version, file counts and sizes, and the bytes that travel.
+
+It then prints the folder to carry and the command to run on the GPU machine. The working tree
+plus ``.gpu/`` must stay under the device tool's 64 MiB; the script fails when it does not.
+
+Usage: ``python tools/gpu_bundle.py [--out .gpu] [--no-wheels] [--check-only]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT_BYTES = 64 * 2**20  # the device tool's limit on what travels
+# Test-time packages, pinned; pure Python (py3-none-any), so any platform tag matches.
+WHEELS = ("hypothesis==6.170.15", "sortedcontainers==2.4.0", "pytest-xdist==3.8.0",
+          "execnet==2.1.2")  # fmt: skip
+# The module each wheel provides, for gpu_check's "install only when missing".
+WHEEL_MODULES = {"hypothesis": "hypothesis", "sortedcontainers": "sortedcontainers",
+                 "pytest_xdist": "xdist", "execnet": "execnet"}  # fmt: skip
+SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".cpp")
+_INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
+
+
+def load_build_ext():
+    """csrc/build_ext.py as a module (it is no package; it must not import torch)."""
+    path = ROOT / "csrc" / "build_ext.py"
+    spec = importlib.util.spec_from_file_location("_mtp_build_ext_bundle", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def csrc_sources(root: Path = ROOT) -> list[Path]:
+    return sorted(p for p in (root / "csrc").iterdir() if p.suffix in SOURCE_SUFFIXES)
+
+
+def header_closure(sources: list[Path], include: Path) -> list[Path]:
+    """Headers under ``include`` reachable from ``sources`` through ``#include`` lines.
+
+    Quoted includes resolve against the including file's folder first, then ``include``;
+    angle includes against ``include`` only; anything else (CUDA, the C++ library, pybind11)
+    is not ours to carry. Conditionals are ignored, so the result is a superset of what any
+    compiler pass reads. Returns paths relative to ``include``, sorted.
+    """
+    include = include.resolve()
+    seen: set[Path] = set()
+    todo = list(sources)
+    while todo:
+        current = todo.pop()
+        for kind, name in _INCLUDE.findall(current.read_text(errors="ignore")):
+            candidates = ([current.parent / name] if kind == '"' else []) + [include / name]
+            for cand in candidates:
+                if cand.is_file():
+                    real = cand.resolve()
+                    if real.is_relative_to(include) and real not in seen:
+                        seen.add(real)
+                        todo.append(real)
+                    break
+    # find_cutlass() checks for cutlass/version.h and cute/ before it accepts a folder.
+    version = include / "cutlass" / "version.h"
+    if version.is_file():
+        seen.add(version.resolve())
+    return sorted(p.relative_to(include) for p in seen)
+
+
+def copy_headers(include: Path, dest: Path, sources: list[Path] | None = None) -> list[Path]:
+    """Copy the header closure of ``sources`` (default: csrc/) into ``dest`` (wiped first)."""
+    files = header_closure(sources or csrc_sources(), include)
+    if dest.exists():
+        shutil.rmtree(dest)
+    for rel in files:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(include / rel, target)
+    return files
+
+
+def download_wheels(dest: Path, specs=WHEELS) -> list[Path]:
+    """cp312 manylinux-compatible wheels (binary only, no dependencies resolved) into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp",
+           "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
+           "-d", str(dest), *specs]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    pinned = {tuple(s.replace("-", "_").lower().split("==")) for s in specs}
+    for whl in dest.glob("*.whl"):  # one version of each: drop leftovers of older pins
+        name, version = whl.name.split("-")[:2]
+        if (name.lower(), version) not in pinned:
+            whl.unlink()
+    return sorted(dest.glob("*.whl"))
+
+
+def travelling_files(root: Path = ROOT) -> list[Path]:
+    """What the device tool sends: tracked and untracked-not-ignored files (and shared/)."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root, capture_output=True, check=True,
+    )  # fmt: skip
+    files = [root / p for p in out.stdout.decode().split("\0") if p]
+    shared = root / "shared"
+    if shared.is_dir():
+        files += [p for p in shared.rglob("*") if p.is_file()]
+    return [p for p in dict.fromkeys(files) if p.is_file()]
+
+
+def tree_bytes(paths) -> int:
+    return sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
+
+
+def folder_bytes(folder: Path) -> int:
+    return tree_bytes(folder.rglob("*")) if folder.exists() else 0
+
+
+def git_commit(root: Path = ROOT) -> str | None:
+    """HEAD of the checkout (``+dirty`` with uncommitted changes): the GPU copy has no .git."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+dirty" if dirty else "")
+
+
+def device_command(carry: str = ".gpu") -> str:
+    """The one command a GPU session runs (device tool ``run``, carry=[".gpu"])."""
+    return f"PYTHONUNBUFFERED=1 python3 tools/gpu_check.py --bundle {carry}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / ".gpu", help="bundle folder (.gpu)")
+    parser.add_argument("--no-wheels", action="store_true", help="headers only (no pip download)")
+    parser.add_argument("--check-only", action="store_true", help="measure an existing bundle")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    build_ext = load_build_ext()
+    include = build_ext.find_cutlass()
+    version = ".".join(map(str, build_ext.cutlass_version(include)))
+    if not args.check_only:
+        files = copy_headers(include, out / "cutlass" / "include")
+        print(f"gpu-bundle: {len(files)} CUTLASS {version} headers from {include}")
+        if not args.no_wheels:
+            wheels = download_wheels(out / "wheels")
+            print(f"gpu-bundle: wheels {', '.join(w.name for w in wheels)}")
+    headers = folder_bytes(out / "cutlass")
+    wheels_b = folder_bytes(out / "wheels")
+    tree = tree_bytes(travelling_files())
+    total = tree + folder_bytes(out)
+    manifest = {
+        "commit": git_commit(),
+        "cutlass_version": version,
+        "cutlass_source": str(include),
+        "headers": sum(1 for p in (out / "cutlass").rglob("*") if p.is_file()),
+        "header_bytes": headers,
+        "wheels": sorted(p.name for p in (out / "wheels").glob("*.whl")),
+        "wheel_bytes": wheels_b,
+        "working_tree_bytes": tree,
+        "total_bytes": total,
+        "limit_bytes": LIMIT_BYTES,
+        "command": device_command(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    mib = 2**20
+    print(f"gpu-bundle: {out} = {folder_bytes(out) / mib:.1f} MiB (headers {headers / mib:.1f}, "
+          f"wheels {wheels_b / mib:.1f}); working tree {tree / mib:.1f} MiB; "
+          f"travels {total / mib:.1f} of {LIMIT_BYTES / mib:.0f} MiB")  # fmt: skip
+    if total >= LIMIT_BYTES:
+        print("gpu-bundle: too large for the device tool", file=sys.stderr)
+        return 1
+    rel = os.path.relpath(out, ROOT)
+    print("\nOn the GPU machine (device tool `run`, carry=[\"%s\"], timeout_s=600):" % rel)
+    print(f"  {device_command(rel)}")
+    print("Then (here): tar xzf <files_at>/gpu-check.tar.gz -C bench/results   # and commit")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
