@@ -15,10 +15,11 @@ column-parallel with gathered logits), ``mixtral`` and ``qwen3_moe`` (the same a
 sparse MoE block swapped for :class:`mtp.moe.MoELayer` with the family's routing, experts split
 over the group, ``ep == tp``: :mod:`mtp.integrations.hf_moe`) and ``gpt2`` (its ``Conv1D``
 modules become linear layers; the fused ``c_attn`` is split per q/k/v block; ``split_size`` and
-head counts are patched on the attention modules). Qwen2-MoE (shared experts) and DeepSeek-V3
-(shared experts, group-limited routing) are not supported yet. Sibling projections share one entry into the
-tensor-parallel region (:mod:`mtp.tensor_parallel.siblings`), so a transformer layer costs
-two all-reduces forward and two backward. ``sequence_parallel=True`` (Llama-like families):
+head counts are patched on the attention modules). Qwen2-MoE and DeepSeek-V3 are not mapped yet
+(their shared experts' weights need a mapping; ``mtp.moe`` has the routing). Sibling
+projections share one entry into the tensor-parallel region
+(:mod:`mtp.tensor_parallel.siblings`), so a transformer layer costs two all-reduces forward and
+two backward. ``sequence_parallel=True`` (Llama-like families):
 activations between blocks are sequence chunks (``[b, s/tp, h]``); call
 :func:`mtp.tensor_parallel.allreduce_sequence_parallel_grads` after each backward.
 """
