@@ -91,5 +91,17 @@ gpu-check:
 test-triton-min:
 	$(PYTHON) tools/triton_min_check.py
 
+# A small GPT and its MoE variant trained end to end (tp=2 x dp=2, ep=2 for the MoE): TP layers,
+# sequence parallel, the distributed optimizer and the vocab-parallel loss, under torchrun on
+# CPU/gloo (NCCL on GPUs). Prints the falling loss and tokens/s, writes demo_loss*.png.
+DEMO_NPROC ?= 4
+DEMO_ARGS ?=
+TORCHRUN = $(PY) -m torch.distributed.run --standalone --nproc-per-node $(DEMO_NPROC)
+
+.PHONY: demo
+demo: $(VENV)/.bench-installed
+	OMP_NUM_THREADS=1 $(TORCHRUN) examples/demo_train.py --png demo_loss.png $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(TORCHRUN) examples/demo_train.py --moe --png demo_loss_moe.png $(DEMO_ARGS)
+
 clean:
-	rm -rf $(VENV) .venv-min build *.egg-info .pytest_cache mtp/_cuda_gemm*.so
+	rm -rf $(VENV) .venv-min build *.egg-info .pytest_cache mtp/_cuda_gemm*.so demo_loss*.png

@@ -83,7 +83,8 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3"],
+        "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "transformers>=4.51"],
+        "hf": ["transformers>=4.51", "safetensors"],
         "bench": ["matplotlib>=3.5", "tqdm>=4", "pytest-benchmark>=4"],
     },
     entry_points={"console_scripts": ["mtp-bench = mtp.bench.cli:main"]},

@@ -20,8 +20,9 @@ reduces the shard to three fp32 values per row, and one ``all_gather`` exchanges
 with two metadata rows per rank (shard size, valid-target count, a checksum of the targets, the
 range check): ``12 * (rows + 2)`` bytes per rank. Pass 2 combines them into the loss, checks
 that every rank saw the same targets and shard size, and writes this rank's gradient shard.
-The group travels through the op as a name registered in this module (custom ops cannot take
-a ``ProcessGroup``).
+The group travels through the op as the name ``torch.distributed`` registered it under (custom
+ops cannot take a ``ProcessGroup``; :mod:`mtp.parallel.groups`, trace-safe under
+``torch.compile``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from mtp.ops._backend import resolve_backend
 from mtp.ops._cross_entropy_reference import reference_forward
 from mtp.parallel.agreement import check_collective
 from mtp.parallel.errors import RankMismatchError
+from mtp.parallel.groups import group_from_mesh, group_name, resolve_group_name
 from mtp.utils import (
     check_tensor,
     check_values,
@@ -56,9 +58,6 @@ _TARGET_DTYPES = (torch.int64, torch.int32)
 _BACKENDS = ("triton", "reference")
 REDUCTIONS = ("none", "mean", "sum")
 
-_GROUPS: dict[str, dist.ProcessGroup] = {}
-
-
 class TargetOutOfRangeError(ValueError, IndexError):
     """A target id is outside ``[0, vocab_size)`` and is not ``ignore_index``.
 
@@ -74,6 +73,7 @@ class TargetOutOfRangeError(ValueError, IndexError):
 
 def _group_info(group: dist.ProcessGroup | None) -> tuple[str, int, int]:
     """``(group_name, rank, world_size)``; ``""`` (no communication) for None or size 1."""
+    group = group_from_mesh(group)
     if group is None:
         return "", 0, 1
     if not isinstance(group, dist.ProcessGroup):
@@ -81,14 +81,12 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[str, int, int]:
     world = dist.get_world_size(group)
     if world == 1:
         return "", 0, 1
-    name = f"mtp_ce_{id(group)}"
-    _GROUPS.setdefault(name, group)
-    return name, dist.get_rank(group), world
+    return group_name(group), dist.get_rank(group), world
 
 
 def _all_gather_stats(stats: torch.Tensor, group_name: str) -> torch.Tensor:
     """``[world, rows + 2, 3]``: every rank's ``stats`` (one collective, also with 0 rows)."""
-    group = _GROUPS[group_name]
+    group = resolve_group_name(group_name)
     world = dist.get_world_size(group)
     check_collective("vocab_parallel_cross_entropy all_gather", stats, group)
     gathered = torch.empty((world, *stats.shape), dtype=stats.dtype, device=stats.device)

@@ -321,9 +321,13 @@ def check_collective(op: str, x: torch.Tensor, group, dim: int = -1) -> None:
     values on the host) and for single-rank groups. Raises :class:`RankMismatchError` on
     every rank when they disagree, before the real collective could crash or hang.
     """
+    # tracing first: reading the flag caches it in a global, a side effect Dynamo refuses
+    # inside an autograd.Function's backward (torch.compile of the column layer)
+    if torch.compiler.is_compiling():
+        return
     if _check is False or not check_collectives_enabled():  # the steady state: one test
         return
-    if torch.compiler.is_compiling() or is_capturing():
+    if is_capturing():
         return
     if dist.get_world_size(group) == 1:
         return

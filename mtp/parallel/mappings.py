@@ -17,6 +17,10 @@ has one rank. ``seq_dim`` defaults to 0 (Megatron's ``[s, b, h]`` layout); pass 
 for ``[b, s, h]``. Splits are rank-major: rank ``r`` holds the ``r``-th contiguous chunk of the
 split dimension.
 
+Every mapping traces under ``torch.compile(fullgraph=True)``: the collectives are the
+synchronous ``torch.distributed`` calls that Dynamo rewrites into functional collectives (the
+asynchronous overlap in eager mode becomes synchronous while tracing; the compiler schedules).
+
 Collectives are called through the ``torch.distributed`` module (so
 :func:`mtp.testing.count_collectives` sees them); all-gather and reduce-scatter use one flat
 collective (``all_gather_single`` / ``reduce_scatter_single``, or their older names
@@ -35,6 +39,7 @@ import torch.distributed as dist
 
 from . import parallel_state
 from .agreement import check_collective, collective_region
+from .groups import group_from_mesh
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -56,12 +61,15 @@ __all__ = [
 def resolve_tensor_parallel_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """``group``, or the tensor-model-parallel group when ``group`` is None.
 
+    ``group`` may also be a 1-D ``DeviceMesh`` (or one named dimension of a larger mesh,
+    ``mesh["tp"]``): its process group is used.
+
     Raises:
         mtp.parallel.ParallelStateError: ``group`` is None and the model parallel groups do not
             exist (the message says what to call).
     """
     if group is not None:
-        return group
+        return group_from_mesh(group)
     if not dist.is_available() or not dist.is_initialized():
         raise parallel_state.ParallelStateError(
             "group=None means the tensor-model-parallel group, but torch.distributed is not "
@@ -95,8 +103,16 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int, name: str) -> None:
         )
 
 
+def _traceable(async_op: bool) -> bool:
+    """``async_op``, or False while ``torch.compile`` traces: Dynamo rewrites the synchronous
+    c10d collectives into functional ones it can put in the graph (an ``async_op=True`` call is
+    a graph break), and the compiler schedules the overlap itself."""
+    return async_op and not torch.compiler.is_compiling()
+
+
 def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     """``out`` (``world * inp.numel()`` elements, rank-major) <- every rank's ``inp``."""
+    async_op = _traceable(async_op)
     if hasattr(dist, "all_gather_single"):
         return dist.all_gather_single(out, inp, group=group, async_op=async_op)
     return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
@@ -104,6 +120,7 @@ def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool
 
 def _reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     """``out`` <- this rank's chunk (rank-major along dim 0) of the sum of every rank's ``inp``."""
+    async_op = _traceable(async_op)
     if hasattr(dist, "reduce_scatter_single"):
         return dist.reduce_scatter_single(out, inp, group=group, async_op=async_op)
     return dist.reduce_scatter_tensor(out, inp, group=group, async_op=async_op)
@@ -186,11 +203,15 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group, async_op: bool = Fals
 
 
 def all_reduce_(x: torch.Tensor, group, async_op: bool = False):
-    """Sum ``x`` over the ranks, in place (``x`` must be contiguous)."""
+    """Sum ``x`` over the ranks, in place (``x`` must be contiguous).
+
+    Returns the work handle with ``async_op=True``, else None (also while ``torch.compile``
+    traces, where the call is synchronous).
+    """
     if dist.get_world_size(group) == 1:
         return None
     check_collective("all_reduce", x, group)
-    return dist.all_reduce(x, group=group, async_op=async_op)
+    return dist.all_reduce(x, group=group, async_op=_traceable(async_op))
 
 
 # --------------------------------------------------------------------------------------------

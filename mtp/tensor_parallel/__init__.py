@@ -48,6 +48,7 @@ from .layers import (
 )
 from .mlp import ACTIVATIONS, ParallelMLP, apply_bias_activation
 from .parallelize import STYLES, from_embedding, from_linear, parallelize
+from .siblings import enter_tensor_parallel_region, scatter_module_input, share_module_input
 from .utils import (
     VocabUtility,
     allreduce_sequence_parallel_grads,
@@ -76,6 +77,7 @@ __all__ = [
     "checkpoint",
     "copy_to_tensor_model_parallel_region",
     "divide",
+    "enter_tensor_parallel_region",
     "from_embedding",
     "from_linear",
     "gather_from_sequence_parallel_region",
@@ -90,8 +92,10 @@ __all__ = [
     "param_is_tensor_parallel",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "scatter_module_input",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "set_tensor_model_parallel_attributes",
+    "share_module_input",
     "vocab_parallel_cross_entropy",
 ]

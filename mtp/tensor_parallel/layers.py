@@ -294,6 +294,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
             ``gather_output``.
         sequence_parallel: the input is this rank's sequence chunk; it is all-gathered along
             ``seq_dim`` before the GEMM (backward: reduce-scatter). Not with ``gather_output``.
+        disable_grad_reduce: the input has already entered the tensor-parallel region (the
+            full, replicated activation from :func:`enter_tensor_parallel_region`, shared by
+            sibling layers such as q/k/v or gate/up): the layer runs a plain local GEMM, with no
+            input all-gather and no gradient reduction of its own (Megatron-Core's name). The
+            one reduction for all siblings happens at the shared entry.
         seq_dim: the sequence dimension of the input (0: ``[s, b, h]``; 1: ``[b, s, h]``).
         stride: the output dimension fuses several matrices: an int for that many equal blocks
             (Megatron's partition stride; 3 for a fused ``[q; k; v]``), or the block sizes
@@ -307,7 +312,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
     Forward: ``input_`` ``[..., input_size]`` (sequence chunk along ``seq_dim`` with sequence
     parallel) -> ``[..., output_size/tp]`` or ``[..., output_size]`` with ``gather_output``;
     ``(output, bias)`` with ``skip_bias_add``. One all-reduce of the input gradient in backward
-    (sequence parallel: all-gather forward; all-gather + reduce-scatter backward).
+    (sequence parallel: all-gather forward; all-gather + reduce-scatter backward); none with
+    ``disable_grad_reduce``.
     """
 
     partition_dim = 0
@@ -328,9 +334,14 @@ class ColumnParallelLinear(_ParallelLinearBase):
         group: dist.ProcessGroup | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        disable_grad_reduce: bool = False,
     ) -> None:
-        check_layer_args("ColumnParallelLinear", flags={"gather_output": gather_output}, seq_dim=0)
-        if gather_output and sequence_parallel:
+        check_layer_args(
+            "ColumnParallelLinear",
+            flags={"gather_output": gather_output, "disable_grad_reduce": disable_grad_reduce},
+            seq_dim=0,
+        )
+        if gather_output and sequence_parallel and not disable_grad_reduce:
             raise ValueError(
                 "ColumnParallelLinear: gather_output=True cannot be combined with "
                 "sequence_parallel=True (the output would be gathered along both the sequence "
@@ -351,6 +362,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
             device=device,
         )
         self.gather_output = gather_output
+        self.disable_grad_reduce = disable_grad_reduce
         if self.bias is not None:
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
 
@@ -362,14 +374,17 @@ class ColumnParallelLinear(_ParallelLinearBase):
         if self.sequence_parallel:
             _check_seq_dim(input_, self.seq_dim, "ColumnParallelLinear")
         bias = None if self.skip_bias_add else self.bias
-        output = linear_with_grad_reduction(
-            input_,
-            self.weight,
-            bias,
-            self.group,
-            sequence_parallel=self.sequence_parallel,
-            seq_dim=self.seq_dim,
-        )
+        if self.disable_grad_reduce:
+            output = F.linear(input_, self.weight, bias)
+        else:
+            output = linear_with_grad_reduction(
+                input_,
+                self.weight,
+                bias,
+                self.group,
+                sequence_parallel=self.sequence_parallel,
+                seq_dim=self.seq_dim,
+            )
         if not self.gather_output:
             return self._finish(output, bias_in_output=True)
         output = self._gather(output)
@@ -388,7 +403,10 @@ class ColumnParallelLinear(_ParallelLinearBase):
         return torch.cat([p.flatten(-2) for p in pieces], dim=-1)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", gather_output={self.gather_output}"
+        extra = f", gather_output={self.gather_output}"
+        if self.disable_grad_reduce:
+            extra += ", disable_grad_reduce=True"
+        return super().extra_repr() + extra
 
 
 class RowParallelLinear(_ParallelLinearBase):

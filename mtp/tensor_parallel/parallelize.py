@@ -29,17 +29,30 @@ import torch.distributed as dist
 from torch import nn
 
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .siblings import scatter_module_input, share_module_input
 from .utils import group_rank_and_size, mark_sequence_parallel_parameters, shard
 
 __all__ = ["STYLES", "from_embedding", "from_linear", "parallelize"]
 
-STYLES = ("column", "row", "vocab")
+STYLES = ("column", "row", "vocab", "shared_input", "scatter_sequence")
+_HOOK_STYLES = ("shared_input", "scatter_sequence")
 
 _LINEAR_OPTIONS = {
-    "column": {"gather_output", "skip_bias_add", "sequence_parallel", "seq_dim", "stride"},
+    "column": {
+        "gather_output",
+        "skip_bias_add",
+        "sequence_parallel",
+        "seq_dim",
+        "stride",
+        "disable_grad_reduce",
+    },
     "row": {"input_is_parallel", "skip_bias_add", "sequence_parallel", "seq_dim", "stride"},
 }
 _EMBEDDING_OPTIONS = {"sequence_parallel", "seq_dim", "validate"}
+_HOOK_OPTIONS = {
+    "shared_input": {"sequence_parallel", "seq_dim", "arg"},
+    "scatter_sequence": {"sequence_parallel", "seq_dim", "arg"},
+}
 
 
 def _check_options(what: str, given: Mapping[str, Any], allowed: set[str]) -> None:
@@ -113,7 +126,7 @@ def from_linear(
             bias.partition_stride = layer.stride
         else:
             bias = _shard_param(linear.bias, 0, [linear.out_features], 0, 1, _memo)
-            bias.tensor_model_parallel = False
+            bias.tensor_model_parallel, bias.partition_dim, bias.partition_stride = False, 0, 1
             bias.sequence_parallel = layer.sequence_parallel
         layer.bias = bias
     layer.train(linear.training)
@@ -159,7 +172,29 @@ def from_embedding(
     return layer
 
 
+def _from_dtensor_style(spec: Any) -> tuple[str, dict] | None:
+    """``ColwiseParallel()`` / ``RowwiseParallel()`` (torch.distributed.tensor.parallel) as an
+    mtp style, or None when ``spec`` is not one of them."""
+    try:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    except ImportError:  # pragma: no cover
+        return None
+    if isinstance(spec, ColwiseParallel):
+        layouts = getattr(spec, "output_layouts", None)
+        layouts = layouts if isinstance(layouts, tuple) else (layouts,)
+        return "column", {"gather_output": any(isinstance(x, Replicate) for x in layouts)}
+    if isinstance(spec, RowwiseParallel):
+        layouts = getattr(spec, "input_layouts", None)
+        layouts = layouts if isinstance(layouts, tuple) else (layouts,)
+        return "row", {"input_is_parallel": not any(isinstance(x, Replicate) for x in layouts)}
+    return None
+
+
 def _normalize_style(pattern: str, spec: str | Mapping[str, Any]) -> tuple[str, dict]:
+    converted = _from_dtensor_style(spec)
+    if converted is not None:
+        return converted
     if isinstance(spec, str):
         style, options = spec, {}
     elif isinstance(spec, Mapping) and "style" in spec:
@@ -177,13 +212,32 @@ def _normalize_style(pattern: str, spec: str | Mapping[str, Any]) -> tuple[str, 
     return style, options
 
 
-def _matches(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, tuple[str, dict]]:
-    """``module name -> (style, options)``; every pattern must match something."""
+def _matches(model: nn.Module, plan: Mapping[str, Any]) -> tuple[dict, dict]:
+    """``({module name: (style, options)} for layer swaps, {name: (style, options)} for input
+    hooks)``; every pattern must match something."""
     names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
     chosen: dict[str, tuple[str, dict, str]] = {}
-    for pattern, spec in plan.items():
+    hooks: dict[str, tuple[str, dict]] = {}
+    entries = [
+        (pattern, one)
+        for pattern, spec in plan.items()
+        for one in (spec if isinstance(spec, (list, tuple)) else [spec])
+    ]
+    for pattern, spec in entries:
         style, options = _normalize_style(pattern, spec)
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if style in _HOOK_STYLES:
+            _check_options(f"parallelize: plan[{pattern!r}]", options, _HOOK_OPTIONS[style])
+            if not hits:
+                raise ValueError(
+                    f"parallelize: plan pattern {pattern!r} matches no submodule of "
+                    f"{type(model).__name__}"
+                )
+            for name in hits:
+                if name in hooks and hooks[name][0] != style:
+                    raise ValueError(f"parallelize: {name!r} gets two input styles")
+                hooks[name] = (style, options)
+            continue
         if not hits:
             raise ValueError(
                 f"parallelize: plan pattern {pattern!r} matches no submodule of "
@@ -196,7 +250,25 @@ def _matches(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, tuple[str, 
                     "with different styles"
                 )
             chosen.setdefault(name, (style, options, pattern))
-    return {name: (style, options) for name, (style, options, _) in chosen.items()}
+    layers = {name: (style, options) for name, (style, options, _) in chosen.items()}
+    return layers, hooks
+
+
+def _under(name: str, parents) -> bool:
+    """True when ``name`` is one of ``parents`` or inside one of them."""
+    return any(name == p or name.startswith(p + ".") for p in parents)
+
+
+def _register_hooks(model, hooks, group, sequence_parallel: bool, seq_dim: int) -> None:
+    for name, (style, options) in hooks.items():
+        module = model.get_submodule(name)
+        sp = options.get("sequence_parallel", sequence_parallel)
+        dim = options.get("seq_dim", seq_dim)
+        arg = options.get("arg", "hidden_states")
+        if style == "shared_input":
+            share_module_input(module, group, sequence_parallel=sp, seq_dim=dim, arg=arg)
+        else:
+            scatter_module_input(module, group, seq_dim=dim, arg=arg)
 
 
 def parallelize(
@@ -217,10 +289,24 @@ def parallelize(
             crosses dots). Styles: ``"column"`` / ``"row"`` for ``nn.Linear``, ``"vocab"`` for
             ``nn.Embedding``, or a dict ``{"style": ..., **options}`` with the options of
             :func:`from_linear` / :func:`from_embedding` (``stride``, ``gather_output``,
-            ``input_is_parallel``, ``skip_bias_add``, ...). A pattern that matches nothing, a
-            module matched with two different styles, or a style on the wrong module type
-            raises.
-        group: the tensor-parallel group (default: ``mtp.parallel``'s).
+            ``disable_grad_reduce``,
+            ``input_is_parallel``, ``skip_bias_add``, ...). ``ColwiseParallel()`` /
+            ``RowwiseParallel()`` objects of ``torch.distributed.tensor.parallel`` are accepted
+            too (``output_layouts=Replicate()`` means ``gather_output``). Two input styles go
+            on parent modules: ``"shared_input"`` makes the module's input (first positional
+            argument or keyword ``arg``, default ``"hidden_states"``) enter the
+            tensor-parallel region once, and every column layer inside it (or the module
+            itself) is built with ``disable_grad_reduce=True``: q/k/v or gate/up siblings then
+            cost one backward all-reduce (or one all-gather forward + reduce-scatter backward
+            under sequence parallel) for the group, see :mod:`mtp.tensor_parallel.siblings`;
+            ``"scatter_sequence"`` splits the module's input into this rank's sequence chunk
+            (where a model enters the sequence-parallel region). A pattern that matches
+            nothing, a module matched with two different styles, or a style on the wrong
+            module type raises. A list of specs gives one module a layer style and an input
+            style (``"lm_head": [{"style": "column", "gather_output": True},
+            "shared_input"]``).
+        group: the tensor-parallel group (default: ``mtp.parallel``'s), or a 1-D
+            ``DeviceMesh`` (``mesh["tp"]``).
         sequence_parallel: build every swapped layer with ``sequence_parallel=True`` (the
             activations between the row layer and the next column layer are sequence chunks
             along ``seq_dim``) and mark every parameter that stays replicated
@@ -236,12 +322,15 @@ def parallelize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize expects an nn.Module, got {type(model).__name__}")
     group, _, _ = group_rank_and_size(group)
-    chosen = _matches(model, plan)
+    chosen, hooks = _matches(model, plan)
+    shared = [name for name, (style, _) in hooks.items() if style == "shared_input"]
     memo: dict = {}
     for name, (style, options) in chosen.items():
         module = model.get_submodule(name)
         if sequence_parallel:
             options = {"sequence_parallel": True, "seq_dim": seq_dim, **options}
+        if style == "column" and _under(name, shared):
+            options = {"disable_grad_reduce": True, **options}
         if style == "vocab":
             if not isinstance(module, nn.Embedding):
                 raise TypeError(
@@ -258,6 +347,7 @@ def parallelize(
             new = from_linear(module, style, group, _memo=memo, **options)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
+    _register_hooks(model, hooks, group, sequence_parallel, seq_dim)
     if sequence_parallel:
         mark_sequence_parallel_parameters(
             p for p in model.parameters() if getattr(p, "sequence_parallel", None) is None

@@ -1,0 +1,443 @@
+"""Tensor-parallel Hugging Face ``transformers`` models in one call (needs the ``hf`` extra).
+
+::
+
+    model = AutoModelForCausalLM.from_config(config)     # same weights on every rank
+    parallelize_hf(model, tp=2)                           # after initialize_model_parallel(...)
+    load_hf_state_dict(model, "checkpoint_dir/")          # optional: each rank reads its slices
+    loss = model(input_ids, labels=labels).loss           # the model's own code keeps running
+    ...
+    full = hf_state_dict(model)                           # back in HF names, full tensors
+
+Supported families (``config.model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``
+(q/k/v and gate/up column-parallel, o/down row-parallel, embedding vocab-parallel, ``lm_head``
+column-parallel with gathered logits), ``mixtral`` and ``qwen3_moe`` (the same attention; each
+sparse MoE block swapped for :class:`mtp.moe.MoELayer` with the family's routing, experts split
+over the group, ``ep == tp``: :mod:`mtp.integrations.hf_moe`) and ``gpt2`` (its ``Conv1D``
+modules become linear layers; the fused ``c_attn`` is split per q/k/v block; ``split_size`` and
+head counts are patched on the attention modules). Qwen2-MoE and DeepSeek-V3 are not mapped yet
+(their shared experts' weights need a mapping; ``mtp.moe`` has the routing). Sibling
+projections share one entry into the tensor-parallel region
+(:mod:`mtp.tensor_parallel.siblings`), so a transformer layer costs two all-reduces forward and
+two backward. ``sequence_parallel=True`` (Llama-like families):
+activations between blocks are sequence chunks (``[b, s/tp, h]``); call
+:func:`mtp.tensor_parallel.allreduce_sequence_parallel_grads` after each backward.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mtp.parallel.mappings import gather_along
+from mtp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mtp.tensor_parallel.layers import VocabParallelEmbedding
+from mtp.tensor_parallel.parallelize import parallelize
+from mtp.tensor_parallel.utils import group_rank_and_size, mark_sequence_parallel_parameters
+
+
+__all__ = ["SUPPORTED_FAMILIES", "hf_state_dict", "load_hf_state_dict", "parallelize_hf"]
+
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+_MOE = ("mixtral", "qwen3_moe")
+SUPPORTED_FAMILIES = (*_LLAMA_LIKE, "gpt2")
+_INFO = "_mtp_hf"
+
+
+# --------------------------------------------------------------------------------------------
+# Plans
+# --------------------------------------------------------------------------------------------
+
+
+def _llama_plan(model: nn.Module, sp: bool) -> dict:
+    lin = {"sequence_parallel": sp, "seq_dim": 1}
+    hook = {"style": "shared_input", "sequence_parallel": sp, "seq_dim": 1}
+    plan = {
+        "*.embed_tokens": "vocab",
+        "*.self_attn": hook,
+        "*.self_attn.q_proj": {"style": "column", **lin},
+        "*.self_attn.k_proj": {"style": "column", **lin},
+        "*.self_attn.v_proj": {"style": "column", **lin},
+        "*.self_attn.o_proj": {"style": "row", **lin},
+    }
+    # dense MLPs only (an MoE model may have some, e.g. Qwen3-MoE's mlp_only_layers)
+    mlps = [
+        n for n, m in model.named_modules() if isinstance(getattr(m, "gate_proj", None), nn.Linear)
+    ]
+    for name in mlps:
+        plan[name] = hook
+        plan[f"{name}.gate_proj"] = {"style": "column", **lin}
+        plan[f"{name}.up_proj"] = {"style": "column", **lin}
+        plan[f"{name}.down_proj"] = {"style": "row", **lin}
+    if sp:
+        # The embedding's output stays full length (HF builds the mask and positions from it);
+        # the first block enters the sequence-parallel region.
+        plan["*.layers.0"] = {"style": "scatter_sequence", "seq_dim": 1}
+    _add_lm_head(model, plan, sp)
+    return plan
+
+
+def _gpt2_plan(model: nn.Module, sp: bool) -> dict:
+    if sp:
+        raise NotImplementedError(
+            "parallelize_hf: sequence_parallel=True is not supported for GPT-2 (its model "
+            "reshapes the final hidden states with the full sequence length); use "
+            "sequence_parallel=False"
+        )
+    hook = {"style": "shared_input"}
+    plan = {
+        "*.wte": "vocab",
+        "*.attn": hook,
+        "*.attn.c_attn": {"style": "column", "stride": 3},
+        "*.attn.c_proj": "row",
+        "*.mlp": hook,
+        "*.mlp.c_fc": "column",
+        "*.mlp.c_proj": "row",
+    }
+    _add_lm_head(model, plan, sp)
+    return plan
+
+
+def _add_lm_head(model: nn.Module, plan: dict, sp: bool) -> None:
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        plan["lm_head"] = [
+            {"style": "column", "gather_output": True},
+            {"style": "shared_input", "sequence_parallel": sp, "seq_dim": 1},
+        ]
+
+
+# --------------------------------------------------------------------------------------------
+# Preparation and patches
+# --------------------------------------------------------------------------------------------
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _convert_conv1d(model: nn.Module) -> list[str]:
+    """Replace every transformers ``Conv1D`` (weight ``[in, out]``) by an ``nn.Linear``."""
+    names = [n for n, m in model.named_modules() if n and _is_conv1d(m)]
+    for name in names:
+        conv = model.get_submodule(name)
+        w = conv.weight
+        linear = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None)
+        linear = linear.to(dtype=w.dtype, device=w.device)
+        with torch.no_grad():
+            linear.weight.copy_(w.t())
+            if conv.bias is not None:
+                linear.bias.copy_(conv.bias)
+        linear.weight.requires_grad_(w.requires_grad)
+        linear.train(conv.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, linear)
+    return names
+
+
+def _check_sizes(config, tp: int, moe: bool) -> None:
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    sizes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": config.vocab_size,
+    }
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    if moe:
+        sizes["experts"] = getattr(config, "num_local_experts", None) or config.num_experts
+    elif inter:
+        sizes["intermediate_size"] = inter
+    for name, value in sizes.items():
+        if value % tp:
+            raise ValueError(
+                f"parallelize_hf: config.{name} ({value}) must be divisible by tp ({tp}); "
+                "choose a tp that divides it (key/value heads are not replicated)"
+            )
+
+
+def _patch_gpt2_attention(model: nn.Module, tp: int) -> None:
+    for module in model.modules():
+        if hasattr(module, "split_size") and hasattr(module, "c_attn"):
+            module.split_size //= tp
+            module.num_heads //= tp
+            module.embed_dim //= tp
+
+
+def _patch_llama_attention(model: nn.Module, tp: int) -> None:
+    """Per-rank head counts on attention modules that keep them (older transformers releases
+    reshape with ``self.num_heads``; 5.x reads ``-1`` from the tensors and has none of these)."""
+    for module in model.modules():
+        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+            for name in ("num_heads", "num_key_value_heads", "hidden_size"):
+                if isinstance(getattr(module, name, None), int):
+                    setattr(module, name, getattr(module, name) // tp)
+
+
+def _sum_grads_over_group(params, group) -> None:
+    """Replicated parameters that see only part of the work on each rank (Qwen3's per-head
+    q_norm / k_norm, a router that sees this rank's share of the tokens): a gradient hook sums
+    their gradients over the group."""
+
+    def reduce(grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for p in params:
+        p.sequence_parallel = False  # not a sequence-parallel parameter: reduced here
+        if p.requires_grad:
+            p.register_hook(reduce)
+
+
+def _head_norm_params(model: nn.Module):
+    for name, module in model.named_modules():
+        if name.endswith(("self_attn.q_norm", "self_attn.k_norm")):
+            yield from module.parameters(recurse=False)
+
+
+# --------------------------------------------------------------------------------------------
+# parallelize_hf
+# --------------------------------------------------------------------------------------------
+
+
+def parallelize_hf(
+    model: nn.Module,
+    tp: int | None = None,
+    *,
+    group=None,
+    sequence_parallel: bool = False,
+    ep: int | None = None,
+) -> nn.Module:
+    """Tensor-parallelise a ``transformers`` model in place and return it.
+
+    Args:
+        model: a ``PreTrainedModel`` of a supported family (:data:`SUPPORTED_FAMILIES`), with
+            the same weights on every rank (same seed, or load a checkpoint afterwards with
+            :func:`load_hf_state_dict`). fp32/fp16/bf16.
+        tp: the expected tensor-parallel size (checked against the group); None: the group's.
+        group: the tensor-parallel group, a 1-D ``DeviceMesh`` or ``mesh["tp"]`` (default:
+            :func:`mtp.parallel.initialize_model_parallel`'s).
+        sequence_parallel: Megatron sequence parallelism between the blocks (Llama-like
+            families; the sequence length must divide by tp; not for ``generate()``).
+        ep: expert parallelism, for MoE families (Mixtral): the experts are split over the
+            tensor-parallel group, so ``ep`` must be None or equal to tp.
+
+    Raises:
+        ValueError: an unsupported family, sizes that do not divide by tp, ``tp`` different
+            from the group size.
+    """
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"parallelize_hf: model_type {family!r} is not supported; supported: "
+            f"{SUPPORTED_FAMILIES} (other models: mtp.tensor_parallel.parallelize with a plan)"
+        )
+    moe = family in _MOE
+    if ep not in (None, 1) and not moe:
+        raise ValueError(
+            f"parallelize_hf: ep={ep} needs a mixture-of-experts family; {family!r} is dense"
+        )
+    group, _, world = group_rank_and_size(group)
+    if moe and ep not in (None, world):
+        raise ValueError(
+            f"parallelize_hf: {family!r} splits its experts over the tensor-parallel group: "
+            f"ep must be None or tp ({world}), got {ep}"
+        )
+    if tp is not None and tp != world:
+        raise ValueError(f"parallelize_hf: tp={tp} but the tensor-parallel group has {world} ranks")
+    if hasattr(model, _INFO):
+        raise ValueError("parallelize_hf: this model is already parallelized")
+    _check_sizes(config, world, moe)
+    if family == "gpt2":  # before any change to the model: it raises for sequence parallel
+        plan = _gpt2_plan(model, sequence_parallel)
+    else:
+        plan = _llama_plan(model, sequence_parallel)
+    conv1d = _convert_conv1d(model) if family == "gpt2" else []
+    renames = {}
+    if moe:
+        from .hf_moe import swap_moe_blocks
+
+        renames = swap_moe_blocks(model, group, sequence_parallel=sequence_parallel)
+        if not sequence_parallel:
+            routers = [model.get_parameter(n) for n, (_, k) in renames.items() if k == "router"]
+            _sum_grads_over_group(routers, group)
+    parallelize(model, plan, group)
+    if family == "gpt2":
+        _patch_gpt2_attention(model, world)
+    else:
+        _patch_llama_attention(model, world)
+    _sum_grads_over_group(list(_head_norm_params(model)), group)  # Qwen3's per-head norms
+    if sequence_parallel:
+        mark_sequence_parallel_parameters(
+            p for p in model.parameters() if getattr(p, "sequence_parallel", None) is None
+        )
+    info = {"group": group, "family": family, "conv1d": set(conv1d), "renames": renames}
+    info["num_experts"] = getattr(config, "num_local_experts", None) or getattr(
+        config, "num_experts", 0
+    )
+    setattr(model, _INFO, info)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# State dicts
+# --------------------------------------------------------------------------------------------
+
+
+def _info(model: nn.Module) -> dict:
+    info = getattr(model, _INFO, None)
+    if info is None:
+        raise ValueError("the model was not parallelized with mtp.integrations.hf.parallelize_hf")
+    return info
+
+
+def _hf_name(model: nn.Module, name: str) -> str:
+    """The HF name of one of the model's parameters (MoE blocks renamed their parameters)."""
+    renamed = _info(model)["renames"].get(name)
+    return name if renamed is None else renamed[0]
+
+
+def _split_spec(model: nn.Module, name: str):
+    """``(dim, blocks, transform)`` of a sharded parameter in its HF layout (``transform``:
+    None, ``"conv1d"`` for a transposed GPT-2 weight, ``"experts"`` for ``[E, N, K]`` expert
+    weights stored ``[E, K, N]`` by mtp), or None if replicated."""
+    info = _info(model)
+    renamed = info["renames"].get(name)
+    if renamed is not None:
+        if renamed[1] != "experts":
+            return None
+        return 0, [info["num_experts"]], "experts"
+    module_name, _, pname = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    transposed = "conv1d" if module_name in info["conv1d"] and pname == "weight" else None
+    if isinstance(module, ColumnParallelLinear):
+        return 0, module._blocks, transposed
+    if isinstance(module, RowParallelLinear) and pname == "weight":
+        return 1, module._blocks, transposed
+    if isinstance(module, VocabParallelEmbedding):
+        return 0, [module.num_embeddings], None
+    return None
+
+
+def _transform(t: torch.Tensor, transform) -> torch.Tensor:
+    """mtp layout <-> HF layout (both transforms are their own inverse)."""
+    if transform == "conv1d":
+        return t.t()
+    if transform == "experts":
+        return t.transpose(1, 2)
+    return t
+
+
+def _full_tensor(t: torch.Tensor, spec, group) -> torch.Tensor:
+    if spec is None:
+        return t.detach().clone()
+    dim, blocks, transform = spec
+    world = dist.get_world_size(group)
+    stacked = gather_along(t.detach().unsqueeze(0), 0, group)  # [world, *local]
+    sizes = [b // world for b in blocks]
+    per_rank = [s.split(sizes, dim) for s in stacked.unbind(0)]
+    full = torch.cat([torch.cat([r[i] for r in per_rank], dim) for i in range(len(blocks))], dim)
+    return _transform(full, transform).contiguous()
+
+
+def hf_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of a parallelized model, in the HF names and layouts
+    (GPT-2's ``Conv1D`` weights transposed back), equal to ``model.state_dict()`` of the
+    unparallelised model. Collective: call it on every rank of the group; every rank gets all
+    tensors. ``grads=True`` returns the parameters' gradients instead (None grads skipped)."""
+    group = _info(model)["group"]
+    out: dict[str, torch.Tensor] = {}
+    memo: dict[int, torch.Tensor] = {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, value in model.state_dict(keep_vars=True).items():
+        if grads:
+            if name not in params or value.grad is None:
+                continue
+            tensor = value.grad
+        else:
+            tensor = value
+        if id(value) not in memo:
+            spec = _split_spec(model, name) if name in params else None
+            memo[id(value)] = _full_tensor(tensor, spec, group)
+        out[_hf_name(model, name)] = memo[id(value)]
+    return out
+
+
+def _open_source(source):
+    """``name -> getter(index) -> tensor`` over a state dict, a safetensors file or folder."""
+    if isinstance(source, Mapping):
+        return {k: (lambda idx, t=v: t[idx]) for k, v in source.items()}, {
+            k: tuple(v.shape) for k, v in source.items()
+        }
+    from safetensors import safe_open
+
+    path = os.fspath(source)
+    files = [path]
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"load_hf_state_dict: no *.safetensors file in {path!r}")
+    getters, shapes = {}, {}
+    for file in files:
+        handle = safe_open(file, framework="pt")
+        for key in handle.keys():
+            sl = handle.get_slice(key)
+            getters[key] = lambda idx, sl=sl: sl[idx]
+            shapes[key] = tuple(sl.get_shape())
+    return getters, shapes
+
+
+def _read_shard(get, shape, spec, rank: int, world: int) -> torch.Tensor:
+    if spec is None:
+        return get(tuple(slice(None) for _ in shape))
+    dim, blocks, transform = spec
+    stored_dim = 1 - dim if transform == "conv1d" else dim
+    pieces, offset = [], 0
+    for b in blocks:
+        n = b // world
+        idx = [slice(None)] * len(shape)
+        idx[stored_dim] = slice(offset + rank * n, offset + (rank + 1) * n)
+        pieces.append(get(tuple(idx)))
+        offset += b
+    return _transform(torch.cat(pieces, stored_dim), transform)
+
+
+def load_hf_state_dict(model: nn.Module, source, *, strict: bool = True) -> list[str]:
+    """Load full HF weights into a parallelized model; each rank copies only its slices.
+
+    Args:
+        model: returned by :func:`parallelize_hf`.
+        source: a state dict (HF names, full tensors), a ``.safetensors`` file, or a folder of
+            them (only this rank's slices are read from disk).
+        strict: raise ``KeyError`` when a parameter is missing from ``source``.
+
+    Returns:
+        The names of the parameters that were not found (empty when ``strict``).
+    """
+    group = _info(model)["group"]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    getters, shapes = _open_source(source)
+    missing = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = _hf_name(model, name)
+            if key not in getters:
+                missing.append(key)
+                continue
+            spec = _split_spec(model, name)
+            value = _read_shard(getters[key], shapes[key], spec, rank, world)
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"load_hf_state_dict: {key}: the shard has shape {tuple(value.shape)}, the "
+                    f"model's parameter {tuple(param.shape)} (a checkpoint of another config?)"
+                )
+            param.copy_(value)
+    if missing and strict:
+        raise KeyError(f"load_hf_state_dict: missing from the source: {missing}")
+    return missing

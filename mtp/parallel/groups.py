@@ -1,0 +1,55 @@
+"""Process-group plumbing shared by the mappings, the layers and the ops.
+
+- :func:`group_from_mesh`: ``group=`` arguments accept a ``DeviceMesh`` (1-D, or one named
+  dimension of a larger mesh: ``mesh["tp"]``) as well as a ``ProcessGroup``.
+- :func:`group_name` / :func:`resolve_group_name`: a trace-safe way to pass a group through a
+  ``torch.library`` custom op (which cannot take a ``ProcessGroup``): the name is the one
+  ``torch.distributed`` registers every group under when it creates it, so nothing is mutated
+  while ``torch.compile`` traces (a module-level registry filled as a side effect is deferred
+  by Dynamo and missing when the compiled graph first runs).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+__all__ = ["group_from_mesh", "group_name", "resolve_group_name"]
+
+
+def _device_mesh_type():
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without DeviceMesh
+        return None
+    return DeviceMesh
+
+
+def group_from_mesh(group, what: str = "group"):
+    """``group`` itself, or the process group of a 1-D ``DeviceMesh``.
+
+    Raises:
+        ValueError: a DeviceMesh with more than one dimension (name the dimension:
+            ``mesh["tp"]``).
+    """
+    mesh_type = _device_mesh_type()
+    if mesh_type is None or not isinstance(group, mesh_type):
+        return group
+    if group.ndim != 1:
+        names = getattr(group, "mesh_dim_names", None)
+        raise ValueError(
+            f"{what}: a DeviceMesh with {group.ndim} dimensions {names} is ambiguous; pass one "
+            "dimension of it, e.g. mesh['tp']"
+        )
+    return group.get_group()
+
+
+def group_name(group: dist.ProcessGroup) -> str:
+    """The name ``torch.distributed`` registered ``group`` under (traceable by Dynamo)."""
+    return group.group_name
+
+
+def resolve_group_name(name: str) -> dist.ProcessGroup:
+    """The process group registered under ``name`` (see :func:`group_name`)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
