@@ -101,7 +101,7 @@ TORCHRUN = $(PY) -m torch.distributed.run --standalone --nproc-per-node $(DEMO_N
 .PHONY: demo
 demo: $(VENV)/.bench-installed
 	OMP_NUM_THREADS=1 $(TORCHRUN) examples/demo_train.py --png demo_loss.png $(DEMO_ARGS)
-	OMP_NUM_THREADS=1 $(TORCHRUN) examples/demo_train.py --moe --png demo_loss_moe.png $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(TORCHRUN) examples/demo_train.py --moe --fused-loss --png demo_loss_moe.png $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-min build *.egg-info .pytest_cache mtp/_cuda_gemm*.so demo_loss*.png

@@ -35,6 +35,7 @@ from mtp.tensor_parallel import (
     ParallelMLP,
     ParallelSelfAttention,
     VocabParallelEmbedding,
+    VocabParallelLinearCrossEntropy,
     vocab_parallel_cross_entropy,
 )
 
@@ -110,14 +111,18 @@ class TinyGPT(nn.Module):
                 if not getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True):
                     p.sequence_parallel = True
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``[s, b]`` ids -> ``[s, b, V/tp]`` this rank's vocabulary shard of the logits."""
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[s, b]`` ids -> ``[s(/tp), b, h]`` the final hidden states (this rank's chunk)."""
         x = self.embed(tokens)  # [s/tp, b, h] under sequence parallel
         chunk = x.size(0)  # positions of this rank's chunk
         x = x + self.pos[self.tp_rank * chunk : (self.tp_rank + 1) * chunk]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[s, b]`` ids -> ``[s, b, V/tp]`` this rank's vocabulary shard of the logits."""
+        return self.head(self.hidden(tokens))
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,6 +136,8 @@ def parse_args(argv=None):
     p.add_argument("--ep", type=int, default=None,
                    help="expert parallel size (with --moe; default and with tp > 1: = tp)")
     p.add_argument("--moe", action="store_true", help="MoE blocks instead of dense MLPs")
+    p.add_argument("--fused-loss", action="store_true",
+                   help="LM head + loss fused (VocabParallelLinearCrossEntropy: no logits)")
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--steps", type=int, default=150)
@@ -207,6 +214,11 @@ def main(argv=None) -> dict:
     model = DistributedDataParallel(TinyGPT(args), use_distributed_optimizer=True)
     opt = DistributedOptimizer(torch.optim.AdamW, model, lr=args.lr, weight_decay=0.01,
                                clip_grad=1.0)
+    fused_loss = None
+    if args.fused_loss:  # shares the head's weight (reduction="mean" over the tokens)
+        fused_loss = VocabParallelLinearCrossEntropy.from_column_parallel(
+            model.module.head, chunk_size=256
+        )
     sizes = mp.get_parallel_sizes()
     kind = f"MoE ({args.experts} experts, top-{args.topk})" if args.moe else "dense"
     if rank == 0:
@@ -220,7 +232,10 @@ def main(argv=None) -> dict:
         tokens, targets = get_batch(data, args.seq, args.batch, step, dp_rank)
         tokens, targets = tokens.to(device), targets.to(device)
         opt.zero_grad()
-        loss = vocab_parallel_cross_entropy(model(tokens), targets).mean()
+        if fused_loss is not None:  # the head's GEMM and the loss chunk by chunk, no logits
+            loss = fused_loss(model.module.hidden(tokens), targets)
+        else:
+            loss = vocab_parallel_cross_entropy(model(tokens), targets).mean()
         loss.backward()
         opt.step()
         # the loss is replicated over tp; average it over dp for the curve

@@ -1,5 +1,6 @@
 """`make demo`, short: the dense and MoE GPT train under torchrun (4 CPU ranks, gloo) with
-tp=2 x dp=2 (x ep=2), the distributed optimizer and the vocab-parallel loss; the loss falls and
+tp=2 x dp=2 (x ep=2), the distributed optimizer and the vocab-parallel loss (the MoE variant
+with the LM head fused into it, VocabParallelLinearCrossEntropy); the loss falls and
 every tensor-parallel rank computes the same loss at every step."""
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("variant", [[], ["--moe"]], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "variant", [[], ["--moe", "--fused-loss"]], ids=["dense", "moe-fused-loss"]
+)
 def test_demo_loss_falls_and_tp_ranks_agree(tmp_path, variant):
     out = tmp_path / "summary.json"
     png = tmp_path / "curve.png"
