@@ -1,5 +1,5 @@
 """Qwen2-MoE and DeepSeek-V3 through mtp.integrations.hf at tp=2, ep=2 (gloo, fp32, tiny random
-configs): loss, logits and every gradient equal the unparallelised HF model, the HF state dict
+configs; DeepSeek-V3 with and without ``q_lora_rank``): loss, logits and every gradient equal the unparallelised HF model, the HF state dict
 (shared experts' gate/up/down projections, DeepSeek's ``e_score_correction_bias``) round-trips
 exactly, and generate() gives the same greedy tokens."""
 
@@ -35,7 +35,7 @@ def _config(case: str):
         n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
         moe_intermediate_size=16, n_shared_experts=2, first_k_dense_replace=1,
         norm_topk_prob=not case.endswith("nonorm"), routed_scaling_factor=2.5,
-        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        q_lora_rank=None if case.endswith("nonorm") else 16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
         **common,
     )
 
@@ -58,11 +58,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _check(rank, case, sp):
     from mtp.integrations.hf import hf_state_dict, load_hf_state_dict, parallelize_hf
     from mtp.moe import MoELayer
+    from mtp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from mtp.tensor_parallel import allreduce_sequence_parallel_grads
 
     ref = _model(case, 0)
     par = parallelize_hf(copy.deepcopy(ref), tp=2, ep=2, sequence_parallel=sp)
     result = {"swapped": sum(isinstance(m, MoELayer) for m in par.modules())}
+    # attention split by heads (DeepSeek-V3: q_proj or q_b_proj, kv_b_proj; o_proj row)
+    attn = par.model.layers[0].self_attn
+    heads = [getattr(attn, n, None) for n in ("q_proj", "q_b_proj", "k_proj", "kv_b_proj")]
+    result["attention_split"] = isinstance(attn.o_proj, RowParallelLinear) and all(
+        isinstance(m, ColumnParallelLinear) for m in heads if m is not None
+    )
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
     out_ref = ref(input_ids=ids, labels=ids)
     out_ref.loss.backward()
@@ -93,23 +100,20 @@ def _check(rank, case, sp):
 
 
 def _worker(rank, world, cases):
-    from mtp.integrations.hf import parallelize_hf
     from mtp.parallel import initialize_model_parallel
 
     initialize_model_parallel(tensor_model_parallel_size=world)
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        parallelize_hf(_model("deepseek_v3", 0), tp=2, sequence_parallel=True)
     return {f"{c}{'-sp' if sp else ''}": _check(rank, c, sp) for c, sp in cases}
 
 
 CASES = [("qwen2_moe", False), ("qwen2_moe_norm", True), ("deepseek_v3", False),
-         ("deepseek_v3_nonorm", False)]
+         ("deepseek_v3_nonorm", True)]
 
 
 def test_qwen2_moe_and_deepseek_v3_tp2_ep2_equal_unparallelised():
     for rank_result in run_distributed(_worker, 2, CASES, timeout=240):
         for case, r in rank_result.items():
-            assert r["swapped"] == 1, (case, r)
+            assert r["swapped"] == 1 and r["attention_split"], (case, r)
             assert r["loss"] <= 1e-5 and r["logits"] <= 1e-5, (case, r)
             assert r["grad"] <= 1e-5, (case, r)
             assert r["roundtrip_exact"] and r["load_exact"], (case, r)

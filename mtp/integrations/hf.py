@@ -14,8 +14,9 @@ Supported families (``config.model_type``): ``llama``, ``mistral``, ``qwen2``, `
 column-parallel with gathered logits), ``mixtral``, ``qwen2_moe`` and ``qwen3_moe`` (the same
 attention; each sparse MoE block swapped for :class:`mtp.moe.MoELayer` with the family's routing
 and shared expert, experts split over the group, ``ep == tp``: :mod:`mtp.integrations.hf_moe`),
-``deepseek_v3`` (the MoE blocks and dense MLPs as above; its multi-head latent attention stays
-replicated: no tensor parallelism there, no sequence parallel) and ``gpt2`` (its ``Conv1D``
+``deepseek_v3`` (the MoE blocks and dense MLPs as above; multi-head latent attention split by
+heads: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` column-parallel, ``o_proj`` row-parallel, the
+latent down-projections and norms replicated with their gradients summed over tp) and ``gpt2`` (its ``Conv1D``
 modules become linear layers; the fused ``c_attn`` is split per q/k/v block; ``split_size`` and
 head counts are patched on the attention modules). Sibling
 projections share one entry into the tensor-parallel region
@@ -55,19 +56,20 @@ _INFO = "_mtp_hf"
 # --------------------------------------------------------------------------------------------
 
 
-def _llama_plan(model: nn.Module, sp: bool, attention: bool = True) -> dict:
-    """``attention=False`` (DeepSeek-V3's latent attention): attention stays replicated."""
+def _llama_plan(model: nn.Module, sp: bool, mla: bool = False) -> dict:
+    """``mla`` (DeepSeek-V3's multi-head latent attention): the per-head projections
+    (``q_proj`` or ``q_b_proj``, ``kv_b_proj``) are column-parallel, ``o_proj`` row-parallel;
+    the latent down-projections and their norms stay replicated (see :func:`_mla_params`)."""
     lin = {"sequence_parallel": sp, "seq_dim": 1}
     hook = {"style": "shared_input", "sequence_parallel": sp, "seq_dim": 1}
-    plan = {"*.embed_tokens": "vocab"}
-    if attention:
-        plan.update({
-            "*.self_attn": hook,
-            "*.self_attn.q_proj": {"style": "column", **lin},
-            "*.self_attn.k_proj": {"style": "column", **lin},
-            "*.self_attn.v_proj": {"style": "column", **lin},
-            "*.self_attn.o_proj": {"style": "row", **lin},
-        })
+    column = ("q_proj", "k_proj", "v_proj")
+    if mla:
+        names = {n.rpartition(".")[2] for n, _ in model.named_modules()}
+        column = tuple(c for c in ("q_proj", "q_b_proj", "kv_b_proj") if c in names)
+    plan = {"*.embed_tokens": "vocab", "*.self_attn": hook}
+    for c in column:
+        plan[f"*.self_attn.{c}"] = {"style": "column", **lin}
+    plan["*.self_attn.o_proj"] = {"style": "row", **lin}
     # dense MLPs only (an MoE model may have some, e.g. Qwen3-MoE's mlp_only_layers)
     mlps = [
         n for n, m in model.named_modules() if isinstance(getattr(m, "gate_proj", None), nn.Linear)
@@ -145,9 +147,9 @@ def _convert_conv1d(model: nn.Module) -> list[str]:
 def _check_sizes(config, tp: int, moe: bool) -> None:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
     kv = getattr(config, "num_key_value_heads", None) or heads
-    sizes = {"vocab_size": config.vocab_size}
-    if config.model_type != "deepseek_v3":  # its attention stays replicated
-        sizes.update(num_attention_heads=heads, num_key_value_heads=kv)
+    sizes = {"num_attention_heads": heads, "vocab_size": config.vocab_size}
+    if config.model_type != "deepseek_v3":  # latent attention: the kv latent is not split
+        sizes["num_key_value_heads"] = kv
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
     if moe:
         sizes["experts"] = getattr(config, "num_local_experts", None) or config.num_experts
@@ -201,6 +203,18 @@ def _head_norm_params(model: nn.Module):
             yield from module.parameters(recurse=False)
 
 
+_MLA_REPLICATED = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+
+
+def _mla_params(model: nn.Module):
+    """DeepSeek-V3's replicated latent projections and norms: each rank back-propagates only
+    its heads' share into them (their gradients are summed over tp; the attention input's
+    gradient by the shared entry's all-reduce)."""
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in _MLA_REPLICATED and ".self_attn." in f".{name}":
+            yield from module.parameters(recurse=False)
+
+
 # --------------------------------------------------------------------------------------------
 # parallelize_hf
 # --------------------------------------------------------------------------------------------
@@ -232,7 +246,7 @@ def parallelize_hf(
     Raises:
         ValueError: an unsupported family, sizes that do not divide by tp, ``tp`` different
             from the group size.
-        NotImplementedError: ``sequence_parallel=True`` for ``gpt2`` or ``deepseek_v3``.
+        NotImplementedError: ``sequence_parallel=True`` for ``gpt2``.
     """
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
@@ -257,11 +271,6 @@ def parallelize_hf(
     if hasattr(model, _INFO):
         raise ValueError("parallelize_hf: this model is already parallelized")
     _check_sizes(config, world, moe)
-    if family == "deepseek_v3" and sequence_parallel:
-        raise NotImplementedError(
-            "parallelize_hf: sequence_parallel=True is not supported for deepseek_v3 (its "
-            "latent attention is not tensor-parallel); use sequence_parallel=False"
-        )
     if family == "gpt2":  # before any change to the model: it raises for sequence parallel
         plan = _gpt2_plan(model, sequence_parallel)
     conv1d = _convert_conv1d(model) if family == "gpt2" else []
@@ -278,13 +287,14 @@ def parallelize_hf(
             ]
             _sum_grads_over_group(replicated, group)
     if family != "gpt2":
-        plan = _llama_plan(model, sequence_parallel, attention=family != "deepseek_v3")
+        plan = _llama_plan(model, sequence_parallel, mla=family == "deepseek_v3")
     parallelize(model, plan, group)
     if family == "gpt2":
         _patch_gpt2_attention(model, world)
-    elif family != "deepseek_v3":
+    elif family != "deepseek_v3":  # (DeepSeek-V3 reshapes with -1 heads)
         _patch_llama_attention(model, world)
     _sum_grads_over_group(list(_head_norm_params(model)), group)  # Qwen3's per-head norms
+    _sum_grads_over_group(list(_mla_params(model)), group)  # DeepSeek-V3's latent projections
     if sequence_parallel:
         mark_sequence_parallel_parameters(
             p for p in model.parameters() if getattr(p, "sequence_parallel", None) is None
