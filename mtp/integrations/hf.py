@@ -11,12 +11,14 @@
 
 Supported families (``config.model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``
 (q/k/v and gate/up column-parallel, o/down row-parallel, embedding vocab-parallel, ``lm_head``
-column-parallel with gathered logits), ``mixtral`` and ``qwen3_moe`` (the same attention; each
-sparse MoE block swapped for :class:`mtp.moe.MoELayer` with the family's routing, experts split
-over the group, ``ep == tp``: :mod:`mtp.integrations.hf_moe`) and ``gpt2`` (its ``Conv1D``
+column-parallel with gathered logits), ``mixtral``, ``qwen2_moe`` and ``qwen3_moe`` (the same
+attention; each sparse MoE block swapped for :class:`mtp.moe.MoELayer` with the family's routing
+and shared expert, experts split over the group, ``ep == tp``: :mod:`mtp.integrations.hf_moe`),
+``deepseek_v3`` (the MoE blocks and dense MLPs as above; multi-head latent attention split by
+heads: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` column-parallel, ``o_proj`` row-parallel, the
+latent down-projections and norms replicated with their gradients summed over tp) and ``gpt2`` (its ``Conv1D``
 modules become linear layers; the fused ``c_attn`` is split per q/k/v block; ``split_size`` and
-head counts are patched on the attention modules). Qwen2-MoE and DeepSeek-V3 are not mapped yet
-(their shared experts' weights need a mapping; ``mtp.moe`` has the routing). Sibling
+head counts are patched on the attention modules). Sibling
 projections share one entry into the tensor-parallel region
 (:mod:`mtp.tensor_parallel.siblings`), so a transformer layer costs two all-reduces forward and
 two backward. ``sequence_parallel=True`` (Llama-like families):
@@ -43,9 +45,9 @@ from mtp.tensor_parallel.utils import group_rank_and_size, mark_sequence_paralle
 
 __all__ = ["SUPPORTED_FAMILIES", "hf_state_dict", "load_hf_state_dict", "parallelize_hf"]
 
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-_MOE = ("mixtral", "qwen3_moe")
-SUPPORTED_FAMILIES = (*_LLAMA_LIKE, "gpt2")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+SUPPORTED_FAMILIES = (*_LLAMA_LIKE, "deepseek_v3", "gpt2")
 _INFO = "_mtp_hf"
 
 
@@ -54,17 +56,20 @@ _INFO = "_mtp_hf"
 # --------------------------------------------------------------------------------------------
 
 
-def _llama_plan(model: nn.Module, sp: bool) -> dict:
+def _llama_plan(model: nn.Module, sp: bool, mla: bool = False) -> dict:
+    """``mla`` (DeepSeek-V3's multi-head latent attention): the per-head projections
+    (``q_proj`` or ``q_b_proj``, ``kv_b_proj``) are column-parallel, ``o_proj`` row-parallel;
+    the latent down-projections and their norms stay replicated (see :func:`_mla_params`)."""
     lin = {"sequence_parallel": sp, "seq_dim": 1}
     hook = {"style": "shared_input", "sequence_parallel": sp, "seq_dim": 1}
-    plan = {
-        "*.embed_tokens": "vocab",
-        "*.self_attn": hook,
-        "*.self_attn.q_proj": {"style": "column", **lin},
-        "*.self_attn.k_proj": {"style": "column", **lin},
-        "*.self_attn.v_proj": {"style": "column", **lin},
-        "*.self_attn.o_proj": {"style": "row", **lin},
-    }
+    column = ("q_proj", "k_proj", "v_proj")
+    if mla:
+        names = {n.rpartition(".")[2] for n, _ in model.named_modules()}
+        column = tuple(c for c in ("q_proj", "q_b_proj", "kv_b_proj") if c in names)
+    plan = {"*.embed_tokens": "vocab", "*.self_attn": hook}
+    for c in column:
+        plan[f"*.self_attn.{c}"] = {"style": "column", **lin}
+    plan["*.self_attn.o_proj"] = {"style": "row", **lin}
     # dense MLPs only (an MoE model may have some, e.g. Qwen3-MoE's mlp_only_layers)
     mlps = [
         n for n, m in model.named_modules() if isinstance(getattr(m, "gate_proj", None), nn.Linear)
@@ -142,11 +147,9 @@ def _convert_conv1d(model: nn.Module) -> list[str]:
 def _check_sizes(config, tp: int, moe: bool) -> None:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
     kv = getattr(config, "num_key_value_heads", None) or heads
-    sizes = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "vocab_size": config.vocab_size,
-    }
+    sizes = {"num_attention_heads": heads, "vocab_size": config.vocab_size}
+    if config.model_type != "deepseek_v3":  # latent attention: the kv latent is not split
+        sizes["num_key_value_heads"] = kv
     inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
     if moe:
         sizes["experts"] = getattr(config, "num_local_experts", None) or config.num_experts
@@ -200,6 +203,18 @@ def _head_norm_params(model: nn.Module):
             yield from module.parameters(recurse=False)
 
 
+_MLA_REPLICATED = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+
+
+def _mla_params(model: nn.Module):
+    """DeepSeek-V3's replicated latent projections and norms: each rank back-propagates only
+    its heads' share into them (their gradients are summed over tp; the attention input's
+    gradient by the shared entry's all-reduce)."""
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in _MLA_REPLICATED and ".self_attn." in f".{name}":
+            yield from module.parameters(recurse=False)
+
+
 # --------------------------------------------------------------------------------------------
 # parallelize_hf
 # --------------------------------------------------------------------------------------------
@@ -224,12 +239,14 @@ def parallelize_hf(
             :func:`mtp.parallel.initialize_model_parallel`'s).
         sequence_parallel: Megatron sequence parallelism between the blocks (Llama-like
             families; the sequence length must divide by tp; not for ``generate()``).
-        ep: expert parallelism, for MoE families (Mixtral): the experts are split over the
-            tensor-parallel group, so ``ep`` must be None or equal to tp.
+        ep: expert parallelism, for MoE families (Mixtral, Qwen2/3-MoE, DeepSeek-V3): the
+            experts are split over the tensor-parallel group, so ``ep`` must be None or equal
+            to tp.
 
     Raises:
         ValueError: an unsupported family, sizes that do not divide by tp, ``tp`` different
             from the group size.
+        NotImplementedError: ``sequence_parallel=True`` for ``gpt2``.
     """
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
@@ -256,23 +273,28 @@ def parallelize_hf(
     _check_sizes(config, world, moe)
     if family == "gpt2":  # before any change to the model: it raises for sequence parallel
         plan = _gpt2_plan(model, sequence_parallel)
-    else:
-        plan = _llama_plan(model, sequence_parallel)
     conv1d = _convert_conv1d(model) if family == "gpt2" else []
     renames = {}
-    if moe:
+    if moe:  # before the plan: the shared experts' gate_proj must not be taken for dense MLPs
         from .hf_moe import swap_moe_blocks
 
         renames = swap_moe_blocks(model, group, sequence_parallel=sequence_parallel)
-        if not sequence_parallel:
-            routers = [model.get_parameter(n) for n, (_, k) in renames.items() if k == "router"]
-            _sum_grads_over_group(routers, group)
+        if not sequence_parallel:  # router and shared expert see this rank's share of tokens
+            replicated = [
+                model.get_parameter(n)
+                for n, (_, k) in renames.items()
+                if k in ("router", "shared", "fc1")
+            ]
+            _sum_grads_over_group(replicated, group)
+    if family != "gpt2":
+        plan = _llama_plan(model, sequence_parallel, mla=family == "deepseek_v3")
     parallelize(model, plan, group)
     if family == "gpt2":
         _patch_gpt2_attention(model, world)
-    else:
+    elif family != "deepseek_v3":  # (DeepSeek-V3 reshapes with -1 heads)
         _patch_llama_attention(model, world)
     _sum_grads_over_group(list(_head_norm_params(model)), group)  # Qwen3's per-head norms
+    _sum_grads_over_group(list(_mla_params(model)), group)  # DeepSeek-V3's latent projections
     if sequence_parallel:
         mark_sequence_parallel_parameters(
             p for p in model.parameters() if getattr(p, "sequence_parallel", None) is None
@@ -297,8 +319,9 @@ def _info(model: nn.Module) -> dict:
     return info
 
 
-def _hf_name(model: nn.Module, name: str) -> str:
-    """The HF name of one of the model's parameters (MoE blocks renamed their parameters)."""
+def _hf_name(model: nn.Module, name: str):
+    """The HF name of one of the model's tensors (MoE blocks renamed theirs); a ``(gate, up)``
+    pair for a shared expert's ``linear_fc1`` (the two HF tensors stacked on dim 0)."""
     renamed = _info(model)["renames"].get(name)
     return name if renamed is None else renamed[0]
 
@@ -365,7 +388,12 @@ def hf_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.T
         if id(value) not in memo:
             spec = _split_spec(model, name) if name in params else None
             memo[id(value)] = _full_tensor(tensor, spec, group)
-        out[_hf_name(model, name)] = memo[id(value)]
+        key = _hf_name(model, name)
+        if isinstance(key, tuple):  # shared expert fc1 -> gate_proj, up_proj
+            for k, part in zip(key, memo[id(value)].chunk(len(key), 0)):
+                out[k] = part.clone()
+        else:
+            out[key] = memo[id(value)]
     return out
 
 
@@ -424,14 +452,19 @@ def load_hf_state_dict(model: nn.Module, source, *, strict: bool = True) -> list
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     getters, shapes = _open_source(source)
     missing = []
+    renamed_buffers = [
+        (n, model.get_buffer(n)) for n, (_, k) in _info(model)["renames"].items() if k == "buffer"
+    ]
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *renamed_buffers]:
             key = _hf_name(model, name)
-            if key not in getters:
-                missing.append(key)
+            keys = key if isinstance(key, tuple) else (key,)
+            absent = [k for k in keys if k not in getters]
+            if absent:
+                missing.extend(absent)
                 continue
             spec = _split_spec(model, name)
-            value = _read_shard(getters[key], shapes[key], spec, rank, world)
+            value = torch.cat([_read_shard(getters[k], shapes[k], spec, rank, world) for k in keys])
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
                     f"load_hf_state_dict: {key}: the shard has shape {tuple(value.shape)}, the "

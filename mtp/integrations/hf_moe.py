@@ -1,11 +1,19 @@
 """Mixture-of-experts blocks of Hugging Face models swapped for :class:`mtp.moe.MoELayer`.
 
-Used by :func:`mtp.integrations.hf.parallelize_hf` for the Mixtral and Qwen3-MoE families: each
-``MixtralSparseMoeBlock`` / ``Qwen3MoeSparseMoeBlock`` becomes an :class:`HFMoEBlock` (a
-``MoELayer`` with the family's routing: Mixtral and Qwen3-MoE with ``norm_topk_prob`` softmax
-over the top-k logits, Qwen3-MoE without it the top-k of the softmax over all experts; SwiGLU
-experts) whose experts are split over the expert-parallel group, which is the tensor-parallel
-group here (``ep == tp``).
+Used by :func:`mtp.integrations.hf.parallelize_hf` for the Mixtral, Qwen2-MoE, Qwen3-MoE and
+DeepSeek-V3 families: each ``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock`` /
+``Qwen3MoeSparseMoeBlock`` / ``DeepseekV3MoE`` becomes an :class:`HFMoEBlock` (a ``MoELayer``
+with the family's routing, SwiGLU experts) whose experts are split over the expert-parallel
+group, which is the tensor-parallel group here (``ep == tp``):
+
+- Mixtral, Qwen2/3-MoE with ``norm_topk_prob``: softmax over the top-k logits; without it the
+  top-k of the softmax over all experts (``pre_softmax``).
+- Qwen2-MoE's ``shared_expert`` (``gate_proj``/``up_proj``/``down_proj``) becomes the layer's
+  :class:`~mtp.moe.SharedExpertMLP` (``linear_fc1`` = gate rows then up rows) with
+  ``shared_expert_gate`` as its sigmoid gate.
+- DeepSeek-V3: sigmoid scores, ``e_score_correction_bias`` -> the router's ``expert_bias``
+  buffer (selection only), ``n_group``/``topk_group`` groups scored by their best two,
+  ``norm_topk_prob``, ``routed_scaling_factor``; ``shared_experts`` as Qwen2-MoE's, ungated.
 
 Without sequence parallelism every tensor-parallel rank holds the same tokens; the block keeps
 this rank's share of them (split forward, all-gather backward), routes it through the experts
@@ -30,7 +38,9 @@ __all__ = ["MOE_BLOCKS", "HFMoEBlock", "swap_moe_blocks"]
 #: HF block class name -> the config attribute holding each expert's intermediate size.
 MOE_BLOCKS = {
     "MixtralSparseMoeBlock": "intermediate_size",
+    "Qwen2MoeSparseMoeBlock": "moe_intermediate_size",
     "Qwen3MoeSparseMoeBlock": "moe_intermediate_size",
+    "DeepseekV3MoE": "moe_intermediate_size",
 }
 
 
@@ -60,16 +70,87 @@ class HFMoEBlock(MoELayer):
         return out[: out.size(0) - pad].view(shape)
 
 
+def _routing_kwargs(block, config) -> dict:
+    """The ``MoELayer`` routing and shared-expert arguments of an HF block (see the module
+    docstring)."""
+    kind = type(block).__name__
+    if kind == "DeepseekV3MoE":
+        groups = config.n_group if config.n_group and config.n_group > 1 else None
+        return dict(
+            score_function="sigmoid",
+            expert_bias=True,
+            num_groups=groups,
+            group_topk=config.topk_group if groups else None,
+            group_score="top2",
+            norm_topk_prob=bool(config.norm_topk_prob),
+            scaling_factor=config.routed_scaling_factor,
+            shared_expert_intermediate_size=config.n_shared_experts * config.moe_intermediate_size,
+        )
+    # softmax over all experts then top-k without renormalising = Megatron's pre_softmax
+    kwargs = dict(score_function="softmax", pre_softmax=not getattr(config, "norm_topk_prob", True))
+    if kind == "Qwen2MoeSparseMoeBlock":
+        kwargs.update(
+            shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+            shared_expert_gate=True,
+        )
+    return kwargs
+
+
+def _shared_expert(block):
+    """``(HF attribute name, module)`` of a block's shared expert, or None."""
+    for attr in ("shared_expert", "shared_experts"):
+        if getattr(block, attr, None) is not None:
+            return attr, getattr(block, attr)
+    return None
+
+
+def _copy_weights(new: HFMoEBlock, block, name: str, renames: dict) -> None:
+    """Copy the HF block's weights into ``new`` and record the state-dict names: kinds
+    ``"router"``, ``"experts"`` (split over the group), ``"shared"`` (replicated),
+    ``"fc1"`` (one mtp tensor = two HF tensors stacked on dim 0) and ``"buffer"``."""
+    local = list(new.local_expert_indices)
+    w = block.experts.gate_up_proj
+    with torch.no_grad():
+        new.router.weight.copy_(block.gate.weight)
+        new.experts.weight1.copy_(w[local].transpose(1, 2))
+        new.experts.weight2.copy_(block.experts.down_proj[local].transpose(1, 2))
+    renames[f"{name}.router.weight"] = (f"{name}.gate.weight", "router")
+    renames[f"{name}.experts.weight1"] = (f"{name}.experts.gate_up_proj", "experts")
+    renames[f"{name}.experts.weight2"] = (f"{name}.experts.down_proj", "experts")
+    bias = getattr(block.gate, "e_score_correction_bias", None)
+    if bias is not None:
+        with torch.no_grad():
+            new.router.expert_bias.copy_(bias)
+        renames[f"{name}.router.expert_bias"] = (f"{name}.gate.e_score_correction_bias", "buffer")
+    shared = _shared_expert(block)
+    if shared is None:
+        return
+    attr, mlp = shared
+    ours = new.shared_experts
+    with torch.no_grad():
+        ours.linear_fc1.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0))
+        ours.linear_fc2.weight.copy_(mlp.down_proj.weight)
+    hf = f"{name}.{attr}"
+    renames[f"{name}.shared_experts.linear_fc1.weight"] = (
+        (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"), "fc1",
+    )
+    renames[f"{name}.shared_experts.linear_fc2.weight"] = (f"{hf}.down_proj.weight", "shared")
+    gate = getattr(block, "shared_expert_gate", None)
+    if gate is not None:
+        with torch.no_grad():
+            ours.gate_weight.copy_(gate.weight)
+        hf_gate = f"{name}.shared_expert_gate.weight"
+        renames[f"{name}.shared_experts.gate_weight"] = (hf_gate, "shared")
+
+
 def swap_moe_blocks(model: nn.Module, group, *, sequence_parallel: bool) -> dict:
     """Replace every HF sparse MoE block (:data:`MOE_BLOCKS`) in place; returns ``{mtp
-    parameter name: (HF name, kind)}`` for the state-dict translation (kind ``"router"`` or
-    ``"experts"``)."""
+    tensor name: (HF name, kind)}`` for the state-dict translation (kinds: see
+    ``_copy_weights``; an ``"fc1"`` entry's HF name is a ``(gate, up)`` pair)."""
     config = model.config
-    renames: dict[str, tuple[str, str]] = {}
+    renames: dict[str, tuple] = {}
     names = [n for n, m in model.named_modules() if n and type(m).__name__ in MOE_BLOCKS]
     experts = getattr(config, "num_local_experts", None) or config.num_experts
-    # softmax over all experts then top-k without renormalising = Megatron's pre_softmax
-    pre_softmax = not getattr(config, "norm_topk_prob", True)
     for name in names:
         block = model.get_submodule(name)
         w = block.experts.gate_up_proj
@@ -80,25 +161,17 @@ def swap_moe_blocks(model: nn.Module, group, *, sequence_parallel: bool) -> dict
             config.num_experts_per_tok,
             ep_group=group,
             activation="swiglu",
-            score_function="softmax",
-            pre_softmax=pre_softmax,
             params_dtype=w.dtype,
             device=w.device,
             perform_initialization=False,
             tp_group=group,
             split_tokens=not sequence_parallel,
+            **_routing_kwargs(block, config),
         )
-        local = list(new.local_expert_indices)
-        with torch.no_grad():
-            new.router.weight.copy_(block.gate.weight)
-            new.experts.weight1.copy_(w[local].transpose(1, 2))
-            new.experts.weight2.copy_(block.experts.down_proj[local].transpose(1, 2))
+        _copy_weights(new, block, name, renames)
         for p in new.experts.parameters():
             p.sequence_parallel = False  # complete gradients: every token of the group reaches them
         new.train(block.training)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
-        renames[f"{name}.router.weight"] = (f"{name}.gate.weight", "router")
-        renames[f"{name}.experts.weight1"] = (f"{name}.experts.gate_up_proj", "experts")
-        renames[f"{name}.experts.weight2"] = (f"{name}.experts.down_proj", "experts")
     return renames
