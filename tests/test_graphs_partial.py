@@ -184,3 +184,65 @@ def test_moe_preprocess_boundary_outputs(cf):
     out = block.eager_forward(torch.full_like(x, float("nan")))  # x itself is not read
     block.tensor_store.clear()
     torch.testing.assert_close(out, block.eager_forward(x))
+
+
+def _ep_moe_preprocess_worker(rank, world):
+    """EP=2 dropless: the captured moe_preprocess part holds no collective and is graph-safe;
+    replays with new routings on every rank equal the eager blocks (outputs and gradients)."""
+    import torch.distributed as dist
+
+    from mtp.testing import count_collectives
+
+    def blocks_():
+        out = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            moe = MoELayer(H, 12, num_experts=4, topk=2, aux_loss_coeff=0.01,
+                           ep_group=dist.group.WORLD, backend="torch")
+            out.append(PartialMoEBlock(Attn(), moe, "moe_preprocess"))
+        return out
+
+    blocks, eager = blocks_(), blocks_()
+    m = 3
+    order = get_pipeline_order(2, 0, m)
+    capture_blocks(blocks, torch.zeros(2, 5, H, requires_grad=True), order=order)
+    step = blocks[0].graphed.steps[0]
+    with count_collectives() as coll:
+        step(torch.randn(2, 5, H))
+    assert coll.count() == 0, coll  # no collective in the captured part
+    assert_graph_safe(step, torch.randn(2, 5, H))
+    gen = torch.Generator().manual_seed(50 + rank)
+    for _ in range(2):
+        xs = [torch.randn(2, 5, H, generator=gen) for _ in range(m)]
+        gs = [torch.randn(2, 5, H, generator=gen) for _ in range(m)]
+        for b in blocks:
+            b.graphed.reset()
+        pending, fwd, bwd = {}, 0, 0
+        for c in order:
+            if c > 0:
+                x = xs[fwd].clone().requires_grad_(True)
+                xr = xs[fwd].clone().requires_grad_(True)
+                y, yr = x, xr
+                for b, e in zip(blocks, eager):
+                    y, yr = b(y), e(yr)
+                torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(blocks[1].moe.router.aux_loss,
+                                           eager[1].moe.router.aux_loss)
+                pending[fwd] = (x, y, xr, yr)
+                fwd += 1
+            else:
+                x, y, xr, yr = pending.pop(bwd)
+                y.backward(gs[bwd])
+                yr.backward(gs[bwd])
+                torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+                bwd += 1
+    for b, e in zip(blocks, eager):
+        for (name, p), q in zip(b.named_parameters(), e.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    return True
+
+
+def test_moe_preprocess_scope_expert_parallel_dropless():
+    from mtp.testing import run_distributed
+
+    assert run_distributed(_ep_moe_preprocess_worker, 2, timeout=120) == [True, True]

@@ -20,6 +20,12 @@ ranks):
 5. ``combine``: the inverse of each step (the expert-TP partial outputs are reduce-scattered),
    then :func:`mtp.ops.unpermute` (a deterministic per-token sum of the expert outputs).
 
+``dispatch()`` is ``token_dispatch(*dispatch_preprocess(...))``: :meth:`dispatch_preprocess`
+(the local part of step 1 and step 2; no communication, no host sync, graph-safe for every
+``P``) and :meth:`token_dispatch` (the rest). A CUDA graph that ends after the preprocess
+(:class:`mtp.graphs.PartialMoEBlock`'s ``"moe_preprocess"`` scope) outputs
+:meth:`preprocess_tensors`; :meth:`restore_preprocess` hands a replay's copies back.
+
 Host synchronisation:
 
 - ``P == Q == 1``, or any ``P``/``Q`` with ``capacity_factor``: none (every split size is known
