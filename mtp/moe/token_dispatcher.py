@@ -20,11 +20,8 @@ ranks):
 5. ``combine``: the inverse of each step (the expert-TP partial outputs are reduce-scattered),
    then :func:`mtp.ops.unpermute` (a deterministic per-token sum of the expert outputs).
 
-``dispatch()`` is ``token_dispatch(*dispatch_preprocess(...))``: :meth:`dispatch_preprocess`
-(the local part of step 1 and step 2; no communication, no host sync, graph-safe for every
-``P``) and :meth:`token_dispatch` (the rest). A CUDA graph that ends after the preprocess
-(:class:`mtp.graphs.PartialMoEBlock`'s ``"moe_preprocess"`` scope) outputs
-:meth:`preprocess_tensors`; :meth:`restore_preprocess` hands a replay's copies back.
+``dispatch()`` is ``token_dispatch(*dispatch_preprocess(...))``: the local part of step 1 and
+step 2 (no communication or host sync: graph-safe for every ``P``), then the rest.
 
 Host synchronisation:
 
@@ -278,21 +275,14 @@ class AllToAllTokenDispatcher:
             if name != "permuted_probs" and getattr(res, name) is not None
         }
 
-    def restore_preprocess(
-        self,
-        num_tokens: int,
-        permuted_tokens: torch.Tensor,
-        permuted_probs: torch.Tensor,
-        tensors: dict[str, torch.Tensor],
-    ) -> None:
+    def restore_preprocess(self, num_tokens: int, permuted_tokens, permuted_probs, tensors) -> None:
         """Set the state :meth:`dispatch_preprocess` leaves, from tensors a replayed graph
         produced (``tensors`` as :meth:`preprocess_tensors` named them, for ``num_tokens``
         tokens), so that :meth:`token_dispatch` and :meth:`combine` can follow eagerly."""
-        hidden = permuted_tokens.shape[1]
-        ws = self.get_workspace(num_tokens, hidden, permuted_tokens.dtype, permuted_probs.dtype,
-                                permuted_tokens.device)
+        hidden, dev, dtype = permuted_tokens.shape[1], permuted_tokens.device, permuted_tokens.dtype
+        ws = self.get_workspace(num_tokens, hidden, dtype, permuted_probs.dtype, dev)
         res = MoEPreprocessResult(permuted_probs=permuted_probs, **tensors)
-        self._set_state(ws, res, num_tokens, hidden, permuted_tokens.device)
+        self._set_state(ws, res, num_tokens, hidden, dev)
 
     def token_dispatch(
         self, permuted_tokens: torch.Tensor, permuted_probs: torch.Tensor
