@@ -73,7 +73,8 @@ def test_dense_blocks_capture_equals_eager():
 
 
 @pytest.mark.parametrize("scope,cf", [("moe_router", None), ("attn", None), ("full", None),
-                                      ("full", 1.25)])
+                                      ("full", 1.25), ("moe_preprocess", None),
+                                      ("moe_preprocess", 1.25)])
 def test_moe_partial_capture_new_routings_equals_eager(scope, cf):
     from mtp.moe import MoELayer
 

@@ -6,21 +6,23 @@ Scopes (what the graph holds):
 - ``"attn"``: the attention part; the MoE MLP runs eagerly.
 - ``"moe_router"``: attention and the router (probabilities, routing map, auxiliary losses);
   the dispatch, the experts and the combine run eagerly.
+- ``"moe_preprocess"``: attention, router and the dispatcher's graph-safe local preprocess
+  (:meth:`~mtp.moe.AllToAllTokenDispatcher.dispatch_preprocess`: counts, row map, permuted
+  probabilities into the fixed-address workspace, and the permuted rows); the token dispatch
+  (dropless ``P > 1``: the count exchange, its host sync and the all-to-all), the experts and
+  the combine run eagerly.
 - ``"full"``: the whole block; only where the MoE layer is graph-safe (one expert-parallel rank,
   or a ``capacity_factor``: static shapes, no host sync).
 
 Protocol. While capturing (:func:`capturing_scope`), the block raises a
-:class:`PartialCaptureSignal` at the scope boundary carrying the tensors computed so far; the
-captured callable (:meth:`PartialMoEBlock.captured_part`) catches it and returns them, so they
-become the graph's static outputs. At replay :meth:`PartialMoEBlock.forward` replays the graph,
-puts its outputs in the block's :class:`TensorStore`, and runs the block again: every step whose
-result is in the store is skipped, the rest runs eagerly on the stored tensors (which carry the
-graph's autograd node, so the backward graph runs too).
-
-``moe_preprocess`` (capture up to the permutation, before the all-to-all) needs the dispatcher to
-expose its preprocess and its communication as two methods and to hand the preprocess state to
-the store; ``mtp.moe``'s dispatcher does both in ``dispatch()``, so that scope is not offered
-here (with EP=1 or a capacity factor use ``"full"``).
+:class:`PartialCaptureSignal` at the scope boundary carrying the tensors computed so far, by
+name; the captured callable (:meth:`PartialMoEBlock.captured_part`) catches it and returns them,
+so they become the graph's static outputs (with the router's logged ``aux_loss`` / ``z_loss``
+when the scope holds the router). At replay :meth:`PartialMoEBlock.forward` replays the graph,
+puts its outputs in the block's :class:`TensorStore` (the dispatcher's preprocess state through
+:meth:`~mtp.moe.AllToAllTokenDispatcher.restore_preprocess`, the losses back on the router), and
+runs the block again: every step whose result is in the store is skipped, the rest runs eagerly
+on the stored tensors (which carry the graph's autograd node, so the backward graph runs too).
 """
 
 from __future__ import annotations
@@ -43,16 +45,19 @@ __all__ = [
     "capture_blocks",
 ]
 
-SCOPES = ("attn", "moe_router", "full")
+SCOPES = ("attn", "moe_router", "moe_preprocess", "full")
+_ROUTER_SCOPES = ("moe_router", "moe_preprocess", "full")
+_PRE = "preprocess."  # store prefix of the dispatcher's preprocess tensors
 _state = threading.local()
 
 
 class PartialCaptureSignal(Exception):
-    """Raised at the scope boundary during capture; ``outputs`` are the graph's outputs."""
+    """Raised at the scope boundary during capture; ``outputs`` are the graph's outputs and
+    ``names`` their tensor-store names."""
 
-    def __init__(self, scope: str, outputs: Sequence[torch.Tensor]) -> None:
+    def __init__(self, scope: str, outputs: dict[str, torch.Tensor]) -> None:
         super().__init__(scope)
-        self.scope, self.outputs = scope, tuple(outputs)
+        self.scope, self.names, self.outputs = scope, tuple(outputs), tuple(outputs.values())
 
 
 class TensorStore:
@@ -69,6 +74,10 @@ class TensorStore:
 
     def is_empty(self) -> bool:
         return not self._data
+
+    def with_prefix(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The tensors whose names start with ``prefix``, by the rest of their names."""
+        return {k[len(prefix):]: v for k, v in self._data.items() if k.startswith(prefix)}
 
     def clear(self) -> None:
         self._data.clear()
@@ -92,6 +101,12 @@ def _capture_scope() -> str | None:
 
 
 def _check_moe(moe, scope: str) -> None:
+    if scope == "moe_preprocess" and not hasattr(moe.token_dispatcher, "dispatch_preprocess"):
+        raise ValueError(
+            "scope='moe_preprocess' needs a dispatcher with dispatch_preprocess() / "
+            f"token_dispatch() (token_dispatcher_type='alltoall'), got "
+            f"{type(moe.token_dispatcher).__name__}; use scope='moe_router'"
+        )
     if scope == "full" and getattr(moe, "ep_size", 1) > 1 and moe.capacity_factor is None:
         raise ValueError(
             "scope='full' captures the whole MoE layer, which is graph-safe only with one "
@@ -122,6 +137,7 @@ class PartialMoEBlock(nn.Module):
         self.attn, self.moe, self.scope = attn, moe, scope
         self.tensor_store = TensorStore()
         self.graphed: GraphedLayer | None = None
+        self._output_names: tuple[str, ...] = ()
 
     # The steps; each is skipped when the store holds its result.
     def _attention(self, x):
@@ -129,7 +145,7 @@ class PartialMoEBlock(nn.Module):
         if h is None:
             h = x if self.attn is None else self.attn(x)
         if _capture_scope() == "attn":
-            raise PartialCaptureSignal("attn", (h,))
+            raise PartialCaptureSignal("attn", {"hidden": h})
         return h
 
     def _route(self, h):
@@ -139,48 +155,79 @@ class PartialMoEBlock(nn.Module):
         else:
             routing_map = self.tensor_store.get("routing_map")
         if _capture_scope() == "moe_router":
-            raise PartialCaptureSignal("moe_router", (h, probs, routing_map))
+            raise PartialCaptureSignal(
+                "moe_router", {"hidden": h, "probs": probs, "routing_map": routing_map}
+            )
         return probs, routing_map
 
-    def _experts(self, h, probs, routing_map):
-        moe = self.moe
-        tokens = h.reshape(-1, h.shape[-1])
-        dispatched, tokens_per_expert, permuted_probs = moe.token_dispatcher.dispatch(
-            tokens, probs, routing_map
-        )
-        out = moe.experts(dispatched, tokens_per_expert, permuted_probs)
-        return moe.token_dispatcher.combine(out).view(h.shape)
+    def _dispatch_preprocess(self, h, tokens):
+        dispatcher = self.moe.token_dispatcher
+        store = self.tensor_store
+        permuted = store.get("permuted_tokens")
+        if permuted is not None:  # replay: the graph's preprocess back into the dispatcher
+            permuted_probs = store.get("permuted_probs")
+            dispatcher.restore_preprocess(
+                tokens.shape[0], permuted, permuted_probs, store.with_prefix(_PRE)
+            )
+            return permuted, permuted_probs
+        probs, routing_map = self._route(h)
+        permuted, permuted_probs = dispatcher.dispatch_preprocess(tokens, probs, routing_map)
+        if _capture_scope() == "moe_preprocess":
+            outputs = {"hidden": h, "permuted_tokens": permuted, "permuted_probs": permuted_probs}
+            for name, t in dispatcher.preprocess_tensors().items():
+                outputs[_PRE + name] = t
+            raise PartialCaptureSignal("moe_preprocess", outputs)
+        return permuted, permuted_probs
 
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block from wherever the store leaves off (all of it when the store is empty)."""
         h = self._attention(x)
-        probs, routing_map = self._route(h)
-        return h + self._experts(h, probs, routing_map)
+        tokens = h.reshape(-1, h.shape[-1])
+        dispatcher = self.moe.token_dispatcher
+        if hasattr(dispatcher, "dispatch_preprocess"):
+            dispatched, tokens_per_expert, probs = dispatcher.token_dispatch(
+                *self._dispatch_preprocess(h, tokens)
+            )
+        else:
+            dispatched, tokens_per_expert, probs = dispatcher.dispatch(tokens, *self._route(h))
+        out = self.moe.experts(dispatched, tokens_per_expert, probs)
+        return h + dispatcher.combine(out).view(h.shape)
+
+    def _with_losses(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Add the router's logged losses (scopes holding the router) and remember the names."""
+        if self.scope in _ROUTER_SCOPES:
+            for name in ("aux_loss", "z_loss"):
+                value = getattr(self.moe.router, name, None)
+                if value is not None:
+                    outputs["router." + name] = value
+        self._output_names = tuple(outputs)
+        return tuple(outputs.values())
 
     def captured_part(self, x: torch.Tensor):
         """What the graph captures: the block up to the scope boundary (its outputs)."""
         self.tensor_store.clear()
         if self.scope == "full":
-            return self.eager_forward(x)
+            return self._with_losses({"output": self.eager_forward(x)})
         with capturing_scope(self.scope):
             try:
                 self.eager_forward(x)
             except PartialCaptureSignal as signal:
-                return signal.outputs
+                return self._with_losses(dict(zip(signal.names, signal.outputs)))
         raise RuntimeError(f"scope {self.scope!r}: the block ended without reaching its boundary")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.graphed is None:
             return self.eager_forward(x)
         outs = self.graphed(x)
+        outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+        named = dict(zip(self._output_names, outs))
+        for name in ("aux_loss", "z_loss"):  # the logged values of this replay
+            if "router." + name in named:
+                setattr(self.moe.router, name, named.pop("router." + name).clone())
         if self.scope == "full":
-            return outs
+            return named["output"]
         try:
-            if self.scope == "attn":
-                self.tensor_store.set(hidden=outs)
-            else:
-                h, probs, routing_map = outs
-                self.tensor_store.set(hidden=h, probs=probs, routing_map=routing_map)
+            self.tensor_store.set(**named)
             return self.eager_forward(x)
         finally:
             self.tensor_store.clear()

@@ -102,11 +102,14 @@ def _dtype_name(code: int) -> str:
     return f"code {code}"
 
 
-def rank_meta(hidden_states: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """``[4]`` int64 on the device: token count, hidden size and the dtype codes of the tokens
-    and the probabilities (what every rank of a token exchange must agree on)."""
+def rank_meta(
+    hidden_states: torch.Tensor, probs: torch.Tensor, num_tokens: int | None = None
+) -> torch.Tensor:
+    """``[4]`` int64 on the device: token count (``num_tokens``, default the rows of
+    ``hidden_states``), hidden size and the dtype codes of the tokens and the probabilities
+    (what every rank of a token exchange must agree on)."""
     values = [
-        hidden_states.shape[0],
+        hidden_states.shape[0] if num_tokens is None else num_tokens,
         hidden_states.shape[1],
         _DTYPE_CODES.get(hidden_states.dtype, 0),
         _DTYPE_CODES.get(probs.dtype, 0),

@@ -167,11 +167,14 @@ def compute_preprocess(
     return finish_ep_preprocess(result, recv, workspace)
 
 
-def store_preprocess(result: MoEPreprocessResult, workspace: MoEWorkspace) -> MoEPreprocessResult:
-    """Copy ``result`` into the workspace; returns the workspace's views (fixed addresses)."""
-    stored = {}
+def store_preprocess(
+    result: MoEPreprocessResult, workspace: MoEWorkspace, fields: tuple[str, ...] = _RESULT_FIELDS
+) -> MoEPreprocessResult:
+    """Copy ``result``'s ``fields`` (default: all) into the workspace; returns the workspace's
+    views (fixed addresses; None for the fields not copied)."""
+    stored = dict.fromkeys(_RESULT_FIELDS)
     with torch.no_grad():
-        for name in _RESULT_FIELDS:
+        for name in fields:
             value = getattr(result, name)
             buf = getattr(workspace, name) if value is not None else None
             if buf is not None and value is not buf:

@@ -20,6 +20,9 @@ ranks):
 5. ``combine``: the inverse of each step (the expert-TP partial outputs are reduce-scattered),
    then :func:`mtp.ops.unpermute` (a deterministic per-token sum of the expert outputs).
 
+``dispatch()`` is ``token_dispatch(*dispatch_preprocess(...))``: the local part of step 1 and
+step 2 (no communication or host sync: graph-safe for every ``P``), then the rest.
+
 Host synchronisation:
 
 - ``P == Q == 1``, or any ``P``/``Q`` with ``capacity_factor``: none (every split size is known
@@ -46,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from mtp.moe.preprocess import (
+    _RESULT_FIELDS,
     MoEPreprocessResult,
     _recv_reorder,
     check_routing,
@@ -78,6 +82,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mtp")
+
+# What the dropless EP exchange adds to the local preprocess (stored into the workspace).
+_EP_FIELDS = ("recv_counts", "local_tokens_per_expert", "recv_order", "recv_inverse")
 
 
 class AllToAllTokenDispatcher:
@@ -206,7 +213,8 @@ class AllToAllTokenDispatcher:
     def dispatch(
         self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Send each routed (token, expert) row to the rank that holds the expert.
+        """Send each routed (token, expert) row to the rank that holds the expert:
+        :meth:`dispatch_preprocess` then :meth:`token_dispatch`.
 
         Args:
             hidden_states: ``[T, H]``.
@@ -219,6 +227,21 @@ class AllToAllTokenDispatcher:
             ``L * P * C`` (capacity) or the received count (dropless ``P > 1``), times ``Q``
             with expert tensor parallelism.
         """
+        return self.token_dispatch(*self.dispatch_preprocess(hidden_states, probs, routing_map))
+
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rank-local, graph-safe first half of :meth:`dispatch` (Megatron-Core's
+        ``dispatch_preprocess``): :func:`~mtp.moe.preprocess.local_preprocess` into the
+        workspace and the permutation of the rows; no communication, no host sync.
+
+        Returns ``(permuted_tokens [N, H], permuted_probs [N])`` (``N`` = ``T * topk``, or
+        ``E * C`` with a capacity), differentiable in ``hidden_states`` and ``probs``. The other
+        tensors :meth:`token_dispatch` and :meth:`combine` read are
+        :meth:`preprocess_tensors`: a CUDA graph that stops here outputs them, and
+        :meth:`restore_preprocess` puts a replay's copies back.
+        """
         if hidden_states.dim() != 2:
             raise ValueError(f"hidden_states must be [T, H], got {tuple(hidden_states.shape)}")
         if routing_map.dim() == 2 and routing_map.shape[0] != hidden_states.shape[0]:
@@ -229,22 +252,60 @@ class AllToAllTokenDispatcher:
         ws = self._workspace_for(hidden_states, probs)
         check_routing(routing_map, probs, ws, validate=False)
         res = local_preprocess(routing_map, probs, ws)
-        backend = permute_backend(self.backend, hidden_states.device)
-        self._state = dict(
-            ws=ws, backend=backend, num_tokens=hidden_states.shape[0], hidden=hidden_states.shape[1]
-        )
+        store_preprocess(res, ws)  # fixed-address copies; ``res`` keeps the autograd link
+        self._set_state(ws, res, *hidden_states.shape, hidden_states.device)
+        permuted = gather_rows(hidden_states, res.row_id_map, self._state["backend"])
+        return permuted, res.permuted_probs
+
+    def _set_state(self, ws, res, num_tokens, hidden, device) -> None:
+        backend = permute_backend(self.backend, device)
+        self._state = dict(ws=ws, backend=backend, num_tokens=num_tokens, hidden=hidden, res=res)
+
+    def preprocess_tensors(self) -> dict[str, torch.Tensor]:
+        """After :meth:`dispatch_preprocess`: the preprocess tensors (besides the permuted
+        tokens and probabilities) that :meth:`token_dispatch` and :meth:`combine` read, by
+        :class:`~mtp.moe.preprocess.MoEPreprocessResult` field name (Megatron-Core's
+        ``cudagraph_attrs``)."""
+        if self._state is None:
+            raise RuntimeError("preprocess_tensors() needs a dispatch_preprocess() first")
+        res = self._state["res"]
+        return {
+            name: getattr(res, name)
+            for name in _RESULT_FIELDS
+            if name != "permuted_probs" and getattr(res, name) is not None
+        }
+
+    def restore_preprocess(self, num_tokens: int, permuted_tokens, permuted_probs, tensors) -> None:
+        """Set the state :meth:`dispatch_preprocess` leaves, from tensors a replayed graph
+        produced (``tensors`` as :meth:`preprocess_tensors` named them, for ``num_tokens``
+        tokens), so that :meth:`token_dispatch` and :meth:`combine` can follow eagerly."""
+        hidden, dev, dtype = permuted_tokens.shape[1], permuted_tokens.device, permuted_tokens.dtype
+        ws = self.get_workspace(num_tokens, hidden, dtype, permuted_probs.dtype, dev)
+        res = MoEPreprocessResult(permuted_probs=permuted_probs, **tensors)
+        self._set_state(ws, res, num_tokens, hidden, dev)
+
+    def token_dispatch(
+        self, permuted_tokens: torch.Tensor, permuted_probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The second half of :meth:`dispatch` (Megatron-Core's ``token_dispatch`` and
+        ``dispatch_postprocess``): dropless ``P > 1``: the count exchange, its one host sync
+        and the token all-to-all; with a capacity the fixed-size all-to-alls; then the
+        expert-TP gather. Takes what :meth:`dispatch_preprocess` returned; returns what
+        :meth:`dispatch` returns."""
+        state = self._state
+        if state is None or "res" not in state:
+            raise RuntimeError("token_dispatch() needs a dispatch_preprocess() first")
+        res, ws = state["res"], state["ws"]
+        res.permuted_probs = permuted_probs
         if ws.capacity is not None:
-            self._check_static(hidden_states, probs)
-            store_preprocess(res, ws)  # fixed-address copies; ``res`` keeps the autograd link
-            self._state["res"] = res
-            permuted = gather_rows(hidden_states, res.row_id_map, backend)
-            return self._dispatch_static(permuted, res, ws)
-        return self._dispatch_dropless(hidden_states, probs, res, ws, backend)
+            self._check_static(permuted_tokens, permuted_probs, state["num_tokens"])
+            return self._dispatch_static(permuted_tokens, res, ws)
+        return self._dispatch_dropless(permuted_tokens, res, ws, state["backend"])
 
     def _distributed(self) -> bool:
         return self.ep_size > 1 or self.etp_size > 1
 
-    def _check_static(self, hidden_states, probs) -> None:
+    def _check_static(self, hidden_states, probs, num_tokens: int) -> None:
         """Capacity mode: one tiny exchange of the metadata before the fixed-size all-to-alls."""
         if self.check_ranks is False or not self._distributed():
             return
@@ -254,7 +315,7 @@ class AllToAllTokenDispatcher:
         if self._static_checked and not every:
             return
         self._static_checked = True
-        meta = rank_meta(hidden_states, probs)
+        meta = rank_meta(hidden_states, probs, num_tokens)
         sync = validation_mode(True) == "sync"
         for group, size in ((self.ep_group, self.ep_size), (self.etp_group, self.etp_size)):
             if size > 1:
@@ -295,7 +356,7 @@ class AllToAllTokenDispatcher:
             self._state["etp_rows"] = rows
         return tokens, counts, probs
 
-    def _dispatch_dropless(self, hidden_states, probs, res, ws, backend):
+    def _dispatch_dropless(self, permuted, res, ws, backend):
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if self._distributed() and capturing:
             raise RuntimeError(
@@ -307,19 +368,18 @@ class AllToAllTokenDispatcher:
         check = (
             self.check_ranks is not False
             and self._distributed()
-            and data_checks_enabled(True, hidden_states)
+            and data_checks_enabled(True, permuted)
         )
-        meta = rank_meta(hidden_states, probs) if check else None
+        meta = rank_meta(permuted, res.permuted_probs, self._state["num_tokens"]) if check else None
         ep_meta = etp_meta = None
         if ep > 1:
             recv_counts, ep_meta = exchange_counts(res.tokens_per_expert, ep, self.ep_group, meta)
             res = finish_ep_preprocess(res, recv_counts, ws)
+            store_preprocess(res, ws, _EP_FIELDS)
+            self._state["res"] = res
             local_counts = res.local_tokens_per_expert
         else:
             local_counts = res.tokens_per_expert
-        store_preprocess(res, ws)
-        self._state["res"] = res
-        permuted = gather_rows(hidden_states, res.row_id_map, backend)
         if q > 1:
             mine = local_counts if meta is None else torch.cat([local_counts, meta])
             gathered = all_to_all(mine.view(1, -1).expand(q, -1).contiguous(), self.etp_group)
