@@ -97,6 +97,18 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
     return out
 
 
+def traffic_cases(dtype: torch.dtype) -> list[Case]:
+    """Mid-size shapes for the CPU bytes / floor figures (issue 11's 512 x 1024)."""
+    s = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for op, formula, width in (("bias_gelu", bias_gelu_bytes, 1024),
+                               ("bias_swiglu", bias_swiglu_bytes, 2048)):
+        for pass_ in ("fwd", "fwd+bwd"):
+            out.append(Case(op, f"M=512 H={width}", {"M": 512, "H": 1024}, dtype, pass_,
+                            bytes=formula(512, 1024, s, s, pass_)))
+    return out  # fmt: skip
+
+
 def providers(op: str) -> list[Provider]:
     megatron = "fused_bias_gelu" if op == "bias_gelu" else "fused_bias_swiglu"
     impl = "bias_gelu_impl" if op == "bias_gelu" else "bias_swiglu_impl"

@@ -89,6 +89,22 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
     return out  # fmt: skip
 
 
+def traffic_cases(dtype: torch.dtype) -> list[Case]:
+    """Mid-size shape for the CPU bytes / floor figures (issue 11's T=256, k=4, E=16, with a
+    hidden size where the token rows, not the indices, dominate)."""
+    s = torch.empty((), dtype=dtype).element_size()
+    T, H, E, k = 256, 512, 16, 4
+    params = {"T": T, "H": H, "E": E, "k": k}
+    label = f"T={T} H={H} E={E} top{k}"
+    out = []
+    for pass_ in ("fwd", "fwd+bwd"):
+        out.append(Case("permute", label, params, dtype, pass_,
+                        bytes=permute_bytes(T, H, E, k, s, pass_)))
+        out.append(Case("unpermute", label, params, dtype, pass_,
+                        bytes=unpermute_bytes(T, H, E, k, s, 4, pass_)))
+    return out  # fmt: skip
+
+
 def providers(op: str) -> list[Provider]:
     te_fn = "moe_permute" if op == "permute" else "moe_unpermute"
     return [
