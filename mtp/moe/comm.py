@@ -141,3 +141,24 @@ def _group_ranks(group, size: int) -> list[int]:
         return dist.get_process_group_ranks(group)
     except Exception:  # noqa: BLE001 - only for the message
         return list(range(size))
+
+
+def set_dispatch_groups(dispatcher, ep_group, etp_group, num_experts: int, topk: int) -> None:
+    """Set a token dispatcher's group attributes (``ep_group/ep_size/ep_rank``, ``etp_*``,
+    ``num_experts``, ``topk``, ``num_local_experts``), checking that the experts split evenly
+    over the expert-parallel ranks and that ``topk <= num_experts``."""
+    ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+    if num_experts % ep_size:
+        raise ValueError(
+            f"num_experts={num_experts} must be divisible by the expert-parallel size {ep_size}"
+        )
+    if topk > num_experts:
+        raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
+    dispatcher.ep_group, dispatcher.ep_size = ep_group, ep_size
+    dispatcher.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+    etp_size = 1 if etp_group is None else dist.get_world_size(etp_group)
+    dispatcher.etp_size = etp_size
+    dispatcher.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
+    dispatcher.etp_group = etp_group if etp_size > 1 else None
+    dispatcher.num_experts, dispatcher.topk = num_experts, topk
+    dispatcher.num_local_experts = num_experts // ep_size

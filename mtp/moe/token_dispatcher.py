@@ -67,6 +67,7 @@ from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported (their f
     permute_backend,
     rank_meta,
     reduce_scatter_v,
+    set_dispatch_groups,
 )
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops.moe_permute import unpermute
@@ -133,21 +134,7 @@ class AllToAllTokenDispatcher:
         etp_group: dist.ProcessGroup | None = None,
         check_ranks: bool | None = None,
     ) -> None:
-        self.ep_group = ep_group
-        self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
-        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
-        self.etp_size = 1 if etp_group is None else dist.get_world_size(etp_group)
-        self.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
-        self.etp_group = etp_group if self.etp_size > 1 else None
-        if num_experts % self.ep_size:
-            raise ValueError(
-                f"num_experts={num_experts} must be divisible by the expert-parallel size "
-                f"{self.ep_size}"
-            )
-        if topk > num_experts:
-            raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
-        self.num_experts, self.topk = num_experts, topk
-        self.num_local_experts = num_experts // self.ep_size
+        set_dispatch_groups(self, ep_group, etp_group, num_experts, topk)
         first = self.ep_rank * self.num_local_experts
         self.local_expert_indices = list(range(first, first + self.num_local_experts))
         self.capacity_factor = capacity_factor
