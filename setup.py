@@ -83,7 +83,9 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "transformers>=4.51"],
+        "test": [
+            "pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "transformers>=4.51", "matplotlib>=3.5"
+        ],
         "hf": ["transformers>=4.51", "safetensors"],
         "bench": ["matplotlib>=3.5", "tqdm>=4", "pytest-benchmark>=4"],
     },

@@ -5,6 +5,7 @@ every tensor-parallel rank computes the same loss at every step."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -42,4 +43,7 @@ def test_demo_loss_falls_and_tp_ranks_agree(tmp_path, variant):
     assert sum(losses[-5:]) / 5 < 0.7 * losses[0], losses
     assert summary["tokens_per_s"] > 0
     assert "tokens/s" in proc.stdout and "done: loss" in proc.stdout
-    assert png.stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib") is not None:  # in the test extra
+        assert png.stat().st_size > 1000
+    else:
+        assert "matplotlib is not installed" in proc.stdout
