@@ -75,9 +75,8 @@ def test_without_bias_and_mixed_bias_dtype(act, device):
 def test_dbias_over_many_row_programs_is_deterministic(device):
     torch.manual_seed(2)
     n = kernels.MAX_BLOCK_N + 40  # two column blocks, the second ragged
-    block_m, _ = kernels.tile_shape(n)
-    rows = 3 * kernels.CPU_PROGRAMS * block_m // 2 + 3  # each program walks 1-2 row tiles
-    assert kernels.row_programs(rows, n, 2 * kernels.CPU_PROGRAMS) > 1
+    rows = 3 * kernels.MIN_ROWS_PER_PROGRAM + 3  # 4 row programs, the last one ragged
+    assert kernels.row_programs(rows, n, 2 * kernels.CPU_PROGRAMS) == 4
     x = torch.randn(rows, n, device=device)
     bias = torch.randn(n, device=device)
     dy = torch.randn(rows, n, device=device)
@@ -97,10 +96,11 @@ def test_row_programs_fill_the_device_and_cover_the_rows():
                 r = kernels.row_programs(rows, n, programs)
                 block_m, block_n = kernels.tile_shape(n)
                 cols = -(-n // block_n)
-                assert 1 <= r <= -(-rows // block_m)
+                most = min(-(-rows // block_m), -(-rows // kernels.MIN_ROWS_PER_PROGRAM))
+                assert 1 <= r <= most
                 # about `programs` programs in all, unless there is too little work
                 assert cols * r <= max(programs, cols)
-                assert r == -(-rows // block_m) or cols * r > programs - cols
+                assert r == most or cols * r > programs - cols
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

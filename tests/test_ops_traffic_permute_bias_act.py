@@ -91,10 +91,15 @@ def _experts_of_rows(routing_map):
     return torch.repeat_interleave(torch.arange(E), counts)
 
 
+@pytest.mark.parametrize("programs", [None, 132 * 4, 132 * 8], ids=["cpu", "h100x4", "h100x8"])
 @pytest.mark.parametrize("act", ["gelu", "swiglu"])
-def test_bias_act_bytes_launches_syncs(act):
+def test_bias_act_bytes_launches_syncs(act, programs, monkeypatch):
+    """The interpreter's small grid and grids of an H100's size (132 SMs x 4 or 8 resident
+    programs): bias re-reads and dbias partials must stay within the floor's 10 %."""
+    if programs is not None:
+        monkeypatch.setattr(bias_kernels, "resident_programs", lambda *a, **k: programs)
     dtype, s = torch.bfloat16, 2
-    M, W = 256, 1024
+    M, W = 512, 1024
     width = 2 * W if act == "swiglu" else W
     x = torch.randn(M, width, dtype=dtype, requires_grad=True)
     b = torch.randn(width, dtype=dtype, requires_grad=True)
