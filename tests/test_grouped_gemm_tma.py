@@ -347,3 +347,25 @@ def test_aot_tile_map_no_spills(E):
     )[90]
     info = build.ptxas()
     assert info is None or not info.spills, info.output
+
+
+@pytest.mark.parametrize("E", [8, 256])
+def test_aot_expert_rows_and_split_reduce_no_spills(E):
+    """The two small helper launches of the TMA wgrad, for both targets (the minimum-Triton
+    check in CI compiles every kernel an AOT test reaches)."""
+    rows = compile_for_targets(
+        tma.expert_rows_kernel,
+        {"counts_ptr": "*i64", "rows_ptr": "*i32", "M": "i32", "E": "i32"},
+        {"BLOCK_E": E},
+    )
+    reduce = compile_for_targets(
+        tma.split_reduce_kernel,
+        {"ws_ptr": "*fp32", "c_ptr": "*bf16", "numel": "i32", "PQ": "i32", "Q": "i32",
+         "stride_ce": "i32", "stride_cp": "i32", "stride_cq": "i32"},
+        {"SPLIT": 4, "BLOCK": 1024},
+    )
+    for builds in (rows, reduce):
+        assert set(builds) == {90, 100}
+        for build in builds.values():
+            info = build.ptxas()
+            assert info is None or not info.spills, info.output

@@ -15,7 +15,13 @@ from mtp.ops.cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_cross_entropy_reference,
 )
-from mtp.testing import assert_close, assert_graph_safe, count_host_syncs
+from mtp.testing import (
+    _find_ptxas,
+    assert_close,
+    assert_graph_safe,
+    compile_for_targets,
+    count_host_syncs,
+)
 from test_ops_bias_act import capture_graph, ptxas_table
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -515,8 +521,6 @@ def test_main_loads_are_16_bytes_in_sass():
     import shutil
     import subprocess
     import tempfile
-
-    from mtp.testing import _find_ptxas, compile_for_targets
 
     cuobjdump = shutil.which("cuobjdump") or os.path.join(
         os.path.dirname(os.path.dirname(torch.__file__)), "nvidia", "cu13", "bin", "cuobjdump")

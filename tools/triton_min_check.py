@@ -43,7 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 KERNELS = ROOT / "kernels"
 MIN_TRITON = "3.6"
-REQUIREMENTS = ("triton==3.6.*", "torch==2.13.0", "numpy<2.4", "pytest")
+#: cuobjdump and the nvdisasm its -sass calls: the SASS checks (16-byte loads, TMA, HGMMA) run
+#: under 3.6 too.
+REQUIREMENTS = ("triton==3.6.*", "torch==2.13.0", "numpy<2.4", "pytest", "nvidia-cuda-cuobjdump",
+                "nvidia-cuda-nvdisasm")
 MARKER = "compile_for_targets"
 
 
