@@ -28,6 +28,7 @@ CONFIGS = {
     "dropless-swiglu-bias-idle": dict(activation="swiglu", bias=True, block=True),
     "dropless-triton": dict(backend="triton", score_function="sigmoid", aux_loss_coeff=0.1),
     "capacity": dict(capacity_factor=1.0, aux_loss_coeff=0.1, bias=True),
+    "capacity-triton": dict(backend="triton", capacity_factor=1.0, aux_loss_coeff=0.1),
     "capacity-tight-position": dict(capacity_factor=0.5, drop_policy="position", block=True),
     # Rank i of the group routes 10 * i tokens (none on the first rank).
     "dropless-ragged": dict(ragged=True, aux_loss_coeff=0.1),

@@ -243,6 +243,23 @@ def test_sync_counts_single_rank_default_backend():
             layer(x).sum().backward()
         assert syncs.count == 0, (cf, syncs)
         assert_graph_safe(layer, x.detach())
+    # The Triton path (interpreted kernels: row map, permute, grouped GEMM, unpermute) with the
+    # default device-side checks: no sync either, and the result is the reference's.
+    for cf in (None, 1.0):
+        torch.manual_seed(18)
+        layer = MoELayer(8, 8, 4, 2, capacity_factor=cf, aux_loss_coeff=0.01, backend="triton")
+        torch.manual_seed(18)
+        ref = MoELayer(8, 8, 4, 2, capacity_factor=cf, aux_loss_coeff=0.01, backend="reference")
+        x = torch.randn(12, 8, requires_grad=True)
+        with count_host_syncs() as syncs:
+            out = layer(x)
+            out.sum().backward()
+        assert syncs.count == 0, (cf, syncs)
+        x_ref = x.detach().clone().requires_grad_(True)
+        expected = ref(x_ref)
+        expected.sum().backward()
+        assert_close(out, expected)
+        assert_close(x.grad, x_ref.grad)
     # A loop backend reads the counts on the host (once per grouped GEMM).
     layer = MoELayer(8, 8, 4, 2, backend="sequential")
     with count_host_syncs() as syncs:
