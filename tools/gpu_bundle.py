@@ -10,9 +10,10 @@ CUTLASS module built here (Python 3.11) cannot load there. This script fills the
   device or host pass reads), copied from the pinned ``nvidia-cutlass`` package that
   ``csrc/build_ext.py`` finds (or ``CUTLASS_DIR``). ``CUTLASS_DIR=.gpu/cutlass`` points the
   build at them.
-* ``.gpu/wheels/``: pure-Python wheels of the test-time packages mtp needs beyond torch, triton,
-  numpy and pytest (``hypothesis``, ``pytest-xdist`` and their needs). The GPU image has them
-  today; ``tools/gpu_check.py`` installs one only when its import fails there.
+* ``.gpu/wheels/``: wheels of the test-time packages mtp needs beyond torch, triton, numpy and
+  pytest (``hypothesis``, ``pytest-xdist`` and their needs) and of the bench's peers
+  (``liger-kernel``, ``megatron-core``). ``tools/gpu_check.py`` installs one only when its
+  import fails there.
 * ``.gpu/MANIFEST.json``: CUTLASS version, file counts and sizes, and the bytes that travel.
 
 It then prints the folder to carry and the command to run on the GPU machine. The working tree
@@ -35,12 +36,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT_BYTES = 64 * 2**20  # the device tool's limit on what travels
-# Test-time packages, pinned; pure Python (py3-none-any), so any platform tag matches.
+# Test-time packages and the bench's peers, pinned: pure Python (py3-none-any) but for
+# megatron-core (cp312 manylinux), 3.2 MB for the two peers. Liger-Kernel needs only torch and
+# triton; Megatron-Core also numpy and packaging, which the GPU image has. Transformer Engine
+# (a CUDA build of several hundred MB) does not fit the 64 MiB the device tool carries.
 WHEELS = ("hypothesis==6.170.15", "sortedcontainers==2.4.0", "pytest-xdist==3.8.0",
-          "execnet==2.1.2")  # fmt: skip
+          "execnet==2.1.2", "liger-kernel==0.8.5", "megatron-core==0.19.2")  # fmt: skip
 # The module each wheel provides, for gpu_check's "install only when missing".
 WHEEL_MODULES = {"hypothesis": "hypothesis", "sortedcontainers": "sortedcontainers",
-                 "pytest_xdist": "xdist", "execnet": "execnet"}  # fmt: skip
+                 "pytest_xdist": "xdist", "execnet": "execnet", "liger_kernel": "liger_kernel",
+                 "megatron_core": "megatron.core"}  # fmt: skip
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".cpp")
 _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bundle import WHEEL_MODULES  # noqa: E402
 from gpu_report import (  # noqa: E402
     NO_GPU, bench_table, collected_text, junit_counts, progress_text, tests_text, text_table,
 )
@@ -55,8 +56,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH_OPS = ("bias_act", "cross_entropy", "permute", "grouped_gemm", "moe_layer")
 # capability -> MTP_CUDA_ARCH_LIST entry (only these have CUTLASS kernels)
 ARCH_OF_CAPABILITY = {"9.0": "9.0a", "10.0": "10.0a"}
-WHEEL_MODULES = {"hypothesis": "hypothesis", "sortedcontainers": "sortedcontainers",
-                 "pytest_xdist": "xdist", "execnet": "execnet"}  # fmt: skip
 SMI_FIELDS = ("name", "driver_version", "pci.bus_id", "memory.total", "power.limit",
               "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
               "clocks.applications.graphics", "temperature.gpu", "persistence_mode",
