@@ -27,8 +27,8 @@ def oracle_order(pp, rank, m, vpp, group):
         raise AssertionError(k)
 
     total = m * vpp
-    if pp == 1:
-        warmup = 1
+    if pp == 1:  # no pipelining: forward, backward, forward, ... (Megatron-Core 0.16 and 0.19)
+        warmup = 0
     elif vpp == 1:
         warmup = pp - rank - 1
     else:
@@ -79,11 +79,13 @@ def test_hand_worked_orders():
         1, 1, 1, 1, 2, 2, 2, 2, 1, 1,
         1, -2, 1, -2, 2, -2, 2, -2, 2, -1, 2, -1,
         -1, -1, -2, -2, -2, -2, -1, -1, -1, -1]
-    # 1F1B: first stage warms up pp - 1, last stage alternates, one stage: warm-up 1.
+    # 1F1B: first stage warms up pp - 1, last stage alternates, and so does one stage
+    # (Megatron-Core's no-pipelining warm-up is 0).
     assert get_pipeline_order(4, 0, 4) == [1, 1, 1, 1, -1, -1, -1, -1]
     assert get_pipeline_order(4, 3, 4) == [1, -1] * 4
     assert get_pipeline_order(4, 1, 3) == [1, 1, 1, -1, -1, -1]
-    assert get_pipeline_order(1, 0, 3) == [1, 1, -1, 1, -1, -1]
+    assert get_pipeline_order(1, 0, 3) == [1, -1, 1, -1, 1, -1]
+    assert get_pp_rank_microbatches(3, 1, 1, 1, 0) == (3, False, 0, 3)
     assert convert_schedule_table_to_order(0, 1, [(0, 0), (1, 0)]) == [1, -1, 1, -1]
 
 

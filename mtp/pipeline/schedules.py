@@ -11,8 +11,9 @@ are interchangeable with Megatron-Core.
   ranks: microbatches go in groups of ``microbatch_group_size_per_vp_stage``; inside a group
   every chunk runs the group's microbatches in turn.
 - :func:`get_pp_rank_microbatches`: ``(total, all_in_warmup, warmup, remaining)``; warm-up is
-  ``pp - rank - 1`` (1F1B), ``(pp - rank - 1) * 2 + (vpp - 1) * group`` (interleaved), 1 with
-  one stage, capped at the total.
+  ``pp - rank - 1`` (1F1B), ``(pp - rank - 1) * 2 + (vpp - 1) * group`` (interleaved), 0 with
+  one stage (Megatron-Core's no-pipelining case: forward, backward, forward, ...), capped at the
+  total.
 - :func:`convert_schedule_table_to_order`: warm-up forwards, then one forward + one backward per
   step, then the remaining backwards. A backward of table entry ``(m, c)`` runs chunk
   ``vpp - 1 - c`` (backwards visit the chunks in reverse), written ``c - vpp``.
@@ -112,8 +113,8 @@ def get_pp_rank_microbatches(
         warmup = pp - rank - 1
         if num_model_chunks > 1:
             warmup = 2 * (pp - rank - 1) + (num_model_chunks - 1) * group
-    else:
-        warmup = 1
+    else:  # one stage: Megatron-Core's forward_backward_no_pipelining order
+        warmup = 0
     all_in_warmup = warmup >= total
     warmup = min(warmup, total)
     return total, all_in_warmup, warmup, total - warmup
