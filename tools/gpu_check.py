@@ -293,7 +293,10 @@ class Checker:
                        "--out", str(self.root), "--no-progress"]  # fmt: skip
                 with open(log, "a") as f:
                     f.write(f"{NO_GPU}: {shlex.join(cmd)}\n")
-            self.step("bench", NO_GPU, 0, f"would run {len(ops)} op families: {', '.join(ops)}")
+            with open(log, "a") as f:
+                f.write(f"{NO_GPU}: {shlex.join(self.graphs_cmd())}\n")
+            self.step("bench", NO_GPU, 0, f"would run {len(ops)} op families: {', '.join(ops)}"
+                      " and eager vs graphed steps")  # fmt: skip
             return
         t0, results = time.monotonic(), []
         for i, op in enumerate(ops):
@@ -305,9 +308,17 @@ class Checker:
             status, _, seconds = self.run(cmd, log, cap)
             results.append(f"{op} {status}")
             print(f"[gpu-check]   bench {op}: {status} in {seconds:.0f} s", flush=True)
+        # Eager vs CUDA-graphed steps (bench/bench_graphs.py: host time, launches), its own log.
+        status, _, seconds = self.run(self.graphs_cmd(), self.own / "graphs.log", 90)
+        results.append(f"graphs {status}")
+        print(f"[gpu-check]   bench graphs: {status} in {seconds:.0f} s", flush=True)
         n_ok = sum(r.endswith(" ok") for r in results)
-        status = "ok" if n_ok == len(ops) else f"failed ({n_ok}/{len(ops)} ok)"
+        status = "ok" if n_ok == len(results) else f"failed ({n_ok}/{len(results)} ok)"
         self.step("bench", status, time.monotonic() - t0, "; ".join(results), log)
+
+    @staticmethod
+    def graphs_cmd() -> list[str]:
+        return [sys.executable, "-m", "bench.bench_graphs", "--iters", "5"]
 
     # -- step 5: summary -------------------------------------------------------------------
 
