@@ -294,7 +294,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> Path:
         lines += ["## Smoke check and what one call issues (tiny sizes, CPU)", "",
                   "Relative error: ‖out − ref‖ / ‖ref‖ against float64 (forward outputs and, for "
                   "fwd+bwd, the gradients). Device ops = aten ops that run device work + Triton "
-                  "launches (≈ kernel launches on a GPU).", ""]  # fmt: skip
+                  "launches (≈ kernel launches on a GPU). At these tiny sizes fixed costs (row "
+                  "maps, per-row metadata, partial sums) weigh on bytes / floor; the ≤ 1.10 goal "
+                  "is for the mid-size shapes of the traffic section.", ""]  # fmt: skip
         header = ["case", "pass", "provider", "status", "rel. error", "device ops",
                   "Triton launches", "aten ops", "host syncs", "bytes / floor", "note"]  # fmt: skip
         for op, records in groups.items():
