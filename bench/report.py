@@ -264,6 +264,18 @@ def _structure_lines(structure) -> list[str]:
                 for r in ce]  # fmt: skip
         lines += _table(["world", "backend", "pass", "rows", "collectives", "bytes/rank",
                          "formula (12·(rows+2) fwd, 0 bwd)", "loss rel. error"], rows)  # fmt: skip
+    lce = structure.get("linear_cross_entropy_loss_bytes")
+    if lce:
+        lines += ["## Fused linear cross-entropy: bytes of the loss maths beyond the GEMMs", ""]
+        rows = [[r["dtype"], r["backend"], r["fwd_loss_bytes_over_logits"],
+                 r["bwd_loss_bytes_over_logits"], r["fwd_cast_bytes_over_logits"],
+                 r["bwd_cast_bytes_over_logits"], r["fwd_triton_launches"],
+                 r["bwd_triton_launches"], r["fwd_host_syncs"] + r["bwd_host_syncs"]]
+                for r in lce]  # fmt: skip
+        lines += _table(["dtype", "backend", "fwd / N·V·s", "bwd / N·V·s", "fwd casts",
+                         "bwd casts", "fwd launches", "bwd launches", "host syncs"], rows)
+        lines += [f"N={lce[0]['N']}, H={lce[0]['H']}, V={lce[0]['V']}, chunk={lce[0]['chunk']}; "
+                  "casts: `_to_copy` bytes (CPU; on CUDA the Triton path's GEMMs write fp32).", ""]
     moe = structure.get("moe_layer_forward")
     if moe:
         lines += ["## MoE layer, one forward (EP=1, dropless): what it issues by backend and E", ""]

@@ -43,11 +43,11 @@ __all__ = [
 ]
 
 #: Bench modules in report order.
-MODULES = ("bench_bias_act", "bench_cross_entropy", "bench_permute", "bench_grouped_gemm",
-           "bench_moe_layer")  # fmt: skip
+MODULES = ("bench_bias_act", "bench_cross_entropy", "bench_linear_cross_entropy",
+           "bench_permute", "bench_grouped_gemm", "bench_moe_layer")  # fmt: skip
 #: Names accepted on the command line: families and single ops.
-OP_NAMES = ("bias_act", "bias_gelu", "bias_swiglu", "cross_entropy", "permute", "unpermute",
-            "grouped_gemm", "moe_layer")  # fmt: skip
+OP_NAMES = ("bias_act", "bias_gelu", "bias_swiglu", "cross_entropy", "linear_cross_entropy",
+            "permute", "unpermute", "grouped_gemm", "moe_layer")  # fmt: skip
 
 GPU_EXPECTED = "reference"  # the GPU check compares with mtp's reference (fp32 math)
 

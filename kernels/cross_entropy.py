@@ -235,12 +235,8 @@ def _ce_fused_kernel(
         row_off = _row_offset(row, n_inner, stride_outer, stride_inner)
         target = tl.load(target_ptr + row).to(tl.int64)
         valid = target != ignore_index
-        M, S, sum_x = _row_stats(logits_ptr, row_off, V, SMOOTHING, NT, VEC)
-        owns = (target >= 0) & (target < V)
-        x_t = tl.load(logits_ptr + row_off + tl.where(owns, target, 0), mask=owns, other=0.0)
-        c = coef_target * x_t.to(tl.float32)
-        if SMOOTHING:
-            c += coef_uniform * sum_x
+        M, S, c = _row_stats_and_target(logits_ptr, row_off, V, target, coef_target,
+                                        coef_uniform, SMOOTHING, NT, VEC)  # fmt: skip
         loss, lse = _finish_row(M, tl.log(S), c, valid, z_loss_weight)
         if REDUCE:
             partial += loss
@@ -279,15 +275,34 @@ def _ce_stats_kernel(
         row = row32 * tl.full([], 1, tl.int64)
         row_off = _row_offset(row, n_inner, stride_outer, stride_inner)
         local_t = tl.load(target_ptr + row).to(tl.int64) - vocab_start
-        m, s, sum_x = _row_stats(logits_ptr, row_off, V_local, SMOOTHING, NT, VEC)
-        owns = (local_t >= 0) & (local_t < V_local)
-        x_t = tl.load(logits_ptr + row_off + tl.where(owns, local_t, 0), mask=owns, other=0.0)
-        c = coef_target * x_t.to(tl.float32)
-        if SMOOTHING:
-            c += coef_uniform * sum_x
-        tl.store(stats_ptr + 3 * row, m)
-        tl.store(stats_ptr + 3 * row + 1, s)
-        tl.store(stats_ptr + 3 * row + 2, c)
+        _store_row_stats(logits_ptr, row_off, V_local, local_t, coef_target, coef_uniform,
+                         stats_ptr + 3 * row, SMOOTHING, NT, VEC)  # fmt: skip
+
+
+@triton.jit
+def _row_stats_and_target(logits_ptr, row_off, V_local, local_t, coef_target, coef_uniform,
+                          SMOOTHING: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr):
+    """``(m, s, c)`` of one row: max, ``sum exp(x - m)`` and the target term
+    ``c = coef_target * x[local_t] + coef_uniform * sum(x)`` (``x[local_t]`` is 0 when
+    ``local_t`` is not a column of this shard)."""
+    m, s, sum_x = _row_stats(logits_ptr, row_off, V_local, SMOOTHING, NT, VEC)
+    owns = (local_t >= 0) & (local_t < V_local)
+    x_t = tl.load(logits_ptr + row_off + tl.where(owns, local_t, 0), mask=owns, other=0.0)
+    c = coef_target * x_t.to(tl.float32)
+    if SMOOTHING:
+        c += coef_uniform * sum_x
+    return m, s, c
+
+
+@triton.jit
+def _store_row_stats(logits_ptr, row_off, V_local, local_t, coef_target, coef_uniform, out_ptr,
+                     SMOOTHING: tl.constexpr, NT: tl.constexpr, VEC: tl.constexpr):
+    """Store :func:`_row_stats_and_target` of one row at ``out_ptr`` (3 fp32)."""
+    m, s, c = _row_stats_and_target(logits_ptr, row_off, V_local, local_t, coef_target,
+                                    coef_uniform, SMOOTHING, NT, VEC)  # fmt: skip
+    tl.store(out_ptr, m)
+    tl.store(out_ptr + 1, s)
+    tl.store(out_ptr + 2, c)
 
 
 @triton.jit

@@ -12,12 +12,13 @@ from mtp.bench import cli, report, runner
 from mtp.bench.peaks import match_peak
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
 
-ALL_OPS = {"bias_gelu", "bias_swiglu", "cross_entropy", "permute", "unpermute", "grouped_gemm",
-           "moe_layer"}  # fmt: skip
+ALL_OPS = {"bias_gelu", "bias_swiglu", "cross_entropy", "linear_cross_entropy", "permute",
+           "unpermute", "grouped_gemm", "moe_layer"}  # fmt: skip
 BACKENDS = {
     "bias_gelu": {"triton", "reference"},
     "bias_swiglu": {"triton", "reference"},
     "cross_entropy": {"triton", "reference"},
+    "linear_cross_entropy": {"triton", "torch", "unfused", "reference"},
     "permute": {"triton", "reference"},
     "unpermute": {"triton", "reference"},
     "grouped_gemm": set(GROUPED_GEMM_BACKENDS),
@@ -98,6 +99,12 @@ def _check_structure(result):
         # fwd+bwd: + the upstream ones_like that autograd.grad makes
         assert r["device_ops"] <= (1 if r["pass"] == "fwd" else 3), r
     assert any(r.get("traffic") for r in result["records"] if r["provider"] == "triton")
+    lce = {(r["dtype"], r["backend"]): r for r in result["structure"]["linear_cross_entropy_loss_bytes"]}
+    for dtype in ("fp32", "bf16"):  # Triton: one read forward, one read + write backward
+        assert lce[(dtype, "triton")]["fwd_loss_bytes_over_logits"] <= 1.1, lce
+        assert lce[(dtype, "triton")]["bwd_loss_bytes_over_logits"] <= 2.4, lce
+        assert lce[(dtype, "torch")]["fwd_loss_bytes_over_logits"] >= 5, lce
+    assert all(r["fwd_host_syncs"] == r["bwd_host_syncs"] == 0 for r in lce.values())
     moe = result["structure"]["moe_layer_forward"]
     by = {(r["E"], r["backend"]): r for r in moe}
     for E in (8, 128, 256):

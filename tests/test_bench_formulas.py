@@ -7,6 +7,7 @@ import torch
 from mtp.bench import bench_bias_act as bias_act
 from mtp.bench import bench_cross_entropy as ce
 from mtp.bench import bench_grouped_gemm as gg
+from mtp.bench import bench_linear_cross_entropy as lce
 from mtp.bench import bench_moe_layer as moe
 from mtp.bench import bench_permute as perm
 from mtp.bench.counting import count_ops
@@ -32,6 +33,16 @@ def test_cross_entropy_bytes_hand_counts():
     # loss 16 out, dloss 16 in.
     assert ce.cross_entropy_bytes(4, 10, 2, 8, "fwd+bwd") == 160 + 32 + 32
     assert ce.allgather_bytes_per_rank(4) == (4 + 2) * 3 * 4  # rows + two metadata rows
+
+
+def test_linear_cross_entropy_formulas_hand_counts():
+    # N=4 tokens, H=3, V=10, bf16: one GEMM 2*4*3*10 forward, three with the backward.
+    assert lce.linear_cross_entropy_flops(4, 3, 10, "fwd") == 240
+    assert lce.linear_cross_entropy_flops(4, 3, 10, "fwd+bwd") == 720
+    # hidden 24 + weight 60 + int64 targets 32 + loss 4; backward: d_hidden 24, d_weight 60,
+    # and the operands read again.
+    assert lce.linear_cross_entropy_bytes(4, 3, 10, 2, "fwd") == 24 + 60 + 32 + 4
+    assert lce.linear_cross_entropy_bytes(4, 3, 10, 2, "fwd+bwd") == 2 * (24 + 60 + 32 + 4)
 
 
 def test_permute_bytes_hand_counts():

@@ -62,3 +62,35 @@ def _worker(rank, world):
 def test_module_matches_linear_head_and_cross_entropy():
     losses = run_distributed(_worker, 2, timeout=120)
     assert losses[0] == losses[1]
+
+
+def _backends_worker(rank, world):
+    hidden_ref, target, loss_ref, head_ref = _reference(3)
+    grads = []
+    for backend in ("triton", "torch"):
+        torch.manual_seed(3)
+        module = VocabParallelLinearCrossEntropy(
+            H, V, bias=True, group=dist.group.WORLD, dtype=torch.float32, label_smoothing=0.1,
+            chunk_size=5, backend=backend,
+        )  # fmt: skip
+        with torch.no_grad():  # the fp64 head's values (fp32 init draws other numbers)
+            module.weight.copy_(head_ref.weight)
+            module.bias.copy_(head_ref.bias)
+        hidden = hidden_ref.detach().float().requires_grad_()
+        loss = module(hidden, target)
+        loss.backward()
+        torch.testing.assert_close(loss.double(), loss_ref.detach(), rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(module.weight.grad.double(), head_ref.weight.grad,
+                                   rtol=2e-5, atol=2e-5)  # fmt: skip
+        grads.append(hidden.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-5, atol=2e-6)
+    bad = VocabParallelLinearCrossEntropy(H, V, group=dist.group.WORLD, backend="cutlass")
+    with pytest.raises(ValueError, match="backend"):
+        bad(torch.randn(4, H), torch.zeros(4, dtype=torch.long))
+    return True
+
+
+def test_module_backends_agree_and_bad_backend_fails():
+    """tp = 1: the Triton loss kernels (interpreter) and the PyTorch maths both equal the
+    float64 head + F.cross_entropy within fp32 rounding; an unknown backend is a ValueError."""
+    assert run_distributed(_backends_worker, 1, timeout=120) == [True]

@@ -27,19 +27,32 @@ fp32 ``d_hidden`` ``[N, H]`` and ``d_weight`` ``[V/tp, H]`` accumulators of the 
 does not grow with ``N`` beyond those gradient-sized buffers. No host synchronisation (the
 chunking is fixed by the shapes; checks run on the device), deterministic (no atomics).
 
-Backend: ``"torch"`` (cuBLAS / CPU GEMMs and fp32 PyTorch maths per chunk) is the one backend
-today; it runs on CPU (tests) and CUDA alike.
+Backends (the GEMMs are cuBLAS / CPU ``torch.mm`` / ``addmm`` in both):
+
+* ``"triton"`` (default on CUDA for fp32 / fp16 / bf16): the per-chunk loss maths are two
+  Triton kernels (:mod:`mtp.kernels.linear_cross_entropy`): the forward reads the chunk's
+  logits once for the row statistics, the backward reads them once and overwrites them with the
+  gradient (in the input dtype, the operand of the two backward GEMMs). On CPU it runs under
+  the Triton interpreter (``TRITON_INTERPRET=1``).
+* ``"torch"`` (default on CPU and for fp64): the same maths as fp32 PyTorch ops, several passes
+  over each chunk.
+
+``MTP_BACKEND=triton`` / ``torch`` (``reference`` is an alias of ``torch``) steers ``"auto"``.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from mtp.kernels import linear_cross_entropy as lce_kernels
+from mtp.kernels._common import interpreting
 from mtp.parallel.agreement import check_collective
 from mtp.utils import check_tensor, check_values
 
-__all__ = ["linear_cross_entropy", "default_chunk_size", "REDUCTIONS"]
+__all__ = ["linear_cross_entropy", "default_chunk_size", "REDUCTIONS", "BACKENDS"]
 
 REDUCTIONS = ("none", "mean", "sum")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -67,8 +80,8 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = h @ weight.t()
-    return out if bias is None else out + bias
+    """``[rows, V/tp]`` logits in the input dtype; the bias is added in the GEMM's epilogue."""
+    return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
 
 
 def _chunk_stats(x, local_t, owns, coef_target, coef_uniform) -> torch.Tensor:
@@ -191,7 +204,8 @@ def _target_checksum(target: torch.Tensor) -> torch.Tensor:
 class _Setup:
     """Everything about one call that is not a tensor to differentiate."""
 
-    def __init__(self, hidden, weight, target, group, eps, ignore_index, z, chunk, sp, validate):
+    def __init__(self, hidden, weight, target, group, eps, ignore_index, z, chunk, sp, validate,
+                 backend):
         self.group = group
         self.world = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
@@ -228,6 +242,30 @@ class _Setup:
         self.local_t = local.clamp(0, self.v_local - 1)
         self.coef_target = 1.0 - eps
         self.coef_uniform = eps / vocab.to(_acc(hidden.dtype))
+        if backend == "triton":  # the kernels' view: local id or -1, coefficients on the device
+            self.local_k = torch.where(self.owns, local, torch.full_like(local, -1))
+            self.coefs = torch.stack(
+                [torch.ones_like(self.coef_uniform) * self.coef_target, self.coef_uniform]
+            ).float()
+        self.backend = backend
+
+    def stats(self, x: torch.Tensor, rows) -> torch.Tensor:
+        """``[rows, 3]`` ``(max, sum exp(x - max), target term)`` of a chunk's logits ``x``."""
+        if self.backend == "triton":
+            return lce_kernels.chunk_stats(x, self.local_k[rows], self.coefs, self.eps > 0.0)
+        return _chunk_stats(x, self.local_t[rows], self.owns[rows], self.coef_target,
+                            self.coef_uniform)  # fmt: skip
+
+    def grad(self, x: torch.Tensor, rows, rowstat: torch.Tensor, dloss: torch.Tensor):
+        """``dloss * d loss / d x`` of a chunk (Triton: written over ``x``, in its dtype)."""
+        if self.backend == "triton":
+            scale = torch.where(self.valid[rows], dloss.float(), torch.zeros_like(rowstat[:, 0]))
+            return lce_kernels.chunk_grad_(x, self.local_k[rows], self.coefs, rowstat, scale,
+                                           self.z)  # fmt: skip
+        return _chunk_grad(
+            x, rowstat, self.local_t[rows], self.owns[rows], dloss, self.valid[rows],
+            self.coef_target, self.coef_uniform, self.z,
+        )  # fmt: skip
 
     def chunks(self):
         """``(local_slice, global_index)`` per chunk: the local hidden rows it reads and the
@@ -259,11 +297,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         loss = torch.empty(setup.rows, dtype=acc, device=hidden.device)
         rowstat = torch.empty((setup.rows, 2), dtype=acc, device=hidden.device)
         for local, rows in setup.chunks():
-            x = _logits(setup.rows_of(h2d, local), weight, bias)
-            stats = _chunk_stats(
-                x, setup.local_t[rows], setup.owns[rows], setup.coef_target, setup.coef_uniform
-            )
-            del x
+            stats = setup.stats(_logits(setup.rows_of(h2d, local), weight, bias), rows)
             if setup.world > 1:
                 gathered = _all_gather(stats, setup.group, setup.world)
             else:
@@ -288,14 +322,9 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         dloss = dloss.reshape(-1)
         for local, rows in s.chunks():
             hc = s.rows_of(h2d, local)
-            x = _logits(hc, weight, bias)
-            g = _chunk_grad(
-                x, rowstat[rows], s.local_t[rows], s.owns[rows], dloss[rows], s.valid[rows],
-                s.coef_target, s.coef_uniform, s.z,
-            )  # fmt: skip
-            del x
+            g = s.grad(_logits(hc, weight, bias), rows, rowstat[rows], dloss[rows])
             if need_b:
-                db += g.sum(0)
+                db += g.sum(0, dtype=acc)
             g = g.to(weight.dtype)
             if need_h:
                 dh[rows] = _mm_fp32(g, weight)
@@ -323,6 +352,29 @@ def _reduce_hidden_grad(dh: torch.Tensor, s: _Setup) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _resolve_backend(backend, hidden: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"`` for ``backend`` (see :func:`linear_cross_entropy`)."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    fp64 = hidden.dtype == torch.float64
+    if backend == "auto":
+        env = os.environ.get("MTP_BACKEND", "").strip()
+        env = "torch" if env == "reference" else env
+        backend = env if env in BACKENDS[1:] else ("triton" if hidden.is_cuda else "torch")
+        if fp64:
+            return "torch"
+    if backend == "triton" and fp64:
+        raise ValueError("backend='triton' takes fp32 / fp16 / bf16 inputs; fp64 needs 'torch'")
+    if backend == "triton" and not hidden.is_cuda and not interpreting():
+        raise ValueError(
+            "backend='triton' needs CUDA tensors; on CPU use backend='torch' or set "
+            "TRITON_INTERPRET=1 to run the kernels in the interpreter"
+        )
+    return backend
 
 
 def _check_args(hidden, weight, target, bias, group, sp, eps, ignore_index, z, reduction, chunk):
@@ -411,7 +463,9 @@ def linear_cross_entropy(
             chunk and ``d_hidden`` is reduce-scattered.
         validate: data checks (targets in range, ranks agree) on the device by default;
             ``"sync"`` raises Python errors after a host sync; False skips them.
-        backend: ``"auto"`` or ``"torch"`` (GEMMs + fp32 PyTorch maths per chunk).
+        backend: ``"auto"`` (``"triton"`` on CUDA for fp32 / fp16 / bf16, else ``"torch"``;
+            ``MTP_BACKEND`` overrides), ``"triton"`` (Triton loss kernels per chunk; CPU needs
+            ``TRITON_INTERPRET=1``) or ``"torch"`` (fp32 PyTorch maths per chunk).
 
     Returns:
         fp32 loss: a scalar, or ``target``'s shape for ``reduction="none"``; identical on every
@@ -426,14 +480,13 @@ def linear_cross_entropy(
         hidden, weight, target, bias, group, sequence_parallel, label_smoothing, ignore_index,
         z_loss_weight, reduction, chunk_size,
     )  # fmt: skip
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"backend must be 'auto' or 'torch', got {backend!r}")
     world = 1 if group is None else dist.get_world_size(group)
     rows = target.numel()
     chunk = chunk_size or default_chunk_size(rows, weight.shape[0])
     setup = _Setup(
         hidden, weight, target, group, float(label_smoothing), int(ignore_index),
         float(z_loss_weight), chunk, sequence_parallel and world > 1, validate,
+        _resolve_backend(backend, hidden),
     )  # fmt: skip
     loss, _ = _LinearCrossEntropyFn.apply(hidden, weight, bias, setup)
     if reduction == "sum":

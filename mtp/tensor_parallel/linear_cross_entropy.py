@@ -32,8 +32,9 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         init_method, perform_initialization, group, dtype, device: as
             :class:`~mtp.tensor_parallel.ColumnParallelLinear` (the same master-then-shard
             initialisation, so the module equals an ``nn.Linear`` head built from the same seed).
-        label_smoothing, ignore_index, z_loss_weight, reduction, chunk_size, validate: see
-            :func:`mtp.ops.linear_cross_entropy`.
+        label_smoothing, ignore_index, z_loss_weight, reduction, chunk_size, validate,
+            backend: see :func:`mtp.ops.linear_cross_entropy` (``backend="auto"``: the Triton
+            loss kernels on CUDA, PyTorch maths on CPU).
 
     Parameters: ``weight`` ``[V/tp, H]`` and ``bias`` ``[V/tp]`` (Megatron's
     ``tensor_model_parallel`` attributes set, partition dim 0).
@@ -60,6 +61,7 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         reduction: str = "mean",
         chunk_size: int | None = None,
         validate: bool | str = True,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         head = ColumnParallelLinear(
@@ -71,7 +73,7 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         self.loss_kwargs = dict(
             label_smoothing=label_smoothing, ignore_index=ignore_index,
             z_loss_weight=z_loss_weight, reduction=reduction, chunk_size=chunk_size,
-            validate=validate,
+            validate=validate, backend=backend,
         )  # fmt: skip
 
     def _adopt(self, head: ColumnParallelLinear) -> None:
@@ -103,7 +105,7 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         self._adopt(head)
         defaults = dict(
             label_smoothing=0.0, ignore_index=-100, z_loss_weight=0.0, reduction="mean",
-            chunk_size=None, validate=True,
+            chunk_size=None, validate=True, backend="auto",
         )  # fmt: skip
         unknown = set(loss_kwargs) - set(defaults)
         if unknown:
