@@ -214,9 +214,11 @@ def grouped_wgrad_kernel(
     stride_ce, stride_cp, stride_cq,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_P: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):
     """``c[e] = a[rows of e]^T @ b[rows of e]`` (``[P, Q]`` per expert); zeros for empty experts.
+    With ``ACCUMULATE`` the epilogue adds the product to ``c`` instead (``c += ...``, in fp32
+    before the store: Megatron's gradient-accumulation fusion into an fp32 ``main_grad``).
 
     ``a`` is ``[M, P]`` and ``b`` is ``[M, Q]`` (any strides). Grid:
     ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs, expert-major, grouped by ``GROUP_P``
@@ -260,7 +262,10 @@ def grouped_wgrad_kernel(
         c_ptr + expert.to(tl.int64) * stride_ce + ps64[:, None] * stride_cp
         + qs64[None, :] * stride_cq
     )
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
+    mask_c = mask_p[:, None] & mask_q[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask_c, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,8 +448,11 @@ def grouped_wgrad(
     *,
     config: WgradConfig | _tma.TmaWgradConfig | None = None,
     tma: bool | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """One launch: ``out[e] = a[rows of e]^T @ b[rows of e]``; exact zeros for empty experts.
+    ``accumulate=True``: ``out[e] += ...`` in the epilogue (empty experts leave ``out[e]`` as
+    it was), typically into an fp32 ``main_grad`` from half-precision operands.
 
     Args:
         a: ``[M, P]``, b: ``[M, Q]`` (same dtype, any strides), rows grouped by expert.
@@ -464,7 +472,7 @@ def grouped_wgrad(
             return out
         if not isinstance(config, _tma.TmaWgradConfig):
             config = _tma.wgrad_default(a.device, M, P, Q, E)
-        return _tma.launch_wgrad(a, b, counts, out, config, dot_upcast(a.dtype))
+        return _tma.launch_wgrad(a, b, counts, out, config, dot_upcast(a.dtype), accumulate)
     if config is None:
         config = _INTERPRETER_WGRAD if a.device.type != "cuda" else wgrad_config(a.dtype, P, Q)
     if E == 0 or P == 0 or Q == 0:
@@ -477,7 +485,7 @@ def grouped_wgrad(
         b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_P=config.block_p, BLOCK_Q=config.block_q, BLOCK_R=config.block_r,
-        BLOCK_E=next_power_of_2(E), GROUP_P=config.group_p,
+        BLOCK_E=next_power_of_2(E), GROUP_P=config.group_p, ACCUMULATE=accumulate,
         num_warps=config.num_warps, num_stages=config.num_stages,
         **_dot_flags(a.dtype),
     )

@@ -188,14 +188,15 @@ def grouped_wgrad_tma_kernel(
     stride_am, stride_bm, stride_ce, stride_cp, stride_cs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_P: tl.constexpr, SPLIT: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, UPCAST_DOT: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):
     """``c[e] = a[rows of e]^T @ b[rows of e]`` (``[P, Q]``; zeros for empty experts).
 
     ``a`` is ``[M, P]`` and ``b`` ``[M, Q]``, both with unit column stride. Grid:
     ``SPLIT * E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)``. With ``SPLIT == 1`` ``c`` is the
     ``[E, P, Q]`` output (unit last stride); otherwise an fp32 workspace ``[SPLIT, E, P, Q]``
-    (``stride_cs`` its split stride) that :func:`split_reduce_kernel` sums.
+    (``stride_cs`` its split stride) that :func:`split_reduce_kernel` sums. ``ACCUMULATE``
+    (``SPLIT == 1`` only): ``c += ...`` in the epilogue.
     """
     pid = tl.program_id(0)
     num_p = (P + BLOCK_P - 1) // BLOCK_P
@@ -241,7 +242,10 @@ def grouped_wgrad_tma_kernel(
         c_ptr + split.to(tl.int64) * stride_cs + expert.to(tl.int64) * stride_ce
         + ps.to(tl.int64)[:, None] * stride_cp + qs[None, :]
     )
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(ps < P)[:, None] & (qs < Q)[None, :])
+    mask_c = (ps < P)[:, None] & (qs < Q)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask_c, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
 @triton.jit
@@ -258,9 +262,10 @@ def expert_rows_kernel(counts_ptr, rows_ptr, M, E, BLOCK_E: tl.constexpr):
 @triton.jit
 def split_reduce_kernel(
     ws_ptr, c_ptr, numel, PQ, Q, stride_ce, stride_cp, stride_cq,
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):
-    """``c[e, p, q] = sum_s ws[s, e, p, q]`` in split order (``ws`` contiguous fp32)."""
+    """``c[e, p, q] = sum_s ws[s, e, p, q]`` in split order (``ws`` contiguous fp32); with
+    ``ACCUMULATE`` added to ``c``'s value (in fp32)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -269,8 +274,10 @@ def split_reduce_kernel(
     e = offs // PQ
     p = (offs % PQ) // Q
     q = offs % Q
-    tl.store(c_ptr + e * stride_ce + p * stride_cp + q * stride_cq,
-             acc.to(c_ptr.dtype.element_ty), mask=keep)
+    c_ptrs = c_ptr + e * stride_ce + p * stride_cp + q * stride_cq
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=keep, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=keep)
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,9 +480,9 @@ def launch_forward(a, b, counts, out, config: TmaGemmConfig, programs: int, upca
     return out
 
 
-def launch_wgrad(a, b, counts, out, config: TmaWgradConfig, upcast: bool):
+def launch_wgrad(a, b, counts, out, config: TmaWgradConfig, upcast: bool, accumulate=False):
     """TMA weight gradient; with ``config.split > 1`` through an fp32 workspace and a fixed-order
-    reduction pass."""
+    reduction pass (``accumulate``: ``out +=`` in the last epilogue)."""
     M, P = a.shape
     Q = b.shape[1]
     E = out.shape[0]
@@ -496,13 +503,14 @@ def launch_wgrad(a, b, counts, out, config: TmaWgradConfig, upcast: bool):
         BLOCK_P=config.block_p, BLOCK_Q=config.block_q, BLOCK_R=config.block_r,
         GROUP_P=config.group_p, SPLIT=split,
         WARP_SPECIALIZE=config.warp_specialize and supports_warp_specialize(),
-        UPCAST_DOT=upcast, num_warps=config.num_warps, num_stages=config.num_stages,
+        UPCAST_DOT=upcast, ACCUMULATE=accumulate and split == 1, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if split > 1:
         numel = E * P * Q
         block = 1024
         split_reduce_kernel[(triton.cdiv(numel, block),)](
             target, out, numel, P * Q, Q, out.stride(0), out.stride(1), out.stride(2),
-            SPLIT=split, BLOCK=block,
+            SPLIT=split, BLOCK=block, ACCUMULATE=accumulate,
         )
     return out

@@ -212,7 +212,7 @@ def _wgrad_build(cc: int, cfg: tma.TmaWgradConfig):
     constexprs = {
         "BLOCK_P": cfg.block_p, "BLOCK_Q": cfg.block_q, "BLOCK_R": cfg.block_r,
         "GROUP_P": cfg.group_p, "SPLIT": cfg.split, "WARP_SPECIALIZE": cfg.warp_specialize,
-        "UPCAST_DOT": False,
+        "UPCAST_DOT": False, "ACCUMULATE": False,
     }
     divisible = [k for k in signature if k.startswith("stride")] + ["P", "Q"]
     return compile_for_targets(
@@ -362,7 +362,7 @@ def test_aot_expert_rows_and_split_reduce_no_spills(E):
         tma.split_reduce_kernel,
         {"ws_ptr": "*fp32", "c_ptr": "*bf16", "numel": "i32", "PQ": "i32", "Q": "i32",
          "stride_ce": "i32", "stride_cp": "i32", "stride_cq": "i32"},
-        {"SPLIT": 4, "BLOCK": 1024},
+        {"SPLIT": 4, "BLOCK": 1024, "ACCUMULATE": True},
     )
     for builds in (rows, reduce):
         assert set(builds) == {90, 100}

@@ -487,6 +487,7 @@ def _wgrad_build(dtype_name: str, cfg: kernels.WgradConfig):
         "stride_ap": 1, "stride_bq": 1, "stride_cq": 1,
         "BLOCK_P": cfg.block_p, "BLOCK_Q": cfg.block_q, "BLOCK_R": cfg.block_r,
         "BLOCK_E": 64, "GROUP_P": cfg.group_p, "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
+        "ACCUMULATE": False,
     }
     strides = [k for k in signature if k.startswith("stride")]
     return compile_for_targets(

@@ -127,7 +127,13 @@ class GroupedMLP(nn.Module):
             ``"multistream"``, ``"sequential"``, ``"reference"``, see
             :func:`mtp.ops.grouped_gemm`); the activation kernel uses ``"triton"`` or
             ``"reference"`` when named, else ``"auto"``.
-        params_dtype, device: of the parameters.
+        gradient_accumulation_fusion: the weight gradients of ``weight1``/``weight2`` are added
+            to their fp32 ``main_grad`` in the grouped weight-gradient kernel's epilogue
+            (Megatron-Core's option of that name; :func:`mtp.ops.grouped_gemm_accumulate_wgrad`):
+            the weights must be in the activation dtype (``params_dtype``) and have a
+            ``main_grad`` (:class:`mtp.optim.DistributedDataParallel` gives them one).
+        params_dtype, device: of the parameters (keep them in the compute dtype, e.g. bf16, with
+            an fp32 ``main_grad``: the forward then casts nothing).
         perform_initialization: initialise the weights (see :meth:`reset_parameters`); False
             leaves them uninitialised (for loading a checkpoint).
 
@@ -150,6 +156,7 @@ class GroupedMLP(nn.Module):
         activation_limit: float = 7.0,
         activation_alpha: float = 1.702,
         probs_after_fc2: bool = False,
+        gradient_accumulation_fusion: bool = False,
         tp_size: int = 1,
         tp_rank: int = 0,
         params_dtype: torch.dtype = torch.float32,
@@ -190,6 +197,10 @@ class GroupedMLP(nn.Module):
         self.activation_limit = float(activation_limit)
         self.activation_alpha = float(activation_alpha)
         self.probs_after_fc2 = bool(probs_after_fc2)
+        if not isinstance(gradient_accumulation_fusion, bool):
+            raise TypeError("gradient_accumulation_fusion must be a bool, got "
+                            f"{type(gradient_accumulation_fusion).__name__}")  # fmt: skip
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.tp_size, self.tp_rank = tp_size, tp_rank
         full_fc1 = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size
         self.full_fc1_output_size = full_fc1
@@ -345,6 +356,14 @@ class GroupedMLP(nn.Module):
 
     def _gemm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         backend = self.gemm_backend(x.device)
+        if self.gradient_accumulation_fusion and w.requires_grad and torch.is_grad_enabled():
+            if w.dtype != x.dtype:
+                raise ValueError(
+                    f"gradient_accumulation_fusion needs the expert weights in the activation "
+                    f"dtype: weights are {w.dtype}, activations {x.dtype} (params_dtype)"
+                )
+            return ops.grouped_gemm_accumulate_wgrad(x, w, counts, backend=backend,
+                                                     validate=False)  # fmt: skip
         return grouped_gemm(x, w.to(x.dtype), counts, backend=backend, validate=False)
 
     def forward(

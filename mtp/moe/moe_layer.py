@@ -123,6 +123,8 @@ class MoELayer(nn.Module):
             ``activation_limit``/``activation_alpha`` for ``"clamped_swiglu"``.
         probs_after_fc2: scale the expert output after ``fc2`` and its bias (GPT-OSS / Hugging
             Face) instead of before ``fc2`` (Megatron), see :class:`~mtp.moe.GroupedMLP`.
+        gradient_accumulation_fusion: the experts' weight gradients go straight into their fp32
+            ``main_grad`` (see :class:`~mtp.moe.GroupedMLP`).
         backend: kernels of the permutation, activation and grouped GEMMs (``"auto"``,
             ``"triton"``, ``"reference"``, or a grouped GEMM backend such as ``"sequential"``).
         bias: per-expert biases in the experts.
@@ -175,6 +177,7 @@ class MoELayer(nn.Module):
         activation_limit: float = 7.0,
         activation_alpha: float = 1.702,
         probs_after_fc2: bool = False,
+        gradient_accumulation_fusion: bool = False,
         backend: str = "auto",
         bias: bool = False,
         token_dispatcher_type: str = "alltoall",
@@ -226,6 +229,7 @@ class MoELayer(nn.Module):
         for name, flag in (
             ("bias", bias),
             ("probs_after_fc2", probs_after_fc2),
+            ("gradient_accumulation_fusion", gradient_accumulation_fusion),
             ("shared_expert_gate", shared_expert_gate),
         ):
             check_bool(name, flag)
@@ -309,6 +313,7 @@ class MoELayer(nn.Module):
             activation_limit=activation_limit,
             activation_alpha=activation_alpha,
             probs_after_fc2=probs_after_fc2,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
             bias=bias,
             backend=backend,
             tp_size=etp_size,

@@ -614,6 +614,18 @@ def grouped_gemm(
         TypeError, ValueError: bad shapes, dtypes or devices (naming the argument), counts
             summing past ``M``, or a backend that cannot run here (e.g. ``cutlass`` not built).
     """
+    name, counts = prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate)
+    if out is None:
+        return torch.ops.mtp.grouped_gemm(x, w, counts, trans_b, name)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _GroupedGemmInto.apply(x, w, counts, out, trans_b, name)
+    torch.ops.mtp.grouped_gemm_out(x, w, counts, out, trans_b, name)
+    return out
+
+
+def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate):
+    """Check the arguments of :func:`grouped_gemm` and resolve them: ``(backend name, counts)``
+    with the counts where the backend reads them (the loop backends' one host copy)."""
     if isinstance(tokens_per_expert, (list, tuple)):
         tokens_per_expert = torch.tensor(tokens_per_expert, dtype=torch.int64)
     _check_inputs(x, w, tokens_per_expert, trans_b, out)
@@ -633,13 +645,7 @@ def grouped_gemm(
     counts = tokens_per_expert if impl.device_counts else tokens_per_expert.to("cpu")
     if data_checks_enabled(validate, counts):
         _check_count_values(counts, x.shape[0])
-    counts = counts.to(x.device) if impl.device_counts else counts
-    if out is None:
-        return torch.ops.mtp.grouped_gemm(x, w, counts, trans_b, name)
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return _GroupedGemmInto.apply(x, w, counts, out, trans_b, name)
-    torch.ops.mtp.grouped_gemm_out(x, w, counts, out, trans_b, name)
-    return out
+    return name, (counts.to(x.device) if impl.device_counts else counts)
 
 
 def grouped_gemm_reference(

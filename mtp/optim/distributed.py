@@ -3,7 +3,9 @@
 Megatron's "local DDP": every trainable parameter gets a ``.main_grad`` view into one contiguous
 buffer per kind (parameter dtype, gradient dtype, dense or expert; see
 :mod:`mtp.optim.grad_buffer`). A post-accumulate-grad hook on each parameter adds ``.grad`` into
-``.main_grad`` and frees ``.grad``; when every parameter of a bucket has reported, the bucket's
+``.main_grad`` and frees ``.grad`` (or only frees it when the op already added its gradient to
+``.main_grad`` and set ``grad_added_to_main_grad``: Megatron's gradient-accumulation fusion, e.g.
+:class:`mtp.moe.GroupedMLP` with ``gradient_accumulation_fusion=True``); when every parameter of a bucket has reported, the bucket's
 reduction starts asynchronously (reduce-scatter with the distributed optimizer, all-reduce
 without), so communication overlaps the rest of the backward. Buckets are launched strictly in
 index order on every rank (a bucket that fills early waits for the ones before it), so ranks
@@ -137,6 +139,9 @@ class DistributedDataParallel(nn.Module):
             for buf in self.buffers
             for p in buf.params
         ]
+        for buf in self.buffers:  # Megatron's flag: ops that add to main_grad themselves set it
+            for p in buf.params:
+                p.grad_added_to_main_grad = False
 
     # -- construction ------------------------------------------------------------------------
 
@@ -206,7 +211,10 @@ class DistributedDataParallel(nn.Module):
                     "backward without finish_grad_sync()/zero_grad_buffer(); run all micro-batches "
                     "but the last under ddp.no_sync()"
                 )
-            param.main_grad.add_(p.grad)
+            if getattr(param, "grad_added_to_main_grad", False):  # fused into main_grad
+                param.grad_added_to_main_grad = False
+            else:
+                param.main_grad.add_(p.grad)
             p.grad = None
             if self._sync_enabled and self.overlap_grad_reduce:
                 bucket.ready.add(id(param))
