@@ -91,12 +91,13 @@ def _mma_loop(
 
 @triton.jit
 def _gemm_tile(
-    a_ptr, b_ptr, c_ptr, expert, row0, row_end, pid_m, pid_n, N, K,
+    a_ptr, b_ptr, c_ptr, bias_ptr, expert, row0, row_end, pid_m, pid_n, N, K,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """``c[rows, cols] = a[rows, :] @ b[expert][:, cols]`` for one tile (rows < row_end)."""
+    """``c[rows, cols] = a[rows, :] @ b[expert][:, cols] (+ bias[expert, cols])`` for one tile
+    (rows < row_end)."""
     rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)
@@ -114,17 +115,20 @@ def _gemm_tile(
         mask_m[:, None], mask_n[None, :], ks[None, :], ks[:, None], K,
         BLOCK_K * stride_ak, BLOCK_K * stride_bk, BLOCK_K, UPCAST_DOT, DOT_PRECISION,
     )
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * N + cols, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _forward_tile(
-    tile, a_ptr, b_ptr, c_ptr, counts_ptr, M, N, K,
+    tile, a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr, M, N, K,
     lane, counts, m_tiles, tile_ends, num_n, expert_tiles,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     if tile < expert_tiles:
         # The tiles of one expert are contiguous: find the expert from the row-tile index.
@@ -141,10 +145,10 @@ def _forward_tile(
         size_m = tl.minimum(num_m - first_m, GROUP_M)
         within = local % per_group
         _gemm_tile(
-            a_ptr, b_ptr, c_ptr, expert, row0, tl.minimum(row0 + rows_e, M),
+            a_ptr, b_ptr, c_ptr, bias_ptr, expert, row0, tl.minimum(row0 + rows_e, M),
             first_m + within % size_m, within // size_m, N, K,
             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, DOT_PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, DOT_PRECISION, HAS_BIAS,
         )
     else:
         # The zero tail: rows [routed, M).
@@ -161,16 +165,18 @@ def _forward_tile(
 
 @triton.jit
 def grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, counts_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr,
     M, N, K, E,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """``c[M, N]``: rows of expert ``e`` get ``a[rows] @ b[e]``; rows past the routed ones get 0.
+    """``c[M, N]``: rows of expert ``e`` get ``a[rows] @ b[e]`` (``+ bias[e]`` with
+    ``HAS_BIAS``: a contiguous ``[E, N]`` added in the epilogue); rows past the routed ones
+    get 0.
 
     ``counts_ptr`` points to ``E`` int32/int64 token counts (negative counts read as 0; rows at
     or past ``M`` are never touched). Without ``PERSISTENT`` program ``p`` handles tile ``p``
@@ -190,18 +196,18 @@ def grouped_gemm_kernel(
         total = expert_tiles + (M - routed + BLOCK_M - 1) // BLOCK_M * num_n
         for tile in range(pid, total, tl.num_programs(0)):
             _forward_tile(
-                tile, a_ptr, b_ptr, c_ptr, counts_ptr, M, N, K,
+                tile, a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr, M, N, K,
                 lane, counts, m_tiles, tile_ends, num_n, expert_tiles,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST_DOT, DOT_PRECISION,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST_DOT, DOT_PRECISION, HAS_BIAS,
             )
     else:
         # Programs past the tail find only masked-out rows (rows >= M) and store nothing.
         _forward_tile(
-            pid, a_ptr, b_ptr, c_ptr, counts_ptr, M, N, K,
+            pid, a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr, M, N, K,
             lane, counts, m_tiles, tile_ends, num_n, expert_tiles,
             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST_DOT, DOT_PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST_DOT, DOT_PRECISION, HAS_BIAS,
         )
 
 
@@ -382,8 +388,10 @@ def grouped_gemm(
     config: GemmConfig | _tma.TmaGemmConfig | None = None,
     persistent: bool | None = None,
     tma: bool | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One launch: ``out[rows of e] = a[rows of e] @ b[e]``, zeros past ``sum(counts)``.
+    """One launch: ``out[rows of e] = a[rows of e] @ b[e] (+ bias[e])``, zeros past
+    ``sum(counts)``.
 
     Args:
         a: ``[M, K]`` fp32/fp16/bf16, rows grouped by expert, any strides.
@@ -401,10 +409,15 @@ def grouped_gemm(
             Default (None): on sm_90+ for fp16/bf16 TMA-aligned operands (see
             :func:`mtp.kernels.grouped_gemm_tma.use_tma`); True forces it (ValueError if the
             operands are not eligible).
+        bias: optional contiguous ``[E, N]`` (any float dtype), added in fp32 in the epilogue.
     """
     M, K = a.shape
     E, _, N = b.shape
     _check_counts(counts, E, a.device)
+    if bias is not None and (bias.shape != (E, N) or not bias.is_contiguous()
+                             or bias.device != a.device):  # fmt: skip
+        raise ValueError(f"bias must be contiguous [{E}, {N}] on {a.device}, got "
+                         f"{tuple(bias.shape)} on {bias.device}")  # fmt: skip
     if _tma.use_tma(tma, a.device, _tma.forward_eligible(a, b, out) and K > 0):
         if M == 0 or N == 0:
             return out
@@ -412,7 +425,8 @@ def grouped_gemm(
             config = _tma.forward_default(a.device, M, N, K, E)
         bound = num_row_tiles_bound(M, E, config.block_m) * triton.cdiv(N, config.block_n)
         programs = min(bound, _tma.sm_count(a.device))
-        return _tma.launch_forward(a, b, counts, out, config, programs, dot_upcast(a.dtype))
+        return _tma.launch_forward(a, b, counts, out, config, programs, dot_upcast(a.dtype),
+                                   bias)  # fmt: skip
     if config is None:
         config = (_INTERPRETER_GEMM if a.device.type != "cuda"
                   else forward_config(a.dtype, M, N, K, E))
@@ -427,14 +441,14 @@ def grouped_gemm(
         persistent = a.device.type == "cuda" and E * triton.cdiv(N, config.block_n) > resident
     grid = (min(tiles, resident) if persistent else tiles,)
     grouped_gemm_kernel[grid](
-        a, b, out, counts,
+        a, b, out, out if bias is None else bias, counts,
         M, N, K, E,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         BLOCK_E=next_power_of_2(E), GROUP_M=config.group_m, PERSISTENT=persistent,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_BIAS=bias is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         **_dot_flags(a.dtype),
     )
     return out

@@ -105,14 +105,16 @@ def tile_map_kernel(
 
 @triton.jit
 def grouped_gemm_tma_kernel(
-    a_ptr, b_ptr, c_ptr, map_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, map_ptr,
     M, N, K, E,
     stride_am, stride_be, stride_bk, stride_bn, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, TRANS_B: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """``c[M, N]``: rows of expert ``e`` get ``a[rows] @ b[e]``; rows past the routed ones get 0.
+    """``c[M, N]``: rows of expert ``e`` get ``a[rows] @ b[e]`` (``+ bias[e]``, a contiguous
+    ``[E, N]``, with ``HAS_BIAS``); rows past the routed ones get 0.
 
     ``a`` is ``[M, K]`` with unit column stride; ``b`` is ``[E, K, N]`` with unit N stride, or
     with ``TRANS_B`` an ``[E, N, K]`` tensor with unit K stride (``stride_bk`` / ``stride_bn``
@@ -168,6 +170,9 @@ def grouped_gemm_tma_kernel(
         # Epilogue: rows past the expert (the next expert's, or past M) are masked out.
         rows = row + tl.arange(0, BLOCK_M)
         cols = col + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert.to(tl.int64) * N + cols, mask=cols < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         mask = (rows < tl.minimum(row0 + rows_e, M))[:, None] & (cols < N)[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -452,9 +457,19 @@ def wgrad_eligible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     return _aligned(a, 1) and _aligned(b, 1) and out.stride(2) == 1
 
 
-def launch_forward(a, b, counts, out, config: TmaGemmConfig, programs: int, upcast: bool):
+def forward_warp_specialize(config: TmaGemmConfig, has_bias: bool) -> bool:
+    """Whether the forward runs warp-specialised: as configured, except that a bias epilogue
+    on a tile wider than 128 x 128 (the large-group sm_100a config) would spill registers in
+    the epilogue warps (20 B measured), so that case takes the plain persistent loop."""
+    return config.warp_specialize and (
+        not has_bias or config.block_m * config.block_n <= 128 * 128
+    )
+
+
+def launch_forward(a, b, counts, out, config: TmaGemmConfig, programs: int, upcast: bool,
+                   bias=None):
     """Two launches: :func:`tile_map_kernel`, then the persistent TMA forward on ``programs``
-    programs (see :func:`grouped_gemm_tma_kernel`)."""
+    programs (see :func:`grouped_gemm_tma_kernel`; ``bias``: contiguous ``[E, N]`` or None)."""
     M, K = a.shape
     E, _, N = b.shape
     trans_b = not (b.stride(2) == 1 and _aligned(b, 2))
@@ -470,12 +485,12 @@ def launch_forward(a, b, counts, out, config: TmaGemmConfig, programs: int, upca
         BLOCK_M=config.block_m, BLOCK_E=block_e, BLOCK_T=block_t,
     )
     grouped_gemm_tma_kernel[(programs,)](
-        a, b, out, tile_map, M, N, K, E,
+        a, b, out, out if bias is None else bias, tile_map, M, N, K, E,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, TRANS_B=trans_b,
-        FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize, UPCAST_DOT=upcast,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FLATTEN=config.flatten, UPCAST_DOT=upcast, HAS_BIAS=bias is not None,
+        WARP_SPECIALIZE=forward_warp_specialize(config, bias is not None), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

@@ -184,9 +184,10 @@ def _sass(build) -> tuple[str, str]:
     return info.stdout + info.stderr, sass
 
 
-def _forward_build(cc: int, cfg: tma.TmaGemmConfig, trans_b: bool):
+def _forward_build(cc: int, cfg: tma.TmaGemmConfig, trans_b: bool, bias: bool = False):
     signature = {
-        "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "map_ptr": "*i32",
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16",
+        "map_ptr": "*i32",
         "M": "i32", "N": "i32", "K": "i32", "E": "i32", "stride_am": "i32", "stride_be": "i32",
         "stride_cm": "i32", ("stride_bn" if trans_b else "stride_bk"): "i32",
     }
@@ -194,6 +195,7 @@ def _forward_build(cc: int, cfg: tma.TmaGemmConfig, trans_b: bool):
         ("stride_bk" if trans_b else "stride_bn"): 1, "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "TRANS_B": trans_b,
         "FLATTEN": cfg.flatten, "WARP_SPECIALIZE": cfg.warp_specialize, "UPCAST_DOT": False,
+        "HAS_BIAS": bias,
     }
     divisible = [k for k in signature if k.startswith("stride")] + ["N", "K"]
     return compile_for_targets(
@@ -235,10 +237,12 @@ def _check(build, cc: int, warp_specialized: bool) -> None:
 
 
 @pytest.mark.parametrize("cc", [90, 100])
-def test_aot_forward_large_groups(cc):
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias_epilogue"])
+def test_aot_forward_large_groups(cc, bias):
     cfg = tma.tma_forward_config(cc // 10, 8 * 4096, 14336, 4096, 8)  # Mixtral fc1
     assert cfg.warp_specialize == (cc == 100 and tma.supports_warp_specialize())
-    _check(_forward_build(cc, cfg, trans_b=False), cc, cfg.warp_specialize)
+    cfg = dataclasses.replace(cfg, warp_specialize=tma.forward_warp_specialize(cfg, bias))
+    _check(_forward_build(cc, cfg, trans_b=False, bias=bias), cc, cfg.warp_specialize)
 
 
 def test_aot_forward_small_groups_warp_specialized_on_hopper():

@@ -456,10 +456,11 @@ def test_cutlass_errors(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def _forward_build(dtype_name: str, cfg: kernels.GemmConfig, trans_b=False, persistent=False):
+def _forward_build(dtype_name: str, cfg: kernels.GemmConfig, trans_b=False, persistent=False,
+                   bias=False):
     signature = {
         "a_ptr": f"*{dtype_name}", "b_ptr": f"*{dtype_name}", "c_ptr": f"*{dtype_name}",
-        "counts_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32",
+        "bias_ptr": f"*{dtype_name}", "counts_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32",
         "stride_am": "i32", "stride_be": "i32", "stride_cm": "i32",
         ("stride_bn" if trans_b else "stride_bk"): "i32",
     }
@@ -467,7 +468,7 @@ def _forward_build(dtype_name: str, cfg: kernels.GemmConfig, trans_b=False, pers
         "stride_ak": 1, "stride_cn": 1, ("stride_bk" if trans_b else "stride_bn"): 1,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
         "BLOCK_E": 64, "GROUP_M": cfg.group_m, "PERSISTENT": persistent,
-        "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
+        "UPCAST_DOT": False, "DOT_PRECISION": "ieee", "HAS_BIAS": bias,
     }
     strides = [k for k in signature if k.startswith("stride")]
     return compile_for_targets(
@@ -509,12 +510,13 @@ def _check_tensor_core_builds(builds) -> None:
 
 @pytest.mark.parametrize(
     "which",
-    ["forward_bf16_small_groups", "forward_bf16_large_groups", "wgrad_bf16"],
+    ["forward_bf16_small_groups", "forward_bf16_large_groups_bias", "wgrad_bf16"],
 )
 def test_aot_compiles_with_tensor_cores(which):
     if which.startswith("forward"):
         M = 100 if "small" in which else 1 << 20
-        builds = _forward_build("bf16", kernels.forward_config(torch.bfloat16, M, 4096, 4096, 8))
+        cfg = kernels.forward_config(torch.bfloat16, M, 4096, 4096, 8)
+        builds = _forward_build("bf16", cfg, bias=which.endswith("bias"))
     else:
         builds = _wgrad_build("bf16", kernels.wgrad_config(torch.bfloat16, 4096, 4096))
     _check_tensor_core_builds(builds)

@@ -29,6 +29,7 @@ from torch import nn
 
 from mtp import ops
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, torch_grouped_mm, grouped_gemm
+from mtp.ops.grouped_gemm_bias import expert_bias_rows
 from mtp.utils import check_int
 
 __all__ = ["GroupedMLP"]
@@ -93,13 +94,6 @@ def fc1_shard_columns(
     if activation == "clamped_swiglu":
         return torch.arange(2 * start, 2 * (start + shard))
     return cols
-
-
-def _expert_of_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Expert index of each of ``num_rows`` grouped rows (rows past the total: the last)."""
-    ends = torch.cumsum(tokens_per_expert.to(torch.int64), dim=0)
-    rows = torch.arange(num_rows, device=ends.device, dtype=torch.int64)
-    return torch.searchsorted(ends, rows, right=True).clamp(max=tokens_per_expert.shape[0] - 1)
 
 
 class GroupedMLP(nn.Module):
@@ -354,7 +348,8 @@ class GroupedMLP(nn.Module):
             return "torch"
         return self.backend
 
-    def _gemm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _gemm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, bias) -> torch.Tensor:
+        """``x_e @ w[e] (+ bias[e])`` (the bias in the GEMM's epilogue on the Triton backend)."""
         backend = self.gemm_backend(x.device)
         if self.gradient_accumulation_fusion and w.requires_grad and torch.is_grad_enabled():
             if w.dtype != x.dtype:
@@ -362,9 +357,9 @@ class GroupedMLP(nn.Module):
                     f"gradient_accumulation_fusion needs the expert weights in the activation "
                     f"dtype: weights are {w.dtype}, activations {x.dtype} (params_dtype)"
                 )
-            return ops.grouped_gemm_accumulate_wgrad(x, w, counts, backend=backend,
-                                                     validate=False)  # fmt: skip
-        return grouped_gemm(x, w.to(x.dtype), counts, backend=backend, validate=False)
+            y = ops.grouped_gemm_accumulate_wgrad(x, w, counts, backend=backend, validate=False)
+            return y if bias is None else y + expert_bias_rows(bias.to(y.dtype), counts, len(y))
+        return grouped_gemm(x, w.to(x.dtype), counts, backend=backend, validate=False, bias=bias)
 
     def forward(
         self,
@@ -374,8 +369,7 @@ class GroupedMLP(nn.Module):
     ) -> torch.Tensor:
         """``[M, H]`` rows grouped by local expert -> ``[M, H]`` expert outputs (each row scaled
         by its probability before ``fc2``). ``tokens_per_expert``: ``[L]`` int32/int64 on the
-        device (or CPU). Rows past ``sum(tokens_per_expert)`` produce ``bias2`` of the last
-        expert (zero without bias)."""
+        device (or CPU). Rows past ``sum(tokens_per_expert)`` produce zeros."""
         x = permuted_local_hidden_states
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(
@@ -392,21 +386,15 @@ class GroupedMLP(nn.Module):
                 f"permuted_probs must be [{x.shape[0]}] (one per row), got "
                 f"{tuple(permuted_probs.shape)}"
             )
-        experts = None
-        if self.add_bias:
-            experts = _expert_of_rows(tokens_per_expert.to(x.device), x.shape[0])
-        h = self._gemm(x, self.weight1, tokens_per_expert)
-        if experts is not None:
-            h = h + self.bias1.to(h.dtype).index_select(0, experts)
+        h = self._gemm(x, self.weight1, tokens_per_expert, self.bias1)
         h = activation_function(
             h, self.activation, self.backend, self.activation_limit, self.activation_alpha
         )
         scale = None if permuted_probs is None else permuted_probs.to(h.dtype).unsqueeze(-1)
         if scale is not None and not self.probs_after_fc2:
             h = h * scale
-        y = self._gemm(h, self.weight2, tokens_per_expert)
-        if experts is not None and self.tp_rank == 0:
-            y = y + self.bias2.to(y.dtype).index_select(0, experts)
+        y = self._gemm(h, self.weight2, tokens_per_expert,
+                       self.bias2 if self.tp_rank == 0 else None)  # fmt: skip
         if scale is not None and self.probs_after_fc2:
             y = y * scale
         return y

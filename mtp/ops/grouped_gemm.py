@@ -43,6 +43,7 @@ import torch
 
 from mtp.kernels import grouped_gemm as _kernels
 from mtp.ops._backend import resolve_backend
+from mtp.ops.grouped_gemm_bias import add_expert_bias_, expert_bias_grad
 from mtp.utils import check_tensor, data_checks_enabled, empty, is_fake
 
 __all__ = [
@@ -398,15 +399,32 @@ def _n_of(w: torch.Tensor, trans_b: bool) -> int:
     return w.shape[1] if trans_b else w.shape[2]
 
 
+def _forward(backend, x, w, counts, trans_b, out, bias):
+    """The backend's forward plus ``bias[e]`` on expert ``e``'s rows (Triton: in the epilogue)."""
+    if bias is None:
+        return GROUPED_GEMM_BACKENDS[backend].forward(x, w, counts, trans_b, out)
+    if backend == "triton":
+        out = _out_or_new(out, (x.shape[0], _n_of(w, trans_b)), x)
+        b = w.transpose(1, 2) if trans_b else w
+        return _kernels.grouped_gemm(x, b, counts, out, bias=bias.contiguous())
+    y = GROUPED_GEMM_BACKENDS[backend].forward(x, w, counts, trans_b, out)
+    return add_expert_bias_(y, bias, counts)
+
+
 @torch.library.custom_op("mtp::grouped_gemm", mutates_args=())
 def _grouped_gemm_op(
-    x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, trans_b: bool, backend: str
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    trans_b: bool,
+    backend: str,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return GROUPED_GEMM_BACKENDS[backend].forward(x, w, tokens_per_expert, trans_b, None)
+    return _forward(backend, x, w, tokens_per_expert, trans_b, None, bias)
 
 
 @_grouped_gemm_op.register_fake
-def _(x, w, tokens_per_expert, trans_b, backend):
+def _(x, w, tokens_per_expert, trans_b, backend, bias=None):
     return x.new_empty(x.shape[0], _n_of(w, trans_b))
 
 
@@ -418,12 +436,13 @@ def _grouped_gemm_out_op(
     out: torch.Tensor,
     trans_b: bool,
     backend: str,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    GROUPED_GEMM_BACKENDS[backend].forward(x, w, tokens_per_expert, trans_b, out)
+    _forward(backend, x, w, tokens_per_expert, trans_b, out, bias)
 
 
 @_grouped_gemm_out_op.register_fake
-def _(x, w, tokens_per_expert, out, trans_b, backend):
+def _(x, w, tokens_per_expert, out, trans_b, backend, bias=None):
     return None
 
 
@@ -440,10 +459,12 @@ def _(a, b, tokens_per_expert, backend):
     return a.new_empty(tokens_per_expert.shape[0], a.shape[1], b.shape[1])
 
 
-def _backward(ctx, dy: torch.Tensor):
+def _backward(ctx, dy: torch.Tensor, bias_index: int):
     x, w, counts = ctx.saved_tensors
     dy = dy.contiguous()
-    dx = dw = None
+    dx = dw = db = None
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[bias_index]:
+        db = expert_bias_grad(dy, counts, ctx.backend).to(ctx.bias_dtype)
     if ctx.needs_input_grad[0]:
         # dx = dy @ w[e]^T: the same grouped GEMM with the weight read the other way round.
         dx = torch.ops.mtp.grouped_gemm(dy, w, counts, not ctx.trans_b, ctx.backend)
@@ -451,18 +472,19 @@ def _backward(ctx, dy: torch.Tensor):
         # dw[e] = x_e^T dy_e ([K, N]); with trans_b the weight is [N, K]: dy_e^T x_e.
         a, b = (dy, x) if ctx.trans_b else (x, dy)
         dw = torch.ops.mtp.grouped_gemm_wgrad(a, b, counts, ctx.backend)
-    return dx, dw
+    return dx, dw, db
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, tokens_per_expert, trans_b, backend = inputs
+    x, w, tokens_per_expert, trans_b, backend, bias = inputs
     ctx.save_for_backward(x, w, tokens_per_expert)
     ctx.trans_b, ctx.backend = trans_b, backend
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _op_backward(ctx, dy):
-    dx, dw = _backward(ctx, dy)
-    return dx, dw, None, None, None
+    dx, dw, db = _backward(ctx, dy, 5)
+    return dx, dw, None, None, None, db
 
 
 _grouped_gemm_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -472,17 +494,18 @@ class _GroupedGemmInto(torch.autograd.Function):
     """Autograd for ``grouped_gemm(..., out=buffer)``: the buffer is written and returned."""
 
     @staticmethod
-    def forward(ctx, x, w, tokens_per_expert, out, trans_b, backend):
-        torch.ops.mtp.grouped_gemm_out(x, w, tokens_per_expert, out, trans_b, backend)
+    def forward(ctx, x, w, tokens_per_expert, out, trans_b, backend, bias):
+        torch.ops.mtp.grouped_gemm_out(x, w, tokens_per_expert, out, trans_b, backend, bias)
         ctx.mark_dirty(out)
         ctx.save_for_backward(x, w, tokens_per_expert)
         ctx.trans_b, ctx.backend = trans_b, backend
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dw = _backward(ctx, dy)
-        return dx, dw, None, None, None, None
+        dx, dw, db = _backward(ctx, dy, 6)
+        return dx, dw, None, None, None, None, db
 
 
 # --------------------------------------------------------------------------------------------
@@ -586,8 +609,9 @@ def grouped_gemm(
     backend: str = "auto",
     out: torch.Tensor | None = None,
     validate: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Grouped GEMM over experts: ``y[rows of e] = x[rows of e] @ w[e]``.
+    """Grouped GEMM over experts: ``y[rows of e] = x[rows of e] @ w[e] (+ bias[e])``.
 
     Args:
         x: ``[M, K]`` float32/float16/bfloat16; rows grouped by expert (expert 0's rows first).
@@ -605,6 +629,10 @@ def grouped_gemm(
             the output address fixed for CUDA graphs).
         validate: check that the counts are non-negative and sum to at most ``M`` (reads two
             numbers on the host; skipped automatically while tracing or capturing a graph).
+        bias: optional per-expert bias ``[E, N]`` (float, any of the three dtypes), added in
+            fp32 in the GEMM's epilogue on the ``triton`` backend (after the GEMM on the
+            others); rows past ``sum(tokens_per_expert)`` stay zero. Its gradient is the
+            per-expert sum of ``dy``'s rows (fp32 accumulation, deterministic).
 
     Returns:
         ``y[M, N]`` in ``x``'s dtype (fp32 accumulation); rows past ``sum(tokens_per_expert)``
@@ -615,11 +643,17 @@ def grouped_gemm(
             summing past ``M``, or a backend that cannot run here (e.g. ``cutlass`` not built).
     """
     name, counts = prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate)
+    if bias is not None:
+        check_tensor("bias", bias, ndim=2, dtypes=_FLOAT_DTYPES, device=x.device)
+        if tuple(bias.shape) != (w.shape[0], _n_of(w, trans_b)):
+            raise ValueError(f"bias must be [{w.shape[0]}, {_n_of(w, trans_b)}] (experts, N), "
+                             f"got {tuple(bias.shape)}")  # fmt: skip
     if out is None:
-        return torch.ops.mtp.grouped_gemm(x, w, counts, trans_b, name)
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return _GroupedGemmInto.apply(x, w, counts, out, trans_b, name)
-    torch.ops.mtp.grouped_gemm_out(x, w, counts, out, trans_b, name)
+        return torch.ops.mtp.grouped_gemm(x, w, counts, trans_b, name, bias)
+    needs_grad = any(t is not None and t.requires_grad for t in (x, w, bias))
+    if torch.is_grad_enabled() and needs_grad:
+        return _GroupedGemmInto.apply(x, w, counts, out, trans_b, name, bias)
+    torch.ops.mtp.grouped_gemm_out(x, w, counts, out, trans_b, name, bias)
     return out
 
 
