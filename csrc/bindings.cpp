@@ -63,6 +63,16 @@ const std::vector<ArchKernels>& kernel_table() {
   return table;
 }
 
+long kernel_setups() {
+  long total = 0;
+  for (const auto& t : kernel_table()) {
+    for (const auto& row : t.entries) {
+      for (const auto& e : row) total += e.setups();
+    }
+  }
+  return total;
+}
+
 std::vector<int> compiled_archs() {
   std::vector<int> archs;
   for (const auto& t : kernel_table()) archs.push_back(t.arch);
@@ -200,6 +210,9 @@ PYBIND11_MODULE(_cuda_gemm, m) {
   m.attr("DTYPE_FP16") = static_cast<int>(mtp_cuda::kFP16);
   m.def("compiled_archs", &compiled_archs,
         "Compute capabilities (major*10+minor) this build has kernels for, e.g. [90, 100].");
+  m.def("kernel_setups", &kernel_setups,
+        "Kernel configurations (dynamic shared-memory attribute) done so far, all instantiations "
+        "together: one per (instantiation, device) used, never per call.");
   m.def("device_arch", &device_arch, py::arg("device"),
         "Compute capability of a CUDA device as major*10+minor.");
   m.def("workspace_size", &workspace_size, py::arg("op"), py::arg("dtype"), py::arg("groups"),

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 
@@ -339,14 +340,19 @@ struct Runner {
     if (cudaPeekAtLastError() != cudaSuccess) return cudaGetErrorString(cudaGetLastError());
 
     auto args = make_arguments<G>(p.groups, t, p.device);
-    typename G::Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess) {
       return "CUTLASS cannot implement this grouped GEMM (alignment or shape)";
     }
+    if (const char* error = configure(p.device)) return error;
+    // What GemmUniversalAdapter::initialize() + run() do, minus the per-call attribute setting:
+    // the workspace's initialisation, the kernel parameters (host-side, from the device tables'
+    // addresses) and the launch.
     void* cutlass_workspace = static_cast<char*>(p.workspace) + layout.cutlass;
-    cutlass::Status status = gemm.initialize(args, cutlass_workspace, p.stream);
+    cutlass::Status status =
+        G::Kernel::initialize_workspace(args, cutlass_workspace, p.stream, nullptr);
     if (status != cutlass::Status::kSuccess) return cutlass::cutlassGetStatusString(status);
-    status = gemm.run(p.stream);
+    auto params = G::Kernel::to_underlying_arguments(args, cutlass_workspace);
+    status = G::Gemm::run(params, p.stream);
     if (status != cutlass::Status::kSuccess) return cutlass::cutlassGetStatusString(status);
 
     constexpr int kZeroThreads = 256;
@@ -366,7 +372,37 @@ struct Runner {
     return nullptr;
   }
 
-  static KernelEntry entry() { return KernelEntry{&workspace_size, &launch}; }
+  static std::atomic<long>& setup_counter() {
+    static std::atomic<long> count{0};
+    return count;
+  }
+
+  static long setups() { return setup_counter().load(); }
+
+  // The kernel's dynamic shared-memory limit (what CUTLASS's initialize() sets on every call):
+  // a property of the kernel on a device, set once per device.
+  static const char* configure_now() {
+    setup_counter()++;
+    const int smem = static_cast<int>(G::Kernel::SharedStorageSize);
+    if (smem >= (48 << 10) &&
+        cudaFuncSetAttribute(cutlass::device_kernel<typename G::Kernel>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+      cudaGetLastError();  // clear the error bit
+      return "cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize) failed";
+    }
+    return nullptr;
+  }
+
+  static const char* configure(int device) {
+    constexpr int kMaxDevices = 64;
+    static std::once_flag once[kMaxDevices];
+    static const char* error[kMaxDevices] = {};
+    if (device < 0 || device >= kMaxDevices) return configure_now();
+    std::call_once(once[device], [device] { error[device] = configure_now(); });
+    return error[device];
+  }
+
+  static KernelEntry entry() { return KernelEntry{&workspace_size, &launch, &setups}; }
 };
 
 }  // namespace mtp_cuda

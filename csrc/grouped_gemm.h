@@ -41,9 +41,12 @@ struct Problem {
 };
 
 // One compiled instantiation. `launch` returns nullptr on success, else a static error text.
+// `setups`: how many times it has configured its kernel (the dynamic shared-memory attribute):
+// once per device it ran on, never per call.
 struct KernelEntry {
   size_t (*workspace_size)(int groups, int device);
   const char* (*launch)(const Problem& problem);
+  long (*setups)();
 };
 
 }  // namespace mtp_cuda

@@ -238,6 +238,8 @@ def test_module_interface_without_gpu():
     _module_path()
     ext = cutlass.extension()
     assert sorted(ext.compiled_archs()) == [90, 100]
+    setups = ext.kernel_setups()  # kernels are configured on their first launch only
+    assert setups == 0 if not torch.cuda.is_available() else setups >= 0
     assert (ext.OP_FWD, ext.OP_FWD_TRANS_B, ext.OP_WGRAD) == (0, 1, 2)
     assert (ext.DTYPE_BF16, ext.DTYPE_FP16) == (cutlass._DTYPE_CODE[torch.bfloat16],
                                                 cutlass._DTYPE_CODE[torch.float16])  # fmt: skip

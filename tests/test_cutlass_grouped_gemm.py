@@ -184,6 +184,29 @@ def test_no_host_sync_without_validation():
     assert syncs.count == 0, syncs
 
 
+def test_kernels_are_configured_once_not_per_call():
+    """The dynamic shared-memory attribute is set once per (instantiation, device): more calls,
+    other shapes and expert counts add no configuration (the extension counts them)."""
+    ext = cutlass.extension()
+    m, k, n = 128, 32, 32
+    x = torch.randn(m, k, device="cuda").half()
+    w = torch.randn(4, k, n, device="cuda").half()
+    out = torch.empty(m, n, device="cuda").half()
+    cutlass.grouped_gemm(x, w, _tokens([30, 0, 50, 20]), False, out, validate=False)
+    cutlass.grouped_gemm_wgrad(x, out, _tokens([30, 0, 50, 20]),
+                               torch.empty(4, k, n, device="cuda").half(), validate=False)
+    before = ext.kernel_setups()
+    for experts in (4, 8):
+        w = torch.randn(experts, k, n, device="cuda").half()
+        tokens = _tokens([m // experts] * experts)
+        cutlass.grouped_gemm(x, w, tokens, False, out, validate=False)
+        cutlass.grouped_gemm_wgrad(x, out, tokens, torch.empty(experts, k, n, device="cuda").half(),
+                                   validate=False)  # fmt: skip
+    assert ext.kernel_setups() == before >= 2
+    torch.testing.assert_close(out.double(), ref_forward(x, w, [m // 8] * 8, False, m),
+                               rtol=2e-2, atol=2e-2)  # fmt: skip
+
+
 def test_graph_safe_proxy():
     m, k, n, e = 256, 64, 64, 4
     x = torch.randn(m, k, device="cuda").bfloat16()
