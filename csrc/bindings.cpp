@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -34,8 +35,21 @@ using mtp_cuda::KernelEntry;
     MTP_CUDA_ENTRY_NAME(arch, kFwdTransB, kFP16)()},                                 \
    {MTP_CUDA_ENTRY_NAME(arch, kWgrad, kBF16)(), MTP_CUDA_ENTRY_NAME(arch, kWgrad, kFP16)()}}
 
+// The small-group family of an architecture: forward ops only (see csrc/build_ext.py).
+#define MTP_DECLARE_SMALL(family)                     \
+  MTP_CUDA_DECLARE_ENTRY(family, kFwd, kBF16);        \
+  MTP_CUDA_DECLARE_ENTRY(family, kFwd, kFP16);        \
+  MTP_CUDA_DECLARE_ENTRY(family, kFwdTransB, kBF16);  \
+  MTP_CUDA_DECLARE_ENTRY(family, kFwdTransB, kFP16)
+
+#define MTP_SMALL_TABLE(family)                                                          \
+  {{MTP_CUDA_ENTRY_NAME(family, kFwd, kBF16)(), MTP_CUDA_ENTRY_NAME(family, kFwd, kFP16)()}, \
+   {MTP_CUDA_ENTRY_NAME(family, kFwdTransB, kBF16)(),                                    \
+    MTP_CUDA_ENTRY_NAME(family, kFwdTransB, kFP16)()}}
+
 #ifdef MTP_WITH_SM90
 MTP_DECLARE_ARCH(sm90);
+MTP_DECLARE_SMALL(sm90_small);
 #endif
 #ifdef MTP_WITH_SM100
 MTP_DECLARE_ARCH(sm100);
@@ -45,28 +59,44 @@ namespace {
 
 constexpr int kNumOps = 3;
 constexpr int kNumDTypes = 2;
+constexpr int kNumSmallOps = 2;  // kFwd, kFwdTransB
+// Below this many rows per expert on average, the forward ops take the small-group family where
+// the architecture has one: the default sm_90a kernel computes 128-row tiles in a 2x1 cluster,
+// so every expert costs a multiple of 256 rows of MMA; under 256 rows per expert at least half
+// of that would be padding, which the small family's 64-row tiles cut to under 64 rows.
+constexpr int64_t kSmallRowsPerGroup = 256;
 
 struct ArchKernels {
   int arch;  // compute capability as major * 10 + minor: 90, 100
   KernelEntry entries[kNumOps][kNumDTypes];
+  bool has_small;
+  KernelEntry small[kNumSmallOps][kNumDTypes];  // the small-group family's forward ops
 };
 
 const std::vector<ArchKernels>& kernel_table() {
   static const std::vector<ArchKernels> table = {
 #ifdef MTP_WITH_SM90
-      {90, MTP_ARCH_TABLE(sm90)},
+      {90, MTP_ARCH_TABLE(sm90), true, MTP_SMALL_TABLE(sm90_small)},
 #endif
 #ifdef MTP_WITH_SM100
-      {100, MTP_ARCH_TABLE(sm100)},
+      {100, MTP_ARCH_TABLE(sm100), false, {}},
 #endif
   };
   return table;
+}
+
+bool small_groups(int op, int64_t m, int groups) {
+  return op != mtp_cuda::kWgrad && groups > 0 && m < kSmallRowsPerGroup * groups;
 }
 
 long kernel_setups() {
   long total = 0;
   for (const auto& t : kernel_table()) {
     for (const auto& row : t.entries) {
+      for (const auto& e : row) total += e.setups();
+    }
+    if (!t.has_small) continue;
+    for (const auto& row : t.small) {
       for (const auto& e : row) total += e.setups();
     }
   }
@@ -100,7 +130,7 @@ std::string archs_text() {
   return s.empty() ? "none" : s;
 }
 
-const KernelEntry& find_entry(int op, int dtype, int device) {
+const ArchKernels& find_arch(int op, int dtype, int device) {
   if (op < 0 || op >= kNumOps) {
     throw py::value_error("op must be 0 (fwd), 1 (fwd, transposed B) or 2 (wgrad), got " +
                           std::to_string(op));
@@ -111,12 +141,20 @@ const KernelEntry& find_entry(int op, int dtype, int device) {
   }
   const int arch = device_arch(device);
   for (const auto& t : kernel_table()) {
-    if (t.arch == arch) return t.entries[op][dtype];
+    if (t.arch == arch) return t;
   }
   throw std::runtime_error("CUDA device " + std::to_string(device) + " is sm_" +
                            std::to_string(arch) + "; this build has grouped GEMM kernels for " +
                            archs_text() +
                            " only (sm_90 = H100/H200, sm_100 = B200/GB200); use another backend");
+}
+
+// The instantiation for this call: the small-group family for the forward ops when the experts
+// average fewer than kSmallRowsPerGroup rows and the architecture has one.
+const KernelEntry& find_entry(int op, int dtype, int device, int64_t m, int groups) {
+  const ArchKernels& t = find_arch(op, dtype, device);
+  if (t.has_small && small_groups(op, m, groups)) return t.small[op][dtype];
+  return t.entries[op][dtype];
 }
 
 // Switches to `device` for the lifetime of the guard (kernel launches go to the current device).
@@ -145,16 +183,20 @@ void require_aligned(const char* name, std::uintptr_t ptr) {
 
 size_t workspace_size(int op, int dtype, int groups, int device) {
   require(groups > 0, "groups must be positive, got " + std::to_string(groups));
-  const KernelEntry& entry = find_entry(op, dtype, device);
+  const ArchKernels& t = find_arch(op, dtype, device);
   DeviceGuard guard(device);
-  return entry.workspace_size(groups, device);
+  size_t bytes = t.entries[op][dtype].workspace_size(groups, device);
+  if (t.has_small && op != mtp_cuda::kWgrad) {  // either family may run: the larger workspace
+    bytes = std::max(bytes, t.small[op][dtype].workspace_size(groups, device));
+  }
+  return bytes;
 }
 
 void grouped_gemm(int op, int dtype, std::uintptr_t a, std::uintptr_t b, std::uintptr_t d,
                   std::uintptr_t tokens, bool tokens_int64, int64_t m, int64_t n, int64_t k,
                   int groups, std::uintptr_t workspace, size_t workspace_bytes,
                   std::uintptr_t stream, int device) {
-  const KernelEntry& entry = find_entry(op, dtype, device);
+  const KernelEntry& entry = find_entry(op, dtype, device, m, groups);
   const bool wgrad = op == mtp_cuda::kWgrad;
   require(groups > 0, "groups must be positive, got " + std::to_string(groups));
   require(m >= 0 && n > 0 && k > 0,
@@ -210,6 +252,10 @@ PYBIND11_MODULE(_cuda_gemm, m) {
   m.attr("DTYPE_FP16") = static_cast<int>(mtp_cuda::kFP16);
   m.def("compiled_archs", &compiled_archs,
         "Compute capabilities (major*10+minor) this build has kernels for, e.g. [90, 100].");
+  m.attr("SMALL_ROWS_PER_GROUP") = kSmallRowsPerGroup;
+  m.def("small_groups", &small_groups, py::arg("op"), py::arg("m"), py::arg("groups"),
+        "Whether a call of `op` on m rows over `groups` experts takes the small-group kernel "
+        "family (forward ops, under SMALL_ROWS_PER_GROUP rows per expert; sm_90a builds).");
   m.def("kernel_setups", &kernel_setups,
         "Kernel configurations (dynamic shared-memory attribute) done so far, all instantiations "
         "together: one per (instantiation, device) used, never per call.");

@@ -42,6 +42,10 @@ from pathlib import Path
 MODULE = "_cuda_gemm"  # imported as mtp._cuda_gemm
 OPS = ("kFwd", "kFwdTransB", "kWgrad")
 DTYPES = ("kBF16", "kFP16")
+#: Second kernel families built with an architecture: name and ops. Hopper's small-group family
+#: (``Sm90SmallConfig``: ping-pong, 64-row tiles, no cluster) covers the forward / data-gradient
+#: ops; the weight gradient's tiles span the weights, not the experts' rows.
+SMALL_FAMILIES = {"sm90": ("sm90_small", ("kFwd", "kFwdTransB"))}
 # arch name -> (nvcc -gencode value, compute capability). "a" targets: TMA/WGMMA/tcgen05 need them.
 ARCHS = {
     "sm90": ("arch=compute_90a,code=sm_90a", "9.0a"),
@@ -222,7 +226,7 @@ def default_jobs() -> int:
 class Instance:
     """One kernel instantiation: an object file built from grouped_gemm_instance.cu."""
 
-    arch: str
+    arch: str  # "sm90", "sm90_small" (a second family of sm90) or "sm100"
     op: str
     dtype: str
 
@@ -230,9 +234,19 @@ class Instance:
     def name(self) -> str:
         return f"{self.arch}_{self.op[1:].lower()}_{self.dtype[1:].lower()}"
 
+    @property
+    def target(self) -> str:
+        """The architecture it is compiled for (a key of :data:`ARCHS`)."""
+        return self.arch.removesuffix("_small")
+
 
 def instances(archs: list[str]) -> list[Instance]:
-    return [Instance(a, op, dt) for a in archs for op in OPS for dt in DTYPES]
+    out = [Instance(a, op, dt) for a in archs for op in OPS for dt in DTYPES]
+    for a in archs:
+        if a in SMALL_FAMILIES:
+            family, ops = SMALL_FAMILIES[a]
+            out += [Instance(family, op, dt) for op in ops for dt in DTYPES]
+    return out
 
 
 @dataclass
@@ -332,7 +346,7 @@ def ninja_file(cfg: BuildConfig) -> str:
         lines += [
             f"build {obj}: nvcc {src} | {_p(headers)}",
             f"  defines = {_q(defines)}",
-            f"  gencode = {ARCHS[inst.arch][0]}",
+            f"  gencode = {ARCHS[inst.target][0]}",
         ]
     lines += [f"build obj/bindings.o: cxx {_p([csrc / 'bindings.cpp'])} | {_p(headers[:1])}"]
     objects.append("obj/bindings.o")

@@ -46,6 +46,18 @@ struct Sm90Config {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
+// Hopper, small groups: ping-pong kernel (the two consumer warp groups take alternate 64-row
+// tiles, one's epilogue overlapping the other's MMAs), no cluster, 64x128x64 tile. An expert is
+// rounded up to 64 rows of MMA instead of the cooperative kernel's 256 (a 2x1 cluster of 128-row
+// tiles), which is what decides small-group efficiency (Runner picks it, see bindings.cpp).
+struct Sm90SmallConfig {
+  using ArchTag = cutlass::arch::Sm90;
+  using TileShape = cute::Shape<cute::_64, cute::_128, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
 // Blackwell: 1-SM UMMA (tcgen05) kernel with the accumulator in tensor memory, 128x256x64 MMA
 // tile, no cluster (each CTA loads its own operands).
 struct Sm100Config {

@@ -74,9 +74,10 @@ def _tokens(counts, dtype=torch.int32):
     return torch.tensor(counts, dtype=dtype, device="cuda")
 
 
-SHAPES = [  # (rows M, K, N, experts)
+SHAPES = [  # (rows M, K, N, experts); under 256 rows per expert: the sm_90a small-group family
     (200, 64, 96, 8),
     (1536, 512, 384, 16),
+    (4096, 128, 256, 4),  # ~1000 rows per expert: the default (cooperative, 2x1 cluster) kernels
 ]
 
 
