@@ -1,5 +1,7 @@
 """Fused LM head + cross-entropy: ``mtp.ops.linear_cross_entropy`` (the logits never exist whole).
 
+mtp backends: ``triton`` (cuBLAS GEMM per chunk + Triton loss kernels), ``fused`` (the forward's
+GEMM in Triton with the row statistics in its epilogue, no logits written) and ``torch``.
 Timed on one GPU, ``reduction="mean"``, ``validate=False``, no bias: ``N`` tokens, hidden
 ``H``, vocab ``V``. The issue's shapes: ``N=8192, H=4096`` with ``V`` = 128256 (Llama 3) and
 151936 (Qwen 2), and the shard one rank of ``tp=8`` holds (``V/8``, timed at tp=1: the same
@@ -54,7 +56,7 @@ from .core import (
 
 FAMILY = "linear_cross_entropy"
 OPS = ("linear_cross_entropy",)
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "fused", "torch")
 
 _SHAPES = {  # (N, H, V, label suffix)
     "smoke": [(16, 8, 50, ""), (40, 16, 300, "")],
@@ -91,6 +93,7 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
 def providers(op: str = "linear_cross_entropy") -> list[Provider]:
     return [
         Provider("triton", "mtp"),
+        Provider("fused", "mtp"),
         Provider("torch", "mtp"),
         Provider("unfused", "baseline"),
         Provider("reference", "baseline"),
@@ -195,6 +198,6 @@ def structure(size: str) -> dict:
     rows = [
         _loss_maths_bytes(backend, 256, 32, 2048, 64, dtype)
         for dtype in (torch.float32, torch.bfloat16)
-        for backend in BACKENDS
+        for backend in ("triton", "torch")  # "fused" has no logits to compare with
     ]
     return {"linear_cross_entropy_loss_bytes": rows}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mtp.ops.linear_cross_entropy import default_chunk_size, linear_cross_entropy
-from mtp.testing import count_collectives, count_host_syncs, run_distributed
+from mtp.testing import compile_for_targets, count_collectives, count_host_syncs, run_distributed
 from test_ops_bias_act import ptxas_table
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
@@ -70,7 +70,7 @@ def _close(a, b, dtype, what):
     torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "reduction,eps,z,chunk",
@@ -180,9 +180,36 @@ def test_triton_path_bytes_launches_and_syncs(monkeypatch):
         assert traffic.num_host_syncs == 0 and traffic.collectives == [], traffic.host_syncs
 
 
+def test_fused_forward_writes_no_logits(monkeypatch):
+    """backend="fused": the forward is one Triton GEMM launch per chunk with the statistics in
+    its epilogue: no aten op touches a vocab-wide tensor and the launch writes 12 B per row
+    and vocab share, not the logits; the loss and gradients equal float64."""
+    from mtp.testing.traffic import count_traffic
+
+    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+    n, hsz, v, chunk = 64, 16, 512, 32
+    hidden, weight, b, target, _ = _inputs(n, hsz, v, torch.float32, seed=8)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, b)]
+    with count_traffic() as fwd:
+        loss = linear_cross_entropy(*leaves[:2], target, bias=leaves[2], label_smoothing=0.1,
+                                    chunk_size=chunk, backend="fused")  # fmt: skip
+    loss.backward()
+    ref, grads = _grads_ref(hidden, weight, b, target, torch.tensor(1.0), eps=0.1)
+    _close(loss, ref, torch.float32, "loss")
+    for leaf, want, name in zip(leaves, grads, ("hidden", "weight", "bias")):
+        _close(leaf.grad, want, torch.float32, f"d{name}")
+    assert [x.name for x in fwd.launches] == ["_lce_gemm_stats_kernel"] * (n // chunk)
+    wide = {a.name for a in fwd.aten if a.read + a.write >= chunk * v * 4}
+    assert wide == set(), wide  # no logits GEMM, no vocab-wide op
+    written = sum(x.write_program for x in fwd.launches)
+    assert written <= 2 * n * 12 * (v // 16), written  # (m, s, c) per row and share, no logits
+    assert fwd.num_host_syncs == 0
+
+
 def test_kernels_compile_for_sm90_and_sm100_without_spills():
     from mtp.kernels import cross_entropy as ce
     from mtp.kernels import linear_cross_entropy as lce
+    from mtp.kernels import linear_cross_entropy_gemm as lce_gemm
 
     for dtype in ("bf16", "fp32"):
         common = dict(logits_ptr=f"*{dtype}", local_t_ptr="*i64", coef_ptr="*fp32")
@@ -196,8 +223,24 @@ def test_kernels_compile_for_sm90_and_sm100_without_spills():
                   z_loss_weight="fp32"),
              tile, ce.NUM_WARPS),
         ]  # fmt: skip
+        bm, bn, bk, warps, stages = lce_gemm._tiles(torch.float32 if dtype == "fp32"
+                                                   else torch.bfloat16, True)  # fmt: skip
+        gemm = dict(h_ptr=f"*{dtype}", w_ptr=f"*{dtype}", bias_ptr=f"*{dtype}",
+                    local_t_ptr="*i64", coef_ptr="*fp32", part_ptr="*fp32", n_rows="i32",
+                    V_local="i32", H="i32", stride_hm="i32", stride_wv="i32",
+                    tiles_per_split="i32")  # fmt: skip
+        gemm_ce = dict(HAS_BIAS=True, SMOOTHING=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                       UPCAST_DOT=False, DOT_PRECISION="ieee")  # fmt: skip
         for name, arch, _registers, stores, loads in ptxas_table(cases):
             assert stores == loads == 0, f"{name} spills on {arch}: {stores} B / {loads} B"
+        builds = compile_for_targets(lce_gemm._lce_gemm_stats_kernel, gemm, gemm_ce,
+                                     num_warps=warps, num_stages=stages,
+                                     divisible_by_16=["stride_hm", "stride_wv", "H"])  # fmt: skip
+        for cc, build in builds.items():
+            info = build.ptxas()
+            assert info is None or not info.spills, f"lce_gemm[{dtype}] sm_{cc}: {info.output}"
+            if dtype == "bf16":  # tensor cores: wgmma on sm_90a, tcgen05 on sm_100a
+                assert ("wgmma" if cc == 90 else "tcgen05") in build.ptx, cc
 
 
 def test_default_chunk_size():
@@ -287,6 +330,7 @@ def _tp_worker(rank, world, cfg):
     "world,sp,uneven,chunk,backend,dtype",
     [(2, False, False, 5, "triton", torch.float32), (2, True, False, 6, "torch", torch.float32),
      (2, True, True, 6, "triton", torch.bfloat16), (4, False, True, 16, "triton", torch.float32),
+     (2, True, True, 6, "fused", torch.bfloat16), (4, False, True, 16, "fused", torch.float32),
      (4, True, False, None, "triton", torch.float32)],
 )  # fmt: skip
 def test_tensor_parallel_matches_single_process(world, sp, uneven, chunk, backend, dtype):

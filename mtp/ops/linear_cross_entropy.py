@@ -34,6 +34,9 @@ Backends (the GEMMs are cuBLAS / CPU ``torch.mm`` / ``addmm`` in both):
   logits once for the row statistics, the backward reads them once and overwrites them with the
   gradient (in the input dtype, the operand of the two backward GEMMs). On CPU it runs under
   the Triton interpreter (``TRITON_INTERPRET=1``).
+* ``"fused"`` (opt-in): as ``"triton"``, except that the forward computes each chunk's logits
+  in a Triton GEMM whose epilogue folds them into the row statistics
+  (:mod:`mtp.kernels.linear_cross_entropy_gemm`): the forward writes no logits at all.
 * ``"torch"`` (default on CPU and for fp64): the same maths as fp32 PyTorch ops, several passes
   over each chunk.
 
@@ -48,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from mtp.kernels import linear_cross_entropy as lce_kernels
+from mtp.kernels import linear_cross_entropy_gemm as lce_gemm
 from mtp.kernels._common import interpreting
 from mtp.parallel.agreement import check_collective
 from mtp.utils import check_tensor, check_values
@@ -242,23 +246,30 @@ class _Setup:
         self.local_t = local.clamp(0, self.v_local - 1)
         self.coef_target = 1.0 - eps
         self.coef_uniform = eps / vocab.to(_acc(hidden.dtype))
-        if backend == "triton":  # the kernels' view: local id or -1, coefficients on the device
+        if backend in _TRITON:  # the kernels' view: local id or -1, coefficients on the device
             self.local_k = torch.where(self.owns, local, torch.full_like(local, -1))
             self.coefs = torch.stack(
                 [torch.ones_like(self.coef_uniform) * self.coef_target, self.coef_uniform]
             ).float()
         self.backend = backend
 
+    def forward_stats(self, h: torch.Tensor, weight, bias, rows) -> torch.Tensor:
+        """:meth:`stats` of the chunk ``h @ weight^T (+ bias)``; ``"fused"``: in the GEMM."""
+        if self.backend == "fused":
+            return lce_gemm.gemm_stats(h, weight, bias, self.local_k[rows], self.coefs,
+                                       self.eps > 0.0)  # fmt: skip
+        return self.stats(_logits(h, weight, bias), rows)
+
     def stats(self, x: torch.Tensor, rows) -> torch.Tensor:
         """``[rows, 3]`` ``(max, sum exp(x - max), target term)`` of a chunk's logits ``x``."""
-        if self.backend == "triton":
+        if self.backend in _TRITON:
             return lce_kernels.chunk_stats(x, self.local_k[rows], self.coefs, self.eps > 0.0)
         return _chunk_stats(x, self.local_t[rows], self.owns[rows], self.coef_target,
                             self.coef_uniform)  # fmt: skip
 
     def grad(self, x: torch.Tensor, rows, rowstat: torch.Tensor, dloss: torch.Tensor):
         """``dloss * d loss / d x`` of a chunk (Triton: written over ``x``, in its dtype)."""
-        if self.backend == "triton":
+        if self.backend in _TRITON:
             scale = torch.where(self.valid[rows], dloss.float(), torch.zeros_like(rowstat[:, 0]))
             return lce_kernels.chunk_grad_(x, self.local_k[rows], self.coefs, rowstat, scale,
                                            self.z)  # fmt: skip
@@ -297,7 +308,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         loss = torch.empty(setup.rows, dtype=acc, device=hidden.device)
         rowstat = torch.empty((setup.rows, 2), dtype=acc, device=hidden.device)
         for local, rows in setup.chunks():
-            stats = setup.stats(_logits(setup.rows_of(h2d, local), weight, bias), rows)
+            stats = setup.forward_stats(setup.rows_of(h2d, local), weight, bias, rows)
             if setup.world > 1:
                 gathered = _all_gather(stats, setup.group, setup.world)
             else:
@@ -353,7 +364,8 @@ def _reduce_hidden_grad(dh: torch.Tensor, s: _Setup) -> torch.Tensor:
 # Public API
 # --------------------------------------------------------------------------------------------
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "fused", "torch")
+_TRITON = ("triton", "fused")
 
 
 def _resolve_backend(backend, hidden: torch.Tensor) -> str:
@@ -367,11 +379,11 @@ def _resolve_backend(backend, hidden: torch.Tensor) -> str:
         backend = env if env in BACKENDS[1:] else ("triton" if hidden.is_cuda else "torch")
         if fp64:
             return "torch"
-    if backend == "triton" and fp64:
-        raise ValueError("backend='triton' takes fp32 / fp16 / bf16 inputs; fp64 needs 'torch'")
-    if backend == "triton" and not hidden.is_cuda and not interpreting():
+    if backend in _TRITON and fp64:
+        raise ValueError(f"backend={backend!r} takes fp32 / fp16 / bf16 inputs; fp64 needs 'torch'")
+    if backend in _TRITON and not hidden.is_cuda and not interpreting():
         raise ValueError(
-            "backend='triton' needs CUDA tensors; on CPU use backend='torch' or set "
+            f"backend={backend!r} needs CUDA tensors; on CPU use backend='torch' or set "
             "TRITON_INTERPRET=1 to run the kernels in the interpreter"
         )
     return backend
@@ -465,7 +477,9 @@ def linear_cross_entropy(
             ``"sync"`` raises Python errors after a host sync; False skips them.
         backend: ``"auto"`` (``"triton"`` on CUDA for fp32 / fp16 / bf16, else ``"torch"``;
             ``MTP_BACKEND`` overrides), ``"triton"`` (Triton loss kernels per chunk; CPU needs
-            ``TRITON_INTERPRET=1``) or ``"torch"`` (fp32 PyTorch maths per chunk).
+            ``TRITON_INTERPRET=1``), ``"fused"`` (as ``"triton"``, but the forward's logits GEMM
+            is a Triton kernel with the row statistics in its epilogue: no logits are written;
+            opt-in until GPU timings exist) or ``"torch"`` (fp32 PyTorch maths per chunk).
 
     Returns:
         fp32 loss: a scalar, or ``target``'s shape for ``reduction="none"``; identical on every
