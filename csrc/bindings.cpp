@@ -21,31 +21,25 @@
 namespace py = pybind11;
 using mtp_cuda::KernelEntry;
 
-#define MTP_DECLARE_ARCH(arch)                        \
-  MTP_CUDA_DECLARE_ENTRY(arch, kFwd, kBF16);          \
-  MTP_CUDA_DECLARE_ENTRY(arch, kFwd, kFP16);          \
-  MTP_CUDA_DECLARE_ENTRY(arch, kFwdTransB, kBF16);    \
-  MTP_CUDA_DECLARE_ENTRY(arch, kFwdTransB, kFP16);    \
-  MTP_CUDA_DECLARE_ENTRY(arch, kWgrad, kBF16);        \
-  MTP_CUDA_DECLARE_ENTRY(arch, kWgrad, kFP16)
+// One op of one family: its two dtypes' entries (declaration, table row).
+#define MTP_DECLARE_OP(arch, op)          \
+  MTP_CUDA_DECLARE_ENTRY(arch, op, kBF16); \
+  MTP_CUDA_DECLARE_ENTRY(arch, op, kFP16)
+#define MTP_OP_ROW(arch, op) \
+  {MTP_CUDA_ENTRY_NAME(arch, op, kBF16)(), MTP_CUDA_ENTRY_NAME(arch, op, kFP16)()}
 
-#define MTP_ARCH_TABLE(arch)                                                        \
-  {{MTP_CUDA_ENTRY_NAME(arch, kFwd, kBF16)(), MTP_CUDA_ENTRY_NAME(arch, kFwd, kFP16)()}, \
-   {MTP_CUDA_ENTRY_NAME(arch, kFwdTransB, kBF16)(),                                  \
-    MTP_CUDA_ENTRY_NAME(arch, kFwdTransB, kFP16)()},                                 \
-   {MTP_CUDA_ENTRY_NAME(arch, kWgrad, kBF16)(), MTP_CUDA_ENTRY_NAME(arch, kWgrad, kFP16)()}}
+// A small-group family has the forward ops only (see csrc/build_ext.py); an architecture's
+// default family has the weight gradient too.
+#define MTP_DECLARE_SMALL(family) \
+  MTP_DECLARE_OP(family, kFwd);   \
+  MTP_DECLARE_OP(family, kFwdTransB)
+#define MTP_SMALL_TABLE(family) {MTP_OP_ROW(family, kFwd), MTP_OP_ROW(family, kFwdTransB)}
 
-// The small-group family of an architecture: forward ops only (see csrc/build_ext.py).
-#define MTP_DECLARE_SMALL(family)                     \
-  MTP_CUDA_DECLARE_ENTRY(family, kFwd, kBF16);        \
-  MTP_CUDA_DECLARE_ENTRY(family, kFwd, kFP16);        \
-  MTP_CUDA_DECLARE_ENTRY(family, kFwdTransB, kBF16);  \
-  MTP_CUDA_DECLARE_ENTRY(family, kFwdTransB, kFP16)
-
-#define MTP_SMALL_TABLE(family)                                                          \
-  {{MTP_CUDA_ENTRY_NAME(family, kFwd, kBF16)(), MTP_CUDA_ENTRY_NAME(family, kFwd, kFP16)()}, \
-   {MTP_CUDA_ENTRY_NAME(family, kFwdTransB, kBF16)(),                                    \
-    MTP_CUDA_ENTRY_NAME(family, kFwdTransB, kFP16)()}}
+#define MTP_DECLARE_ARCH(arch) \
+  MTP_DECLARE_SMALL(arch);     \
+  MTP_DECLARE_OP(arch, kWgrad)
+#define MTP_ARCH_TABLE(arch) \
+  {MTP_OP_ROW(arch, kFwd), MTP_OP_ROW(arch, kFwdTransB), MTP_OP_ROW(arch, kWgrad)}
 
 #ifdef MTP_WITH_SM90
 MTP_DECLARE_ARCH(sm90);

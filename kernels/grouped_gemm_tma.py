@@ -490,7 +490,8 @@ def launch_forward(a, b, counts, out, config: TmaGemmConfig, programs: int, upca
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, TRANS_B=trans_b,
         FLATTEN=config.flatten, UPCAST_DOT=upcast, HAS_BIAS=bias is not None,
-        WARP_SPECIALIZE=forward_warp_specialize(config, bias is not None), num_warps=config.num_warps, num_stages=config.num_stages,
+        WARP_SPECIALIZE=forward_warp_specialize(config, bias is not None),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

@@ -7,9 +7,9 @@ of ``tl.dot`` over the hidden size), rounds each tile to the input dtype (the lo
 GEMM would have stored, so forward and recomputing backward agree) and folds it into running
 per-row statistics: the max ``m``, ``s = sum exp(x - m)`` (online softmax), the target logit and,
 with label smoothing, ``sum x``. It writes ``(m, s, c)`` per (vocab share, row), with
-``c = coef_target * x[t] + coef_uniform * sum(x)``; :func:`gemm_stats` merges the shares
-(``[splits, rows, 3]``, a few bytes per row) into the ``[rows, 3]`` statistics of
-:func:`mtp.kernels.linear_cross_entropy.chunk_stats`.
+``c = coef_target * x[t] + coef_uniform * sum(x)``. :func:`gemm_stats` returns them as
+``[splits, rows, 3]`` (a few bytes per row); the op merges the shares as it merges the ranks'
+statistics.
 
 Bytes: ``h`` and ``w`` (re-read by each row block, as any GEMM) and 12 B per row per share; no
 ``[rows, V]`` tensor. Splitting the vocab gives the GPU enough programs when the chunk has few
@@ -88,7 +88,8 @@ def _tiles(dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, int, int]:
 
 def gemm_stats(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                local_t: torch.Tensor, coefs: torch.Tensor, smoothing: bool) -> torch.Tensor:
-    """fp32 ``[rows, 3]`` ``(m, s, c)`` of the logits ``h @ w^T (+ bias)`` without forming them.
+    """fp32 ``[splits, rows, 3]``: ``(m, s, c)`` of the logits ``h @ w^T (+ bias)`` over each
+    share of the vocab, without forming the logits.
 
     ``h``: ``[rows, H]``, ``w``: ``[V_local, H]`` (same dtype, unit last stride), ``bias``:
     ``[V_local]`` or None; ``local_t``: int64 ``[rows]`` local target ids (-1: another rank's);
@@ -115,14 +116,4 @@ def gemm_stats(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
             DOT_PRECISION=fp32_dot_precision() if h.dtype == torch.float32 else "ieee",
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
-    return _merge(part)
-
-
-def _merge(part: torch.Tensor) -> torch.Tensor:
-    """``[splits, rows, 3]`` per-share statistics -> ``[rows, 3]``."""
-    if part.shape[0] == 1:
-        return part[0]
-    m = part[..., 0].amax(0)
-    m_ref = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    s = (part[..., 1] * torch.exp(part[..., 0] - m_ref)).sum(0)
-    return torch.stack([m, s, part[..., 2].sum(0)], dim=-1)
+    return part

@@ -29,7 +29,7 @@ from torch import nn
 
 from mtp import ops
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, torch_grouped_mm, grouped_gemm
-from mtp.ops.grouped_gemm_bias import expert_bias_rows
+from mtp.moe._checks import check_bool
 from mtp.utils import check_int
 
 __all__ = ["GroupedMLP"]
@@ -191,10 +191,9 @@ class GroupedMLP(nn.Module):
         self.activation_limit = float(activation_limit)
         self.activation_alpha = float(activation_alpha)
         self.probs_after_fc2 = bool(probs_after_fc2)
-        if not isinstance(gradient_accumulation_fusion, bool):
-            raise TypeError("gradient_accumulation_fusion must be a bool, got "
-                            f"{type(gradient_accumulation_fusion).__name__}")  # fmt: skip
-        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.gradient_accumulation_fusion = check_bool(
+            "gradient_accumulation_fusion", gradient_accumulation_fusion
+        )
         self.tp_size, self.tp_rank = tp_size, tp_rank
         full_fc1 = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size
         self.full_fc1_output_size = full_fc1
@@ -357,8 +356,8 @@ class GroupedMLP(nn.Module):
                     f"gradient_accumulation_fusion needs the expert weights in the activation "
                     f"dtype: weights are {w.dtype}, activations {x.dtype} (params_dtype)"
                 )
-            y = ops.grouped_gemm_accumulate_wgrad(x, w, counts, backend=backend, validate=False)
-            return y if bias is None else y + expert_bias_rows(bias.to(y.dtype), counts, len(y))
+            return ops.grouped_gemm_accumulate_wgrad(x, w, counts, backend=backend,
+                                                     validate=False, bias=bias)  # fmt: skip
         return grouped_gemm(x, w.to(x.dtype), counts, backend=backend, validate=False, bias=bias)
 
     def forward(

@@ -212,9 +212,10 @@ def _loop_wgrad(a, b, counts, out, *, streams: bool):
 # --------------------------------------------------------------------------------------------
 
 
-def _triton_forward(x, w, counts, trans_b, out):
+def _triton_forward(x, w, counts, trans_b, out, bias=None):
     out = _out_or_new(out, (x.shape[0], w.shape[1] if trans_b else w.shape[2]), x)
-    return _kernels.grouped_gemm(x, w.transpose(1, 2) if trans_b else w, counts, out)
+    return _kernels.grouped_gemm(x, w.transpose(1, 2) if trans_b else w, counts, out,
+                                 bias=None if bias is None else bias.contiguous())
 
 
 def _triton_wgrad(a, b, counts, out):
@@ -401,14 +402,10 @@ def _n_of(w: torch.Tensor, trans_b: bool) -> int:
 
 def _forward(backend, x, w, counts, trans_b, out, bias):
     """The backend's forward plus ``bias[e]`` on expert ``e``'s rows (Triton: in the epilogue)."""
-    if bias is None:
-        return GROUPED_GEMM_BACKENDS[backend].forward(x, w, counts, trans_b, out)
     if backend == "triton":
-        out = _out_or_new(out, (x.shape[0], _n_of(w, trans_b)), x)
-        b = w.transpose(1, 2) if trans_b else w
-        return _kernels.grouped_gemm(x, b, counts, out, bias=bias.contiguous())
+        return _triton_forward(x, w, counts, trans_b, out, bias)
     y = GROUPED_GEMM_BACKENDS[backend].forward(x, w, counts, trans_b, out)
-    return add_expert_bias_(y, bias, counts)
+    return y if bias is None else add_expert_bias_(y, bias, counts)
 
 
 @torch.library.custom_op("mtp::grouped_gemm", mutates_args=())
@@ -642,12 +639,7 @@ def grouped_gemm(
         TypeError, ValueError: bad shapes, dtypes or devices (naming the argument), counts
             summing past ``M``, or a backend that cannot run here (e.g. ``cutlass`` not built).
     """
-    name, counts = prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate)
-    if bias is not None:
-        check_tensor("bias", bias, ndim=2, dtypes=_FLOAT_DTYPES, device=x.device)
-        if tuple(bias.shape) != (w.shape[0], _n_of(w, trans_b)):
-            raise ValueError(f"bias must be [{w.shape[0]}, {_n_of(w, trans_b)}] (experts, N), "
-                             f"got {tuple(bias.shape)}")  # fmt: skip
+    name, counts = prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias)
     if out is None:
         return torch.ops.mtp.grouped_gemm(x, w, counts, trans_b, name, bias)
     needs_grad = any(t is not None and t.requires_grad for t in (x, w, bias))
@@ -657,12 +649,17 @@ def grouped_gemm(
     return out
 
 
-def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate):
+def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=None):
     """Check the arguments of :func:`grouped_gemm` and resolve them: ``(backend name, counts)``
     with the counts where the backend reads them (the loop backends' one host copy)."""
     if isinstance(tokens_per_expert, (list, tuple)):
         tokens_per_expert = torch.tensor(tokens_per_expert, dtype=torch.int64)
     _check_inputs(x, w, tokens_per_expert, trans_b, out)
+    if bias is not None:
+        check_tensor("bias", bias, ndim=2, dtypes=_FLOAT_DTYPES, device=x.device)
+        if tuple(bias.shape) != (w.shape[0], _n_of(w, trans_b)):
+            raise ValueError(f"bias must be [{w.shape[0]}, {_n_of(w, trans_b)}] (experts, N), "
+                             f"got {tuple(bias.shape)}")  # fmt: skip
     name = resolve_backend("grouped_gemm", backend, x.device, tuple(GROUPED_GEMM_BACKENDS))
     impl = GROUPED_GEMM_BACKENDS[name]
     if impl.check is not None:

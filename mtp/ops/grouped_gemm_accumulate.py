@@ -25,6 +25,7 @@ import torch
 
 from mtp.kernels import grouped_gemm as _kernels
 from mtp.ops.grouped_gemm import prepare_call
+from mtp.ops.grouped_gemm_bias import expert_bias_grad
 
 __all__ = ["grouped_gemm_accumulate_wgrad"]
 
@@ -55,16 +56,19 @@ def _accumulate(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts, back
 
 class _GroupedGemmAccumulate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, counts, backend):
+    def forward(ctx, x, w, counts, backend, bias):
         ctx.save_for_backward(x, w, counts)
         ctx.backend = backend
-        return torch.ops.mtp.grouped_gemm(x, w, counts, False, backend)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return torch.ops.mtp.grouped_gemm(x, w, counts, False, backend, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, counts = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = dw = None
+        dx = dw = db = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+            db = expert_bias_grad(dy, counts, ctx.backend).to(ctx.bias_dtype)
         if ctx.needs_input_grad[0]:
             dx = torch.ops.mtp.grouped_gemm(dy, w, counts, True, ctx.backend)
         if ctx.needs_input_grad[1]:
@@ -72,7 +76,7 @@ class _GroupedGemmAccumulate(torch.autograd.Function):
             if hasattr(w, "grad_added_to_main_grad"):  # a DDP hook waits for a gradient
                 w.grad_added_to_main_grad = True
                 dw = torch.empty_like(w)  # never read: the hook sees the flag and drops it
-        return dx, dw, None, None
+        return dx, dw, None, None, db
 
 
 def grouped_gemm_accumulate_wgrad(
@@ -82,14 +86,17 @@ def grouped_gemm_accumulate_wgrad(
     *,
     backend: str = "auto",
     validate: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y[rows of e] = x[rows of e] @ w[e]`` whose backward adds ``dW`` to ``w.main_grad``.
+    """``y[rows of e] = x[rows of e] @ w[e] (+ bias[e])`` whose backward adds ``dW`` to
+    ``w.main_grad``.
 
     Args:
         x: ``[M, K]`` fp32/fp16/bf16, rows grouped by expert.
         w: ``[E, K, N]`` leaf weight in ``x``'s dtype with a ``main_grad`` of the same shape
             (fp32 usually; any floating dtype).
-        tokens_per_expert, backend, validate: as :func:`mtp.ops.grouped_gemm`.
+        tokens_per_expert, backend, validate, bias: as :func:`mtp.ops.grouped_gemm` (the bias
+            gets its gradient as usual).
 
     Returns:
         ``y [M, N]`` in ``x``'s dtype. ``x`` gets its gradient as usual; ``w`` gets none (see the
@@ -99,9 +106,10 @@ def grouped_gemm_accumulate_wgrad(
         ValueError, TypeError: as :func:`mtp.ops.grouped_gemm`, and a missing or mis-shaped
             ``main_grad`` (when ``w`` requires grad).
     """
-    name, counts = prepare_call(x, w, tokens_per_expert, False, None, backend, validate)
+    name, counts = prepare_call(x, w, tokens_per_expert, False, None, backend, validate, bias)
     if w.requires_grad:
         _check_main_grad(w)
-    if not torch.is_grad_enabled() or not (x.requires_grad or w.requires_grad):
-        return torch.ops.mtp.grouped_gemm(x, w, counts, False, name)
-    return _GroupedGemmAccumulate.apply(x, w, counts, name)
+    needs_grad = any(t is not None and t.requires_grad for t in (x, w, bias))
+    if not torch.is_grad_enabled() or not needs_grad:
+        return torch.ops.mtp.grouped_gemm(x, w, counts, False, name, bias)
+    return _GroupedGemmAccumulate.apply(x, w, counts, name, bias)

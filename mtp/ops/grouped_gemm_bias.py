@@ -2,8 +2,7 @@
 not the Triton epilogue.
 
 * :func:`add_expert_bias_`: ``y[rows of e] += bias[e]`` after a backend that has no bias epilogue
-  (CUTLASS, ``torch.grouped_mm``, the loops); rows past ``sum(counts)`` stay zero
-  (:func:`expert_bias_rows`: those rows as a tensor, for autograd users).
+  (CUTLASS, ``torch.grouped_mm``, the loops); rows past ``sum(counts)`` stay zero.
 * :func:`expert_bias_grad`: ``dbias[e] = sum over the rows of e of dy`` in fp32, deterministic:
   on the ``triton`` backend the grouped weight-gradient kernel with a column of ones as the left
   operand (``1_e^T dy_e``: one launch, fp32 accumulation, exact zeros for empty experts, no copy
@@ -16,7 +15,7 @@ import torch
 
 from mtp.kernels import grouped_gemm as _kernels
 
-__all__ = ["add_expert_bias_", "expert_bias_grad", "expert_bias_rows"]
+__all__ = ["add_expert_bias_", "expert_bias_grad"]
 
 
 def _expert_of_rows(counts: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -25,16 +24,10 @@ def _expert_of_rows(counts: torch.Tensor, rows: int, device: torch.device) -> to
     return torch.searchsorted(ends, torch.arange(rows, device=device), right=True)
 
 
-def expert_bias_rows(bias: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[rows, N]``: ``bias[e]`` on each row of expert ``e``, zeros past ``sum(counts)``
-    (differentiable in ``bias``)."""
-    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
-    return padded.index_select(0, _expert_of_rows(counts, rows, bias.device))
-
-
 def add_expert_bias_(y: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``y[rows of e] += bias[e]`` in place (``y`` ``[M, N]``, ``bias`` ``[E, N]``)."""
-    return y.add_(expert_bias_rows(bias.to(y.dtype), counts, y.shape[0]))
+    padded = torch.cat([bias.to(y.dtype), bias.new_zeros(1, bias.shape[1], dtype=y.dtype)])
+    return y.add_(padded.index_select(0, _expert_of_rows(counts, y.shape[0], y.device)))
 
 
 def expert_bias_grad(dy: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:

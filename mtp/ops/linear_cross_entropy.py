@@ -40,7 +40,8 @@ Backends (the GEMMs are cuBLAS / CPU ``torch.mm`` / ``addmm`` in both):
 * ``"torch"`` (default on CPU and for fp64): the same maths as fp32 PyTorch ops, several passes
   over each chunk.
 
-``MTP_BACKEND=triton`` / ``torch`` (``reference`` is an alias of ``torch``) steers ``"auto"``.
+``MTP_BACKEND=triton`` / ``fused`` / ``torch`` (``reference`` is an alias of ``torch``) steers
+``"auto"``.
 """
 
 from __future__ import annotations
@@ -99,14 +100,23 @@ def _chunk_stats(x, local_t, owns, coef_target, coef_uniform) -> torch.Tensor:
     return torch.stack([m, s, c], dim=-1)
 
 
-def _combine(gathered, valid, z_loss_weight):
-    """``(loss [rows], rowstat [rows, 2])`` from every rank's ``[world, rows, 3]`` statistics."""
-    m_all, s_all, c_all = gathered.unbind(-1)
+def _merge_stats(parts: torch.Tensor) -> torch.Tensor:
+    """``[rows, 3]`` statistics of whole rows from ``[k, rows, 3]`` ones of ``k`` column shares
+    (the ranks' vocab shards, or the fused GEMM's vocab splits)."""
+    if parts.shape[0] == 1:
+        return parts[0]
+    m_all, s_all, c_all = parts.unbind(-1)
     m = m_all.amax(0)
     m_ref = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    log_s = torch.log((s_all * torch.exp(m_all - m_ref)).sum(0))
+    return torch.stack([m, (s_all * torch.exp(m_all - m_ref)).sum(0), c_all.sum(0)], dim=-1)
+
+
+def _combine(gathered, valid, z_loss_weight):
+    """``(loss [rows], rowstat [rows, 2])`` from every rank's ``[world, rows, 3]`` statistics."""
+    m, s, c = _merge_stats(gathered).unbind(-1)
+    log_s = torch.log(s)
     lse = m + log_s
-    loss = (m - c_all.sum(0)) + log_s + z_loss_weight * lse * lse
+    loss = (m - c) + log_s + z_loss_weight * lse * lse
     return torch.where(valid, loss, torch.zeros_like(loss)), torch.stack([m, log_s], dim=-1)
 
 
@@ -256,8 +266,8 @@ class _Setup:
     def forward_stats(self, h: torch.Tensor, weight, bias, rows) -> torch.Tensor:
         """:meth:`stats` of the chunk ``h @ weight^T (+ bias)``; ``"fused"``: in the GEMM."""
         if self.backend == "fused":
-            return lce_gemm.gemm_stats(h, weight, bias, self.local_k[rows], self.coefs,
-                                       self.eps > 0.0)  # fmt: skip
+            return _merge_stats(lce_gemm.gemm_stats(h, weight, bias, self.local_k[rows],
+                                                    self.coefs, self.eps > 0.0))  # fmt: skip
         return self.stats(_logits(h, weight, bias), rows)
 
     def stats(self, x: torch.Tensor, rows) -> torch.Tensor:
@@ -369,7 +379,8 @@ _TRITON = ("triton", "fused")
 
 
 def _resolve_backend(backend, hidden: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"`` for ``backend`` (see :func:`linear_cross_entropy`)."""
+    """``"triton"``, ``"fused"`` or ``"torch"`` for ``backend`` (see
+    :func:`linear_cross_entropy`)."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     fp64 = hidden.dtype == torch.float64
