@@ -2,8 +2,10 @@
 backend, eager and replayed from a CUDA graph.
 
 Router (fp32 logits, ``router_dtype=torch.float32``) -> preprocess -> permute -> two grouped
-GEMMs around the fused SwiGLU -> unpermute. Each backend of :func:`mtp.ops.grouped_gemm` is timed
-eagerly, forward and forward+backward; the graph-safe ones (``triton``, ``torch``, ``cutlass``:
+GEMMs around the SwiGLU -> unpermute. On ``triton`` the SwiGLU, its bias and the probability
+scaling live in the grouped GEMMs' epilogues (:func:`mtp.ops.grouped_mlp`); ``triton-unfused``
+is the same backend with them as separate kernels. Each backend of :func:`mtp.ops.grouped_gemm`
+is timed eagerly, forward and forward+backward; the graph-safe ones (``triton``, ``torch``, ``cutlass``:
 no host sync) are also captured in one CUDA graph (forward, no autograd) and timed by replay:
 the eager-vs-graph gap is the CPU launch overhead that seed 003 is about.
 
@@ -42,6 +44,8 @@ OPS = ("moe_layer",)
 BACKENDS = tuple(GROUPED_GEMM_BACKENDS)
 GRAPH_BACKENDS = ("triton", "torch", "cutlass")  # read the counts on the device: capturable
 GRAPH = "+cudagraph"
+#: The Triton backend with the experts' bias/activation/probability as separate kernels.
+UNFUSED = "triton-unfused"
 
 #: name -> (E, k, H, F)
 MODELS = {
@@ -103,20 +107,24 @@ def providers(op: str = "moe_layer") -> list[Provider]:
     for name in BACKENDS:
         kind = "baseline" if name == "reference" else "mtp"
         out.append(Provider(name, kind, cpu=name != "cutlass", needs=backend_ready(name)))
+    out.append(Provider(UNFUSED, "mtp", cpu=True, needs=backend_ready("triton")))
     for name in GRAPH_BACKENDS:
         out.append(Provider(name + GRAPH, "mtp", cpu=False, needs=_graph_needs(name)))
     return out
 
 
 def build_layer(case: Case, backend: str, device: torch.device, dtype: torch.dtype) -> MoELayer:
-    """The case's layer with ``backend``; the same weights for every backend (seeded fp32 init
-    rounded to the case dtype, then held in ``dtype``)."""
+    """The case's layer with ``backend`` (or :data:`UNFUSED`); the same weights for every
+    backend (seeded fp32 init rounded to the case dtype, then held in ``dtype``)."""
     p = case.params
+    fused = backend != UNFUSED
+    backend = "triton" if backend == UNFUSED else backend
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(1234)
         layer = MoELayer(
             p["H"], p["F"], p["E"], p["k"], activation="swiglu", backend=backend,
-            router_dtype=torch.float32, params_dtype=torch.float32, device=device,
+            bias_activation_fusion=fused, router_dtype=torch.float32,
+            params_dtype=torch.float32, device=device,
         )  # fmt: skip
     with torch.no_grad():
         for param in layer.parameters():
@@ -185,7 +193,7 @@ def _graph_safety(layer: MoELayer, x: torch.Tensor) -> str:
     return "yes"
 
 
-def structure(size: str, backends=BACKENDS) -> dict:
+def structure(size: str, backends=(*BACKENDS, UNFUSED)) -> dict:
     """Per backend and E: ops, launches and host syncs of one forward, and graph safety."""
     from .counting import count_ops, triton_launch_hook
 

@@ -41,15 +41,19 @@ import triton.language as tl
 
 from mtp.kernels import grouped_gemm_tma as _tma
 from mtp.kernels._common import dot_upcast, fp32_dot_precision, next_power_of_2
+from mtp.kernels.grouped_tiles import expert_tile_map, locate_expert_tile, mma_loop, tail_tile
 
 __all__ = [
     "GemmConfig",
     "WgradConfig",
+    "default_forward_config",
+    "dot_flags",
     "forward_config",
     "grouped_gemm",
     "grouped_gemm_kernel",
     "grouped_wgrad",
     "grouped_wgrad_kernel",
+    "launch_plan",
     "num_row_tiles_bound",
     "wgrad_config",
 ]
@@ -58,35 +62,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # Device code
 # --------------------------------------------------------------------------------------------
-
-
-# The interpreter re-patches triton.language on every call of a @triton.jit function (tl.sum and
-# tl.cumsum included), which dominates its run time: the kernels below keep such calls per
-# program to a handful, and do the integer ceil-divisions inline.
-
-
-@triton.jit
-def _mma_loop(
-    acc, a_ptrs, b_ptrs, a_keep, b_keep, a_red, b_red, length, a_step, b_step,
-    BLOCK: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """``acc += a @ b`` over a reduction of ``length``, ``BLOCK`` at a time.
-
-    ``a_ptrs`` is a ``[rows, BLOCK]`` tile and ``b_ptrs`` a ``[BLOCK, cols]`` tile; ``a_red`` /
-    ``b_red`` are the reduction indices broadcast to them, ``a_keep`` / ``b_keep`` the masks of
-    the other dimension; each step advances the pointers by ``a_step`` / ``b_step``.
-    """
-    for i in range((length + BLOCK - 1) // BLOCK):
-        left = length - i * BLOCK
-        a = tl.load(a_ptrs, mask=a_keep & (a_red < left), other=0.0)
-        b = tl.load(b_ptrs, mask=(b_red < left) & b_keep, other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += a_step
-        b_ptrs += b_step
-    return acc
 
 
 @triton.jit
@@ -110,7 +85,7 @@ def _gemm_tile(
         b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk
         + cols[None, :].to(tl.int64) * stride_bn
     )
-    acc = _mma_loop(
+    acc = mma_loop(
         tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptrs, b_ptrs,
         mask_m[:, None], mask_n[None, :], ks[None, :], ks[:, None], K,
         BLOCK_K * stride_ak, BLOCK_K * stride_bk, BLOCK_K, UPCAST_DOT, DOT_PRECISION,
@@ -125,37 +100,23 @@ def _gemm_tile(
 @triton.jit
 def _forward_tile(
     tile, a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr, M, N, K,
-    lane, counts, m_tiles, tile_ends, num_n, expert_tiles,
+    lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     if tile < expert_tiles:
-        # The tiles of one expert are contiguous: find the expert from the row-tile index.
-        expert = tl.sum((tile_ends <= tile // num_n).to(tl.int32), axis=0)
-        before = lane < expert
-        row0 = tl.sum(tl.where(before, counts, 0), axis=0)
-        first = tl.sum(tl.where(before, m_tiles, 0), axis=0) * num_n
-        rows_e = tl.maximum(tl.load(counts_ptr + expert).to(tl.int32), 0)
-        num_m = (rows_e + BLOCK_M - 1) // BLOCK_M
-        # Grouped order inside the expert: GROUP_M row tiles share each column tile of w[e].
-        local = tile - first
-        per_group = GROUP_M * num_n
-        first_m = (local // per_group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        within = local % per_group
+        expert, row0, row_end, pid_m, pid_n = locate_expert_tile(
+            tile, counts_ptr, M, lane, counts, m_tiles, tile_ends, num_n, BLOCK_M, GROUP_M
+        )
         _gemm_tile(
-            a_ptr, b_ptr, c_ptr, bias_ptr, expert, row0, tl.minimum(row0 + rows_e, M),
-            first_m + within % size_m, within // size_m, N, K,
+            a_ptr, b_ptr, c_ptr, bias_ptr, expert, row0, row_end, pid_m, pid_n, N, K,
             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, DOT_PRECISION, HAS_BIAS,
         )
     else:
         # The zero tail: rows [routed, M).
-        routed = tl.minimum(tl.sum(counts, axis=0), M)
-        local = tile - expert_tiles
-        rows = routed + (local // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (local % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols = tail_tile(tile, expert_tiles, routed, num_n, BLOCK_M, BLOCK_N)
         c_ptrs = (
             c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
         )
@@ -184,20 +145,14 @@ def grouped_gemm_kernel(
     tiles); with it, tiles ``p, p + grid, ...`` up to the actual number of tiles.
     """
     pid = tl.program_id(0)
-    lane = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + lane, mask=lane < E, other=0).to(tl.int32)
-    counts = tl.maximum(counts, 0)
-    m_tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_ends = tl.cumsum(m_tiles, axis=0)  # in row tiles
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    expert_tiles = tl.sum(m_tiles, axis=0) * num_n
+    lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed, total = expert_tile_map(
+        counts_ptr, M, N, E, BLOCK_M, BLOCK_N, BLOCK_E
+    )
     if PERSISTENT:
-        routed = tl.minimum(tl.sum(counts, axis=0), M)
-        total = expert_tiles + (M - routed + BLOCK_M - 1) // BLOCK_M * num_n
         for tile in range(pid, total, tl.num_programs(0)):
             _forward_tile(
                 tile, a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr, M, N, K,
-                lane, counts, m_tiles, tile_ends, num_n, expert_tiles,
+                lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST_DOT, DOT_PRECISION, HAS_BIAS,
             )
@@ -205,7 +160,7 @@ def grouped_gemm_kernel(
         # Programs past the tail find only masked-out rows (rows >= M) and store nothing.
         _forward_tile(
             pid, a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr, M, N, K,
-            lane, counts, m_tiles, tile_ends, num_n, expert_tiles,
+            lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST_DOT, DOT_PRECISION, HAS_BIAS,
         )
@@ -259,7 +214,7 @@ def grouped_wgrad_kernel(
     qs64 = qs.to(tl.int64)
     a_ptrs = a_ptr + (row0.to(tl.int64) + rs[None, :]) * stride_am + ps64[:, None] * stride_ap
     b_ptrs = b_ptr + (row0.to(tl.int64) + rs[:, None]) * stride_bm + qs64[None, :] * stride_bq
-    acc = _mma_loop(
+    acc = mma_loop(
         tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32), a_ptrs, b_ptrs,
         mask_p[:, None], mask_q[None, :], rs[None, :], rs[:, None], rows_e,
         BLOCK_R * stride_am, BLOCK_R * stride_bm, BLOCK_R, UPCAST_DOT, DOT_PRECISION,
@@ -333,6 +288,11 @@ def forward_config(dtype: torch.dtype, M: int, N: int, K: int, E: int) -> GemmCo
                       num_warps=warps, num_stages=stages)
 
 
+def default_forward_config(a: torch.Tensor, M: int, N: int, K: int, E: int) -> GemmConfig:
+    """:func:`forward_config` on a GPU, small tiles under the interpreter."""
+    return _INTERPRETER_GEMM if a.device.type != "cuda" else forward_config(a.dtype, M, N, K, E)
+
+
 def wgrad_config(dtype: torch.dtype, P: int, Q: int) -> WgradConfig:
     """Default tiles for the weight-gradient kernel (a ``[P, Q]`` tile of one expert, reducing
     over that expert's rows 64 at a time; 3 stages, 96 KiB of shared memory for 16-bit)."""
@@ -350,16 +310,37 @@ def num_row_tiles_bound(M: int, E: int, block_m: int) -> int:
 _SHARED_MEMORY_PER_SM = 228 * 1024  # H100 / H200 / B200
 
 
-def _resident_programs(device: torch.device, config: GemmConfig, elem_size: int) -> int:
+def _resident_programs(
+    device: torch.device, config: GemmConfig, elem_size: int, stage_elems: int | None = None
+) -> int:
     """Programs of the forward kernel that fit on the GPU at once (shared memory bound)."""
     if device.type != "cuda":
         return 4  # interpreter: a few programs, so the persistent loop is exercised
-    stage = (config.block_m + config.block_n) * config.block_k * elem_size
+    if stage_elems is None:
+        stage_elems = (config.block_m + config.block_n) * config.block_k
+    stage = stage_elems * elem_size
     per_sm = max(1, _SHARED_MEMORY_PER_SM // (stage * config.num_stages + 1024))
     return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
 
 
-def _dot_flags(dtype: torch.dtype) -> dict:
+def launch_plan(
+    a: torch.Tensor, config: GemmConfig, M: int, N: int, E: int, persistent: bool | None,
+    stage_elems: int | None = None,
+) -> tuple[tuple[int], bool]:
+    """``(grid, persistent)`` of a grouped forward kernel over ``[M, N]`` outputs (see
+    :func:`grouped_gemm`'s ``persistent``); ``stage_elems``: shared-memory elements per
+    pipeline stage when not ``(BLOCK_M + BLOCK_N) * BLOCK_K``."""
+    tiles = num_row_tiles_bound(M, E, config.block_m) * triton.cdiv(N, config.block_n)
+    resident = _resident_programs(a.device, config, a.element_size(), stage_elems)
+    if persistent is None:
+        # The worst-case grid holds up to E * cdiv(N, BN) programs without work; each holds an
+        # SM's shared memory while it starts and exits. When they are more than one wave, stride
+        # over the tiles from one wave of programs instead.
+        persistent = a.device.type == "cuda" and E * triton.cdiv(N, config.block_n) > resident
+    return (min(tiles, resident) if persistent else tiles,), persistent
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
     return {
         "UPCAST_DOT": dot_upcast(dtype),
         "DOT_PRECISION": fp32_dot_precision() if dtype == torch.float32 else "ieee",
@@ -428,18 +409,10 @@ def grouped_gemm(
         return _tma.launch_forward(a, b, counts, out, config, programs, dot_upcast(a.dtype),
                                    bias)  # fmt: skip
     if config is None:
-        config = (_INTERPRETER_GEMM if a.device.type != "cuda"
-                  else forward_config(a.dtype, M, N, K, E))
+        config = default_forward_config(a, M, N, K, E)
     if M == 0 or N == 0:
         return out
-    tiles = num_row_tiles_bound(M, E, config.block_m) * triton.cdiv(N, config.block_n)
-    resident = _resident_programs(a.device, config, a.element_size())
-    if persistent is None:
-        # The worst-case grid holds up to E * cdiv(N, BN) programs without work; each holds an
-        # SM's shared memory while it starts and exits. When they are more than one wave, stride
-        # over the tiles from one wave of programs instead.
-        persistent = a.device.type == "cuda" and E * triton.cdiv(N, config.block_n) > resident
-    grid = (min(tiles, resident) if persistent else tiles,)
+    grid, persistent = launch_plan(a, config, M, N, E, persistent)
     grouped_gemm_kernel[grid](
         a, b, out, out if bias is None else bias, counts,
         M, N, K, E,
@@ -449,7 +422,7 @@ def grouped_gemm(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         BLOCK_E=next_power_of_2(E), GROUP_M=config.group_m, PERSISTENT=persistent,
         HAS_BIAS=bias is not None, num_warps=config.num_warps, num_stages=config.num_stages,
-        **_dot_flags(a.dtype),
+        **dot_flags(a.dtype),
     )
     return out
 
@@ -501,6 +474,6 @@ def grouped_wgrad(
         BLOCK_P=config.block_p, BLOCK_Q=config.block_q, BLOCK_R=config.block_r,
         BLOCK_E=next_power_of_2(E), GROUP_P=config.group_p, ACCUMULATE=accumulate,
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **_dot_flags(a.dtype),
+        **dot_flags(a.dtype),
     )
     return out

@@ -22,7 +22,7 @@ BACKENDS = {
     "permute": {"triton", "reference"},
     "unpermute": {"triton", "reference"},
     "grouped_gemm": set(GROUPED_GEMM_BACKENDS),
-    "moe_layer": set(GROUPED_GEMM_BACKENDS),
+    "moe_layer": set(GROUPED_GEMM_BACKENDS) | {"triton-unfused"},
 }
 RECORD_KEYS = {"op", "family", "case", "group", "params", "dtype", "pass", "provider", "kind",
                "status", "note", "bytes", "flops"}  # fmt: skip
@@ -110,6 +110,8 @@ def _check_structure(result):
     for E in (8, 128, 256):
         assert by[(E, "triton")]["host_syncs"] == 0 and by[(E, "triton")]["graph_safe"] == "yes"
         assert by[(E, "triton")]["device_ops"] == by[(8, "triton")]["device_ops"]
+        # fused epilogues: the activation and the probability scaling are no extra op
+        assert by[(E, "triton")]["device_ops"] + 2 <= by[(E, "triton-unfused")]["device_ops"]
         assert by[(E, "sequential")]["host_syncs"] >= 1
         assert by[(E, "sequential")]["graph_safe"].startswith("no")
     assert by[(256, "sequential")]["device_ops"] > by[(8, "sequential")]["device_ops"]

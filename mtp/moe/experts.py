@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp import ops
+from mtp.ops._backend import resolve_backend
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, torch_grouped_mm, grouped_gemm
 from mtp.moe._checks import check_bool
 from mtp.utils import check_int
@@ -126,6 +127,14 @@ class GroupedMLP(nn.Module):
             (Megatron-Core's option of that name; :func:`mtp.ops.grouped_gemm_accumulate_wgrad`):
             the weights must be in the activation dtype (``params_dtype``) and have a
             ``main_grad`` (:class:`mtp.optim.DistributedDataParallel` gives them one).
+        bias_activation_fusion: on the ``triton`` backend with ``"gelu"`` or ``"swiglu"``, run
+            the experts as :func:`mtp.ops.grouped_mlp` (Megatron-Core's option of that name,
+            extended): fc1's epilogue adds the bias, applies the activation and the probability
+            (stores the pre-activation for the backward), fc2's adds its bias, and fc2's
+            data-gradient epilogue computes the activation's backward and the probabilities'
+            gradient: no elementwise pass over the ``[M, F]`` intermediates. False: the separate
+            bias/activation kernel and scaling (also what the other backends and activations
+            run).
         params_dtype, device: of the parameters (keep them in the compute dtype, e.g. bf16, with
             an fp32 ``main_grad``: the forward then casts nothing).
         perform_initialization: initialise the weights (see :meth:`reset_parameters`); False
@@ -151,6 +160,7 @@ class GroupedMLP(nn.Module):
         activation_alpha: float = 1.702,
         probs_after_fc2: bool = False,
         gradient_accumulation_fusion: bool = False,
+        bias_activation_fusion: bool = True,
         tp_size: int = 1,
         tp_rank: int = 0,
         params_dtype: torch.dtype = torch.float32,
@@ -194,6 +204,7 @@ class GroupedMLP(nn.Module):
         self.gradient_accumulation_fusion = check_bool(
             "gradient_accumulation_fusion", gradient_accumulation_fusion
         )
+        self.bias_activation_fusion = check_bool("bias_activation_fusion", bias_activation_fusion)
         self.tp_size, self.tp_rank = tp_size, tp_rank
         full_fc1 = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size
         self.full_fc1_output_size = full_fc1
@@ -385,6 +396,8 @@ class GroupedMLP(nn.Module):
                 f"permuted_probs must be [{x.shape[0]}] (one per row), got "
                 f"{tuple(permuted_probs.shape)}"
             )
+        if self._fused(x):
+            return self._forward_fused(x, tokens_per_expert, permuted_probs)
         h = self._gemm(x, self.weight1, tokens_per_expert, self.bias1)
         h = activation_function(
             h, self.activation, self.backend, self.activation_limit, self.activation_alpha
@@ -397,3 +410,32 @@ class GroupedMLP(nn.Module):
         if scale is not None and self.probs_after_fc2:
             y = y * scale
         return y
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether this call runs :func:`mtp.ops.grouped_mlp` (see ``bias_activation_fusion``)."""
+        if not self.bias_activation_fusion or self.activation not in ("gelu", "swiglu"):
+            return False
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return False
+        backend = self.gemm_backend(x.device)
+        names = tuple(GROUPED_GEMM_BACKENDS)
+        return resolve_backend("grouped_gemm", backend, x.device, names) == "triton"
+
+    def _forward_fused(self, x, tokens_per_expert, permuted_probs):
+        w1, w2 = self.weight1, self.weight2
+        accumulate = (self.gradient_accumulation_fusion and torch.is_grad_enabled()
+                      and (w1.requires_grad or w2.requires_grad))  # fmt: skip
+        if accumulate and (w1.dtype != x.dtype or w2.dtype != x.dtype):
+            raise ValueError(
+                f"gradient_accumulation_fusion needs the expert weights in the activation "
+                f"dtype: weights are {w1.dtype}, activations {x.dtype} (params_dtype)"
+            )
+        after = self.probs_after_fc2 and permuted_probs is not None
+        y = ops.grouped_mlp(
+            x, w1.to(x.dtype), w2.to(x.dtype), tokens_per_expert,
+            None if after else permuted_probs, self.bias1,
+            self.bias2 if self.tp_rank == 0 else None,
+            activation=self.activation, gradient_accumulation_fusion=accumulate,
+            backend="triton", validate=False,
+        )  # fmt: skip
+        return y * permuted_probs.to(y.dtype).unsqueeze(-1) if after else y

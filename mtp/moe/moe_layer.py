@@ -125,6 +125,9 @@ class MoELayer(nn.Module):
             Face) instead of before ``fc2`` (Megatron), see :class:`~mtp.moe.GroupedMLP`.
         gradient_accumulation_fusion: the experts' weight gradients go straight into their fp32
             ``main_grad`` (see :class:`~mtp.moe.GroupedMLP`).
+        bias_activation_fusion: on the ``triton`` backend, the experts' bias, activation and
+            probability scaling run in the grouped GEMMs' epilogues, forward and backward (see
+            :class:`~mtp.moe.GroupedMLP`); False keeps them as separate kernels.
         backend: kernels of the permutation, activation and grouped GEMMs (``"auto"``,
             ``"triton"``, ``"reference"``, or a grouped GEMM backend such as ``"sequential"``).
         bias: per-expert biases in the experts.
@@ -178,6 +181,7 @@ class MoELayer(nn.Module):
         activation_alpha: float = 1.702,
         probs_after_fc2: bool = False,
         gradient_accumulation_fusion: bool = False,
+        bias_activation_fusion: bool = True,
         backend: str = "auto",
         bias: bool = False,
         token_dispatcher_type: str = "alltoall",
@@ -230,6 +234,7 @@ class MoELayer(nn.Module):
             ("bias", bias),
             ("probs_after_fc2", probs_after_fc2),
             ("gradient_accumulation_fusion", gradient_accumulation_fusion),
+            ("bias_activation_fusion", bias_activation_fusion),
             ("shared_expert_gate", shared_expert_gate),
         ):
             check_bool(name, flag)
@@ -314,6 +319,7 @@ class MoELayer(nn.Module):
             activation_alpha=activation_alpha,
             probs_after_fc2=probs_after_fc2,
             gradient_accumulation_fusion=gradient_accumulation_fusion,
+            bias_activation_fusion=bias_activation_fusion,
             bias=bias,
             backend=backend,
             tp_size=etp_size,

@@ -27,10 +27,10 @@ from mtp.kernels import grouped_gemm as _kernels
 from mtp.ops.grouped_gemm import prepare_call
 from mtp.ops.grouped_gemm_bias import expert_bias_grad
 
-__all__ = ["grouped_gemm_accumulate_wgrad"]
+__all__ = ["accumulate_weight_grad", "check_main_grad", "grouped_gemm_accumulate_wgrad"]
 
 
-def _check_main_grad(w: torch.Tensor) -> None:
+def check_main_grad(w: torch.Tensor) -> None:
     main = getattr(w, "main_grad", None)
     if not isinstance(main, torch.Tensor):
         raise ValueError(
@@ -54,6 +54,18 @@ def _accumulate(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts, back
         main.add_(torch.ops.mtp.grouped_gemm_wgrad(x, dy, counts, backend))
 
 
+def accumulate_weight_grad(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts,
+                           backend: str) -> torch.Tensor | None:  # fmt: skip
+    """``w.main_grad[e] += x_e^T dy_e``, then the gradient autograd should return for ``w``: a
+    placeholder when ``w`` has Megatron's ``grad_added_to_main_grad`` flag (set here; the
+    data-parallel hook drops it), else None."""
+    _accumulate(w, x, dy, counts, backend)
+    if hasattr(w, "grad_added_to_main_grad"):  # a DDP hook waits for a gradient
+        w.grad_added_to_main_grad = True
+        return torch.empty_like(w)  # never read: the hook sees the flag and drops it
+    return None
+
+
 class _GroupedGemmAccumulate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, counts, backend, bias):
@@ -72,10 +84,7 @@ class _GroupedGemmAccumulate(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = torch.ops.mtp.grouped_gemm(dy, w, counts, True, ctx.backend)
         if ctx.needs_input_grad[1]:
-            _accumulate(w, x, dy, counts, ctx.backend)
-            if hasattr(w, "grad_added_to_main_grad"):  # a DDP hook waits for a gradient
-                w.grad_added_to_main_grad = True
-                dw = torch.empty_like(w)  # never read: the hook sees the flag and drops it
+            dw = accumulate_weight_grad(w, x, dy, counts, ctx.backend)
         return dx, dw, None, None, db
 
 
@@ -108,7 +117,7 @@ def grouped_gemm_accumulate_wgrad(
     """
     name, counts = prepare_call(x, w, tokens_per_expert, False, None, backend, validate, bias)
     if w.requires_grad:
-        _check_main_grad(w)
+        check_main_grad(w)
     needs_grad = any(t is not None and t.requires_grad for t in (x, w, bias))
     if not torch.is_grad_enabled() or not needs_grad:
         return torch.ops.mtp.grouped_gemm(x, w, counts, False, name, bias)

@@ -32,7 +32,12 @@ def add_expert_bias_(y: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) 
 
 def expert_bias_grad(dy: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
     """fp32 ``[E, N]``: the sum of ``dy``'s rows of each expert (rows past ``sum(counts)``
-    ignored)."""
+    ignored). A custom op (``mtp::expert_bias_grad``), so compiled backwards trace it."""
+    return torch.ops.mtp.expert_bias_grad(dy, counts, backend)
+
+
+@torch.library.custom_op("mtp::expert_bias_grad", mutates_args=())
+def _expert_bias_grad_op(dy: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
     E, (M, N) = counts.shape[0], dy.shape
     if backend == "triton":
         ones = torch.ones((1, 1), dtype=dy.dtype, device=dy.device).expand(M, 1)
@@ -42,3 +47,8 @@ def expert_bias_grad(dy: torch.Tensor, counts: torch.Tensor, backend: str) -> to
     lengths = torch.cat([lengths, (M - lengths.sum()).clamp_min(0).view(1)])
     sums = torch.segment_reduce(dy.float(), "sum", lengths=lengths, axis=0, unsafe=True)
     return sums[:E]
+
+
+@_expert_bias_grad_op.register_fake
+def _(dy, counts, backend):
+    return dy.new_empty((counts.shape[0], dy.shape[1]), dtype=torch.float32)

@@ -1,0 +1,385 @@
+"""Grouped GEMMs of an MoE expert MLP with the activation fused into their epilogues.
+
+The experts compute ``y = act(x @ w1[e] + b1[e]) * p`` then ``y @ w2[e] + b2[e]`` on each
+expert's rows (``p``: the row's routing probability). Two kernels keep the ``[M, F]``
+intermediates out of memory except for what the backward needs:
+
+- :func:`grouped_gemm_act_kernel` (fc1 forward): the grouped GEMM ``x @ w1[e]`` whose epilogue
+  adds the bias, stores the pre-activation ``h`` (saved for the backward, in ``x``'s dtype),
+  applies the activation and the probability and stores ``y``. For SwiGLU the program holds two
+  accumulators: columns ``cols`` (the gate, through SiLU) and ``F + cols`` (the up projection)
+  of ``w1[e]`` (Megatron's ``torch.chunk(h, 2, -1)`` layout: gate half first), so each output
+  tile reads its ``x`` tile once for both halves.
+- :func:`grouped_gemm_dact_kernel` (fc2's data gradient): the grouped GEMM ``dy @ w2[e]^T``
+  (``dL/dy``, never stored) whose epilogue loads ``h``, recomputes the activation and writes
+  ``dh = dL/dh`` (both halves for SwiGLU) and, per row and column tile, the fp32 partial of
+  ``dL/dp = sum_cols(dL/dy * act(h))``; the tiles' partials are summed afterwards in a fixed
+  order (deterministic).
+
+Both find their tiles from the device counts exactly as :mod:`mtp.kernels.grouped_gemm` does
+(no host sync, graph-safe), write zeros for the rows past ``sum(counts)``, compute in fp32 and
+take the activation of the *stored* (rounded) ``h`` so the forward and the backward agree.
+Activations: ``"gelu"`` (erf), ``"gelu_tanh"``, ``"swiglu"`` (:mod:`mtp.kernels.bias_act`'s
+codes and +-inf handling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from mtp.kernels import grouped_gemm as _gg
+from mtp.kernels._common import next_power_of_2
+from mtp.kernels.bias_act import ACTIVATIONS, _gelu_and_grad, _silu_and_sigmoid
+from mtp.kernels.grouped_tiles import expert_tile_map, locate_expert_tile, tail_tile
+
+__all__ = ["act_config", "gpu_act_config", "grouped_gemm_act", "grouped_gemm_dact"]
+
+
+@triton.jit
+def _act(ua, ug, ACT: tl.constexpr):
+    """The activation of the fp32 pre-activation: ``silu(ua) * ug`` (SwiGLU) or ``gelu(ua)``."""
+    if ACT == 2:
+        silu, _, _ = _silu_and_sigmoid(ua)
+        return silu * ug
+    y, _ = _gelu_and_grad(ua, ACT == 1, False)
+    return y
+
+
+@triton.jit
+def _dual_mma(
+    a_ptr, b_ptr, expert, rows64, mask_m, cols, mask_n, F, K,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``a[rows] @ b[expert][:, cols]`` and, when ``GATED``, ``a[rows] @ b[expert][:, F + cols]``
+    (one load of each ``a`` tile for both), fp32."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
+    b_base = b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk
+    b_ptrs = b_base + cols[None, :].to(tl.int64) * stride_bn
+    bg_ptrs = b_base + (cols + F)[None, :].to(tl.int64) * stride_bn
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range((K + BLOCK_K - 1) // BLOCK_K):
+        left = K - i * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (ks[None, :] < left), other=0.0)
+        b_mask = (ks[:, None] < left) & mask_n[None, :]
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc_a = tl.dot(a, b, acc_a, input_precision=DOT_PRECISION)
+        if GATED:
+            bg = tl.load(bg_ptrs, mask=b_mask, other=0.0)
+            if UPCAST_DOT:
+                bg = bg.to(tl.float32)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=DOT_PRECISION)
+            bg_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc_a, acc_g
+
+
+@triton.jit
+def _tile_coords(
+    tile, counts_ptr, M, lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``(expert, rows, row mask, cols, column tile)`` of ``tile``; ``expert = -1`` for the
+    zero-tail tiles (rows from ``routed`` on, masked at ``M``)."""
+    if tile < expert_tiles:
+        expert, row0, row_end, pid_m, pid_n = locate_expert_tile(
+            tile, counts_ptr, M, lane, counts, m_tiles, tile_ends, num_n, BLOCK_M, GROUP_M
+        )
+        rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        rows, cols = tail_tile(tile, expert_tiles, routed, num_n, BLOCK_M, BLOCK_N)
+        mask_m = rows < M
+        expert = tile * 0 - 1
+        pid_n = (tile - expert_tiles) % num_n
+    cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)
+    return expert, rows, mask_m, cols, pid_n
+
+
+@triton.jit
+def _fwd_tile(
+    a_ptr, b_ptr, h_ptr, y_ptr, bias_ptr, p_ptr, expert, rows, mask_m, cols, mask_n, F, K,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_hm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    rows64 = rows.to(tl.int64)
+    acc_a, acc_g = _dual_mma(
+        a_ptr, b_ptr, expert, rows64, mask_m, cols, mask_n, F, K,
+        stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, ACT == 2, UPCAST_DOT, DOT_PRECISION,
+    )
+    width = 2 * F if ACT == 2 else F
+    if HAS_BIAS:
+        b_row = bias_ptr + expert.to(tl.int64) * width
+        acc_a += tl.load(b_row + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACT == 2:
+            acc_g += tl.load(b_row + F + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    ha = acc_a.to(h_ptr.dtype.element_ty)
+    tl.store(h_ptrs, ha, mask=mask)
+    hg = acc_g.to(h_ptr.dtype.element_ty)
+    if ACT == 2:
+        tl.store(h_ptrs + F, hg, mask=mask)
+    y = _act(ha.to(tl.float32), hg.to(tl.float32), ACT)
+    if HAS_PROB:
+        y = y * tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+@triton.jit
+def grouped_gemm_act_kernel(
+    a_ptr, b_ptr, h_ptr, y_ptr, bias_ptr, p_ptr, counts_ptr,
+    M, F, K, E,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_hm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """fc1 with its epilogue: ``h[rows of e] = a @ b[e] + bias[e]`` (``[M, W]``, ``W = 2F`` for
+    SwiGLU, else ``F``) and ``y = act(h) * p[row]`` (``[M, F]``); zeros past the routed rows.
+    Tiles and grid as :func:`mtp.kernels.grouped_gemm.grouped_gemm_kernel` over ``[M, F]``."""
+    pid = tl.program_id(0)
+    lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed, total = expert_tile_map(
+        counts_ptr, M, F, E, BLOCK_M, BLOCK_N, BLOCK_E
+    )
+    last = total if PERSISTENT else pid + 1
+    for tile in range(pid, last, tl.num_programs(0)):
+        expert, rows, mask_m, cols, _ = _tile_coords(
+            tile, counts_ptr, M, lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
+            BLOCK_M, BLOCK_N, GROUP_M,
+        )
+        if expert >= 0:
+            _fwd_tile(
+                a_ptr, b_ptr, h_ptr, y_ptr, bias_ptr, p_ptr, expert, rows, mask_m, cols, cols < F,
+                F, K, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_hm, stride_ym,
+                BLOCK_M, BLOCK_N, BLOCK_K, ACT, HAS_BIAS, HAS_PROB, UPCAST_DOT, DOT_PRECISION,
+            )
+        else:  # the zero tail: rows [routed, M)
+            mask = mask_m[:, None] & (cols < F)[None, :]
+            rows64 = rows.to(tl.int64)[:, None]
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
+            tl.store(h_ptr + rows64 * stride_hm + cols[None, :], zeros, mask=mask)
+            if ACT == 2:
+                tl.store(h_ptr + rows64 * stride_hm + F + cols[None, :], zeros, mask=mask)
+            tl.store(y_ptr + rows64 * stride_ym + cols[None, :], zeros, mask=mask)
+
+
+@triton.jit
+def _dact_tile(
+    g_ptr, b_ptr, h_ptr, p_ptr, dh_ptr, part_ptr, expert, rows, mask_m, cols, mask_n, M, F, K,
+    pid_n, stride_gm, stride_gk, stride_be, stride_bk, stride_bn, stride_hm, stride_dm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
+    HAS_PROB: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    rows64 = rows.to(tl.int64)
+    dy, _ = _dual_mma(
+        g_ptr, b_ptr, expert, rows64, mask_m, cols, mask_n, F, K,
+        stride_gm, stride_gk, stride_be, stride_bk, stride_bn,
+        BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, DOT_PRECISION,
+    )
+    mask = mask_m[:, None] & mask_n[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    dh_ptrs = dh_ptr + rows64[:, None] * stride_dm + cols[None, :]
+    # The order keeps few [BLOCK_M, BLOCK_N] fp32 values alive at once (no spills).
+    ua = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 2:
+        act_a, sig, c = _silu_and_sigmoid(ua)
+        grad_a = sig + c * sig * (1.0 - sig)
+        ug = tl.load(h_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+    else:
+        act_a, grad_a = _gelu_and_grad(ua, ACT == 1, True)
+        ug = 1.0
+    scaled = dy
+    if HAS_PROB:
+        dp = tl.sum(tl.where(mask, dy * act_a * ug, 0.0), axis=1)
+        tl.store(part_ptr + pid_n.to(tl.int64) * M + rows, dp, mask=mask_m)
+        scaled = dy * tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    if ACT == 2:
+        tl.store(dh_ptrs + F, (scaled * act_a).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptrs, (scaled * ug * grad_a).to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def grouped_gemm_dact_kernel(
+    g_ptr, b_ptr, h_ptr, p_ptr, dh_ptr, part_ptr, counts_ptr,
+    M, F, K, E,
+    stride_gm, stride_gk, stride_be, stride_bk, stride_bn, stride_hm, stride_dm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
+    ACT: tl.constexpr, HAS_PROB: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """fc2's data gradient with the activation's backward: ``dy = g[rows of e] @ b[e]``
+    (``[M, F]``, ``b[e]`` is ``w2[e]^T``), ``dh = dy * p * act'(h)`` (``[M, W]``) and
+    ``part[tile column, row] = sum(dy * act(h))`` over the tile's columns (``[cdiv(F, BN), M]``
+    fp32, with ``HAS_PROB``); zeros past the routed rows."""
+    pid = tl.program_id(0)
+    lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed, total = expert_tile_map(
+        counts_ptr, M, F, E, BLOCK_M, BLOCK_N, BLOCK_E
+    )
+    last = total if PERSISTENT else pid + 1
+    for tile in range(pid, last, tl.num_programs(0)):
+        expert, rows, mask_m, cols, pid_n = _tile_coords(
+            tile, counts_ptr, M, lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
+            BLOCK_M, BLOCK_N, GROUP_M,
+        )
+        if expert >= 0:
+            _dact_tile(
+                g_ptr, b_ptr, h_ptr, p_ptr, dh_ptr, part_ptr, expert, rows, mask_m, cols, cols < F,
+                M, F, K, pid_n,
+                stride_gm, stride_gk, stride_be, stride_bk, stride_bn, stride_hm, stride_dm,
+                BLOCK_M, BLOCK_N, BLOCK_K, ACT, HAS_PROB, UPCAST_DOT, DOT_PRECISION,
+            )
+        else:  # the zero tail
+            mask = mask_m[:, None] & (cols < F)[None, :]
+            dh_ptrs = dh_ptr + rows.to(tl.int64)[:, None] * stride_dm + cols[None, :]
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dh_ptr.dtype.element_ty)
+            tl.store(dh_ptrs, zeros, mask=mask)
+            if ACT == 2:
+                tl.store(dh_ptrs + F, zeros, mask=mask)
+            if HAS_PROB:
+                tl.store(part_ptr + pid_n.to(tl.int64) * M + rows,
+                         tl.zeros((BLOCK_M,), dtype=tl.float32), mask=mask_m)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def gpu_act_config(dtype: torch.dtype, M: int, F: int, K: int, E: int,
+                   gated: bool) -> _gg.GemmConfig:  # fmt: skip
+    """Tiles of both kernels on sm_90 / sm_100: the grouped forward's
+    (:func:`mtp.kernels.grouped_gemm.forward_config`) with room for the epilogue, whose
+    activation (and, backward, its derivative and the loaded ``h``) keeps several fp32 tiles
+    alive next to the accumulators: 128-row tiles use 64 columns (for SwiGLU two accumulators
+    and two ``b`` tiles per stage, so registers and shared memory match the plain 128 x 128
+    tile) and 64-row tiles 8 warps. With these, both kernels compile without spills for
+    sm_90a and sm_100a (``gated`` is accepted for configs that would differ)."""
+    del gated
+    config = _gg.forward_config(dtype, M, F, K, E)
+    if config.block_m == 128 and config.block_n > 64:
+        config = dataclasses.replace(config, block_n=64)
+    elif config.block_m == 64:
+        config = dataclasses.replace(config, num_warps=8)
+    return config
+
+
+def act_config(a: torch.Tensor, M: int, F: int, K: int, E: int, gated: bool) -> _gg.GemmConfig:
+    """:func:`gpu_act_config` on a GPU, the small interpreter tiles elsewhere."""
+    if a.device.type != "cuda":
+        return _gg.default_forward_config(a, M, F, K, E)
+    return gpu_act_config(a.dtype, M, F, K, E, gated)
+
+
+def _launch(kernel, a, b, counts, M, F, K, act, persistent, tensors, strides, flags):
+    E = b.shape[0]
+    gated = act == "swiglu"
+    config = act_config(a, M, F, K, E, gated)
+    stage = (config.block_m + (2 if gated else 1) * config.block_n) * config.block_k
+    grid, persistent = _gg.launch_plan(a, config, M, F, E, persistent, stage)
+    kernel[grid](
+        *tensors, counts, M, F, K, E, *strides,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=next_power_of_2(E), GROUP_M=config.group_m, PERSISTENT=persistent,
+        ACT=ACTIVATIONS[act], num_warps=config.num_warps, num_stages=config.num_stages,
+        **flags, **_gg.dot_flags(a.dtype),
+    )
+    return config
+
+
+def grouped_gemm_act(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    counts: torch.Tensor,
+    h: torch.Tensor,
+    y: torch.Tensor,
+    act: str,
+    *,
+    bias: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
+    persistent: bool | None = None,
+) -> None:
+    """One launch: ``h = a_e @ b[e] + bias[e]`` and ``y = act(h) * probs`` on each expert's rows,
+    zeros past ``sum(counts)``.
+
+    Args:
+        a: ``[M, K]`` fp32/fp16/bf16, rows grouped by expert, any strides.
+        b: ``[E, K, W]`` in ``a``'s dtype, any strides; ``W = 2F`` for ``"swiglu"`` (gate columns
+            ``[0, F)``, up ``[F, 2F)``), else ``F``.
+        counts: ``[E]`` int32/int64 on ``a``'s device.
+        h: ``[M, W]`` output (pre-activation incl. bias), last dim contiguous.
+        y: ``[M, F]`` output, last dim contiguous.
+        act: ``"gelu"``, ``"gelu_tanh"`` or ``"swiglu"``.
+        bias: contiguous ``[E, W]`` or None. probs: ``[M]`` contiguous or None.
+    """
+    M, K = a.shape
+    F = y.shape[1]
+    if M == 0 or F == 0:
+        return
+    _gg._check_counts(counts, b.shape[0], a.device)
+    _launch(
+        grouped_gemm_act_kernel, a, b, counts, M, F, K, act, persistent,
+        (a, b, h, y, h if bias is None else bias, h if probs is None else probs),
+        (a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
+         y.stride(0)),
+        dict(HAS_BIAS=bias is not None, HAS_PROB=probs is not None),
+    )  # fmt: skip
+
+
+def grouped_gemm_dact(
+    g: torch.Tensor,
+    b: torch.Tensor,
+    counts: torch.Tensor,
+    h: torch.Tensor,
+    dh: torch.Tensor,
+    act: str,
+    *,
+    probs: torch.Tensor | None = None,
+    persistent: bool | None = None,
+) -> torch.Tensor | None:
+    """One launch: ``dy = g_e @ b[e]`` (``b[e] = w2[e]^T``), ``dh = dy * probs * act'(h)`` on
+    each expert's rows, zeros past ``sum(counts)``; returns the fp32 ``[tiles, M]`` partials of
+    ``dL/dprobs`` (sum them over dim 0) when ``probs`` is given, else None.
+
+    Args:
+        g: ``[M, K]`` (fc2's output gradient), b: ``[E, K, F]`` any strides (``w2.transpose(1,
+            2)`` of a ``[E, F, K]`` weight), h: ``[M, W]`` the forward's pre-activation, dh:
+            ``[M, W]`` output (last dims contiguous), act and probs as in
+            :func:`grouped_gemm_act`.
+    """
+    M, K = g.shape
+    F = b.shape[2]
+    _gg._check_counts(counts, b.shape[0], g.device)
+    config = act_config(g, M, F, K, b.shape[0], act == "swiglu")
+    part = None
+    if probs is not None:
+        part = torch.empty((triton.cdiv(F, config.block_n), M), dtype=torch.float32,
+                           device=g.device)  # fmt: skip
+    if M == 0 or F == 0:
+        return None if part is None else part.zero_()
+    _launch(
+        grouped_gemm_dact_kernel, g, b, counts, M, F, K, act, persistent,
+        (g, b, h, dh if probs is None else probs, dh, dh if part is None else part),
+        (g.stride(0), g.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
+         dh.stride(0)),
+        dict(HAS_PROB=probs is not None),
+    )  # fmt: skip
+    return part
