@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from mtp.kernels import grouped_gemm as _gg
-from mtp.kernels._common import next_power_of_2
+from mtp.kernels import grouped_gemm_tma as _tma
+from mtp.kernels._common import dot_upcast, next_power_of_2
 from mtp.kernels.bias_act import ACTIVATIONS, _gelu_and_grad, _silu_and_sigmoid
 from mtp.kernels.grouped_tiles import expert_tile_map, locate_expert_tile, tail_tile
 
@@ -109,22 +110,15 @@ def _tile_coords(
 
 
 @triton.jit
-def _fwd_tile(
-    a_ptr, b_ptr, h_ptr, y_ptr, bias_ptr, p_ptr, expert, rows, mask_m, cols, mask_n, F, K,
-    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_hm, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def fwd_epilogue(
+    acc_a, acc_g, expert, rows, mask_m, cols, mask_n, h_ptr, y_ptr, bias_ptr, p_ptr, F,
+    stride_hm, stride_ym, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
 ):
+    """fc1's epilogue on the fp32 accumulators (``acc_g``: the up half, SwiGLU only): + bias,
+    store ``h``, store ``act(h) * p``."""
     rows64 = rows.to(tl.int64)
-    acc_a, acc_g = _dual_mma(
-        a_ptr, b_ptr, expert, rows64, mask_m, cols, mask_n, F, K,
-        stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-        BLOCK_M, BLOCK_N, BLOCK_K, ACT == 2, UPCAST_DOT, DOT_PRECISION,
-    )
-    width = 2 * F if ACT == 2 else F
     if HAS_BIAS:
-        b_row = bias_ptr + expert.to(tl.int64) * width
+        b_row = bias_ptr + expert.to(tl.int64) * (2 * F if ACT == 2 else F)
         acc_a += tl.load(b_row + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if ACT == 2:
             acc_g += tl.load(b_row + F + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -140,6 +134,19 @@ def _fwd_tile(
         y = y * tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :],
              y.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+@triton.jit
+def fwd_zero(rows, mask_m, cols, F, h_ptr, y_ptr, stride_hm, stride_ym, ACT: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Zeros in ``h`` and ``y`` for a tile of the rows past the routed ones."""
+    mask = mask_m[:, None] & (cols < F)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
+    tl.store(h_ptr + rows64 * stride_hm + cols[None, :], zeros, mask=mask)
+    if ACT == 2:
+        tl.store(h_ptr + rows64 * stride_hm + F + cols[None, :], zeros, mask=mask)
+    tl.store(y_ptr + rows64 * stride_ym + cols[None, :], zeros, mask=mask)
 
 
 @triton.jit
@@ -166,34 +173,26 @@ def grouped_gemm_act_kernel(
             BLOCK_M, BLOCK_N, GROUP_M,
         )
         if expert >= 0:
-            _fwd_tile(
-                a_ptr, b_ptr, h_ptr, y_ptr, bias_ptr, p_ptr, expert, rows, mask_m, cols, cols < F,
-                F, K, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_hm, stride_ym,
-                BLOCK_M, BLOCK_N, BLOCK_K, ACT, HAS_BIAS, HAS_PROB, UPCAST_DOT, DOT_PRECISION,
+            acc_a, acc_g = _dual_mma(
+                a_ptr, b_ptr, expert, rows.to(tl.int64), mask_m, cols, cols < F, F, K,
+                stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_K, ACT == 2, UPCAST_DOT, DOT_PRECISION,
             )
+            fwd_epilogue(acc_a, acc_g, expert, rows, mask_m, cols, cols < F, h_ptr, y_ptr,
+                         bias_ptr, p_ptr, F, stride_hm, stride_ym, ACT, HAS_BIAS, HAS_PROB)
         else:  # the zero tail: rows [routed, M)
-            mask = mask_m[:, None] & (cols < F)[None, :]
-            rows64 = rows.to(tl.int64)[:, None]
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
-            tl.store(h_ptr + rows64 * stride_hm + cols[None, :], zeros, mask=mask)
-            if ACT == 2:
-                tl.store(h_ptr + rows64 * stride_hm + F + cols[None, :], zeros, mask=mask)
-            tl.store(y_ptr + rows64 * stride_ym + cols[None, :], zeros, mask=mask)
+            fwd_zero(rows, mask_m, cols, F, h_ptr, y_ptr, stride_hm, stride_ym, ACT,
+                     BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _dact_tile(
-    g_ptr, b_ptr, h_ptr, p_ptr, dh_ptr, part_ptr, expert, rows, mask_m, cols, mask_n, M, F, K,
-    pid_n, stride_gm, stride_gk, stride_be, stride_bk, stride_bn, stride_hm, stride_dm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-    HAS_PROB: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def dact_epilogue(
+    dy, rows, mask_m, cols, mask_n, h_ptr, p_ptr, dh_ptr, part_ptr, pid_n, M, F,
+    stride_hm, stride_dm, ACT: tl.constexpr, HAS_PROB: tl.constexpr,
 ):
+    """fc2's data-gradient epilogue on ``dy = dL/dy`` (fp32): ``dh`` and the ``dL/dp``
+    partial of this column tile."""
     rows64 = rows.to(tl.int64)
-    dy, _ = _dual_mma(
-        g_ptr, b_ptr, expert, rows64, mask_m, cols, mask_n, F, K,
-        stride_gm, stride_gk, stride_be, stride_bk, stride_bn,
-        BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, DOT_PRECISION,
-    )
     mask = mask_m[:, None] & mask_n[None, :]
     h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
     dh_ptrs = dh_ptr + rows64[:, None] * stride_dm + cols[None, :]
@@ -241,22 +240,31 @@ def grouped_gemm_dact_kernel(
             BLOCK_M, BLOCK_N, GROUP_M,
         )
         if expert >= 0:
-            _dact_tile(
-                g_ptr, b_ptr, h_ptr, p_ptr, dh_ptr, part_ptr, expert, rows, mask_m, cols, cols < F,
-                M, F, K, pid_n,
-                stride_gm, stride_gk, stride_be, stride_bk, stride_bn, stride_hm, stride_dm,
-                BLOCK_M, BLOCK_N, BLOCK_K, ACT, HAS_PROB, UPCAST_DOT, DOT_PRECISION,
+            dy, _ = _dual_mma(
+                g_ptr, b_ptr, expert, rows.to(tl.int64), mask_m, cols, cols < F, F, K,
+                stride_gm, stride_gk, stride_be, stride_bk, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, DOT_PRECISION,
             )
+            dact_epilogue(dy, rows, mask_m, cols, cols < F, h_ptr, p_ptr, dh_ptr, part_ptr,
+                          pid_n, M, F, stride_hm, stride_dm, ACT, HAS_PROB)
         else:  # the zero tail
-            mask = mask_m[:, None] & (cols < F)[None, :]
-            dh_ptrs = dh_ptr + rows.to(tl.int64)[:, None] * stride_dm + cols[None, :]
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dh_ptr.dtype.element_ty)
-            tl.store(dh_ptrs, zeros, mask=mask)
-            if ACT == 2:
-                tl.store(dh_ptrs + F, zeros, mask=mask)
-            if HAS_PROB:
-                tl.store(part_ptr + pid_n.to(tl.int64) * M + rows,
-                         tl.zeros((BLOCK_M,), dtype=tl.float32), mask=mask_m)  # fmt: skip
+            dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, stride_dm, ACT,
+                      HAS_PROB, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, stride_dm, ACT: tl.constexpr,
+              HAS_PROB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Zeros in ``dh`` and the ``dL/dp`` partials for a tile of the rows past the routed ones."""
+    mask = mask_m[:, None] & (cols < F)[None, :]
+    dh_ptrs = dh_ptr + rows.to(tl.int64)[:, None] * stride_dm + cols[None, :]
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dh_ptr.dtype.element_ty)
+    tl.store(dh_ptrs, zeros, mask=mask)
+    if ACT == 2:
+        tl.store(dh_ptrs + F, zeros, mask=mask)
+    if HAS_PROB:
+        tl.store(part_ptr + pid_n.to(tl.int64) * M + rows,
+                 tl.zeros((BLOCK_M,), dtype=tl.float32), mask=mask_m)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,20 +297,33 @@ def act_config(a: torch.Tensor, M: int, F: int, K: int, E: int, gated: bool) -> 
     return gpu_act_config(a.dtype, M, F, K, E, gated)
 
 
-def _launch(kernel, a, b, counts, M, F, K, act, persistent, tensors, strides, flags):
+def _launch(kernel, a, b, counts, M, F, K, act, persistent, tensors, strides, flags, tma_args):
+    """The pointer kernel, or with ``tma_args = (kernel, strides)`` its TMA version."""
     E = b.shape[0]
     gated = act == "swiglu"
     config = act_config(a, M, F, K, E, gated)
+    flags = dict(flags, ACT=ACTIVATIONS[act])
+    if tma_args is not None:
+        from mtp.kernels import grouped_gemm_act_tma as _act_tma
+
+        _act_tma.launch(tma_args[0], a, b, counts, M, F, K, config, dot_upcast(a.dtype),
+                        tensors, tma_args[1], flags)  # fmt: skip
+        return
     stage = (config.block_m + (2 if gated else 1) * config.block_n) * config.block_k
     grid, persistent = _gg.launch_plan(a, config, M, F, E, persistent, stage)
     kernel[grid](
         *tensors, counts, M, F, K, E, *strides,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         BLOCK_E=next_power_of_2(E), GROUP_M=config.group_m, PERSISTENT=persistent,
-        ACT=ACTIVATIONS[act], num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **flags, **_gg.dot_flags(a.dtype),
     )
-    return config
+
+
+def _use_tma(tma: bool | None, a: torch.Tensor, w: torch.Tensor, unit_dim: int) -> bool:
+    from mtp.kernels import grouped_gemm_act_tma as _act_tma
+
+    return _tma.use_tma(tma, a.device, _act_tma.eligible(a, w, unit_dim) and a.shape[1] > 0)
 
 
 def grouped_gemm_act(
@@ -316,6 +337,7 @@ def grouped_gemm_act(
     bias: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
     persistent: bool | None = None,
+    tma: bool | None = None,
 ) -> None:
     """One launch: ``h = a_e @ b[e] + bias[e]`` and ``y = act(h) * probs`` on each expert's rows,
     zeros past ``sum(counts)``.
@@ -329,18 +351,28 @@ def grouped_gemm_act(
         y: ``[M, F]`` output, last dim contiguous.
         act: ``"gelu"``, ``"gelu_tanh"`` or ``"swiglu"``.
         bias: contiguous ``[E, W]`` or None. probs: ``[M]`` contiguous or None.
+        persistent: as :func:`mtp.kernels.grouped_gemm.grouped_gemm` (pointer kernel).
+        tma: the TMA kernel (:mod:`mtp.kernels.grouped_gemm_act_tma`); default: on sm_90+ for
+            fp16/bf16 operands TMA can read (``MTP_TRITON_TMA=0/1`` overrides, as for
+            :func:`mtp.kernels.grouped_gemm.grouped_gemm`).
     """
     M, K = a.shape
     F = y.shape[1]
     if M == 0 or F == 0:
         return
     _gg._check_counts(counts, b.shape[0], a.device)
+    tma_args = None
+    if _use_tma(tma, a, b, 2):
+        from mtp.kernels.grouped_gemm_act_tma import grouped_gemm_act_tma_kernel
+
+        tma_args = (grouped_gemm_act_tma_kernel,
+                    (a.stride(0), b.stride(0), b.stride(1), h.stride(0), y.stride(0)))
     _launch(
         grouped_gemm_act_kernel, a, b, counts, M, F, K, act, persistent,
         (a, b, h, y, h if bias is None else bias, h if probs is None else probs),
         (a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
          y.stride(0)),
-        dict(HAS_BIAS=bias is not None, HAS_PROB=probs is not None),
+        dict(HAS_BIAS=bias is not None, HAS_PROB=probs is not None), tma_args,
     )  # fmt: skip
 
 
@@ -354,6 +386,7 @@ def grouped_gemm_dact(
     *,
     probs: torch.Tensor | None = None,
     persistent: bool | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor | None:
     """One launch: ``dy = g_e @ b[e]`` (``b[e] = w2[e]^T``), ``dh = dy * probs * act'(h)`` on
     each expert's rows, zeros past ``sum(counts)``; returns the fp32 ``[tiles, M]`` partials of
@@ -362,8 +395,8 @@ def grouped_gemm_dact(
     Args:
         g: ``[M, K]`` (fc2's output gradient), b: ``[E, K, F]`` any strides (``w2.transpose(1,
             2)`` of a ``[E, F, K]`` weight), h: ``[M, W]`` the forward's pre-activation, dh:
-            ``[M, W]`` output (last dims contiguous), act and probs as in
-            :func:`grouped_gemm_act`.
+            ``[M, W]`` output (last dims contiguous), act, probs, persistent and tma as in
+            :func:`grouped_gemm_act` (TMA reads ``w2`` with its unit last stride).
     """
     M, K = g.shape
     F = b.shape[2]
@@ -375,11 +408,17 @@ def grouped_gemm_dact(
                            device=g.device)  # fmt: skip
     if M == 0 or F == 0:
         return None if part is None else part.zero_()
+    tma_args = None
+    if _use_tma(tma, g, b, 1):
+        from mtp.kernels.grouped_gemm_act_tma import grouped_gemm_dact_tma_kernel
+
+        tma_args = (grouped_gemm_dact_tma_kernel,
+                    (g.stride(0), b.stride(0), b.stride(2), h.stride(0), dh.stride(0)))
     _launch(
         grouped_gemm_dact_kernel, g, b, counts, M, F, K, act, persistent,
         (g, b, h, dh if probs is None else probs, dh, dh if part is None else part),
         (g.stride(0), g.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
          dh.stride(0)),
-        dict(HAS_PROB=probs is not None),
+        dict(HAS_PROB=probs is not None), tma_args,
     )  # fmt: skip
     return part

@@ -46,6 +46,8 @@ __all__ = [
     "WGRAD_TABLE",
     "TmaGemmConfig",
     "TmaWgradConfig",
+    "build_tile_map",
+    "map_tile",
     "grouped_gemm_tma_kernel",
     "expert_rows_kernel",
     "grouped_wgrad_tma_kernel",
@@ -104,6 +106,24 @@ def tile_map_kernel(
 
 
 @triton.jit
+def map_tile(map_ptr, tile, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             GROUP_M: tl.constexpr):  # fmt: skip
+    """``(expert, its first row, its rows, tile's first row, tile's first column)`` of expert
+    tile ``tile`` from the map of :func:`tile_map_kernel`; inside an expert ``GROUP_M`` row
+    tiles share each column tile of ``b[e]`` (L2 reuse)."""
+    entry = map_ptr + MAP_HEADER + (tile // num_n) * MAP_FIELDS
+    expert = tl.load(entry)
+    row0 = tl.load(entry + 1)
+    rows_e = tl.load(entry + 2)
+    local = tile - tl.load(entry + 3) * num_n
+    first_m = (local // (GROUP_M * num_n)) * GROUP_M
+    size_m = tl.minimum((rows_e + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
+    within = local % (GROUP_M * num_n)
+    return expert, row0, rows_e, row0 + (first_m + within % size_m) * BLOCK_M, (
+        within // size_m) * BLOCK_N
+
+
+@triton.jit
 def grouped_gemm_tma_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, map_ptr,
     M, N, K, E,
@@ -144,17 +164,8 @@ def grouped_gemm_tma_kernel(
     routed = tl.load(map_ptr + 1)
     for tile in tl.range(pid, expert_tiles, programs, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
-        entry = map_ptr + MAP_HEADER + (tile // num_n) * MAP_FIELDS
-        expert = tl.load(entry)
-        row0 = tl.load(entry + 1)
-        rows_e = tl.load(entry + 2)
-        # Grouped order inside the expert: GROUP_M row tiles per column tile of b[e].
-        local = tile - tl.load(entry + 3) * num_n
-        first_m = (local // (GROUP_M * num_n)) * GROUP_M
-        size_m = tl.minimum((rows_e + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
-        within = local % (GROUP_M * num_n)
-        row = row0 + (first_m + within % size_m) * BLOCK_M
-        col = (within // size_m) * BLOCK_N
+        expert, row0, rows_e, row, col = map_tile(map_ptr, tile, num_n, BLOCK_M, BLOCK_N,
+                                                  GROUP_M)  # fmt: skip
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kt in range(k_tiles):
             k = kt * BLOCK_K
@@ -466,6 +477,22 @@ def forward_warp_specialize(config: TmaGemmConfig, has_bias: bool) -> bool:
     )
 
 
+def build_tile_map(counts: torch.Tensor, M: int, E: int, block_m: int,
+                   device: torch.device) -> torch.Tensor:  # fmt: skip
+    """One launch of :func:`tile_map_kernel`: the int32 tile map for ``block_m``-row tiles
+    (also installs the descriptor scratch allocator on CUDA)."""
+    if device.type == "cuda":
+        _ensure_allocator()
+    row_tiles = triton.cdiv(M, block_m) + E
+    tile_map = torch.empty(tile_map_size(M, E, block_m), dtype=torch.int32, device=device)
+    block_e = next_power_of_2(E)
+    block_t = max(2, min(32, 4096 // block_e))  # [BLOCK_T, BLOCK_E] compares without spills
+    tile_map_kernel[(triton.cdiv(row_tiles, block_t),)](
+        counts, tile_map, M, E, row_tiles, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_T=block_t,
+    )
+    return tile_map
+
+
 def launch_forward(a, b, counts, out, config: TmaGemmConfig, programs: int, upcast: bool,
                    bias=None):
     """Two launches: :func:`tile_map_kernel`, then the persistent TMA forward on ``programs``
@@ -473,17 +500,7 @@ def launch_forward(a, b, counts, out, config: TmaGemmConfig, programs: int, upca
     M, K = a.shape
     E, _, N = b.shape
     trans_b = not (b.stride(2) == 1 and _aligned(b, 2))
-    if a.device.type == "cuda":
-        _ensure_allocator()
-    row_tiles = triton.cdiv(M, config.block_m) + E
-    tile_map = torch.empty(tile_map_size(M, E, config.block_m), dtype=torch.int32,
-                           device=a.device)
-    block_e = next_power_of_2(E)
-    block_t = max(2, min(32, 4096 // block_e))  # [BLOCK_T, BLOCK_E] compares without spills
-    tile_map_kernel[(triton.cdiv(row_tiles, block_t),)](
-        counts, tile_map, M, E, row_tiles,
-        BLOCK_M=config.block_m, BLOCK_E=block_e, BLOCK_T=block_t,
-    )
+    tile_map = build_tile_map(counts, M, E, config.block_m, a.device)
     grouped_gemm_tma_kernel[(programs,)](
         a, b, out, out if bias is None else bias, tile_map, M, N, K, E,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),

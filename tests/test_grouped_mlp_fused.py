@@ -7,6 +7,8 @@ fusion; bad input; AOT builds for sm_90a / sm_100a with tensor cores and no spil
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -329,3 +331,63 @@ def test_gpu_fused_matches_float64_bf16(act, rows_per_expert):
     assert _rel(y, want) < 2e-2
     for leaf, r in zip(leaves, ref):
         assert _rel(leaf.grad, r.grad) < 3e-2
+
+
+# --- TMA kernels (kernels/grouped_gemm_act_tma.py) -----------------------------------------------
+
+
+@pytest.mark.parametrize("act, dtype, bias, with_probs", [
+    ("swiglu", torch.bfloat16, True, True), ("gelu", torch.float16, False, True),
+], ids=str)  # fmt: skip
+def test_tma_kernels_match_float64(monkeypatch, act, dtype, bias, with_probs):
+    """Descriptors run under the interpreter: the TMA path (MTP_TRITON_TMA=1) against float64,
+    and the launches are the TMA kernels."""
+    monkeypatch.setenv("MTP_TRITON_TMA", "1")
+    with count_traffic() as t:
+        test_output_and_gradients_match_float64(act, dtype, bias, with_probs, "triton")
+    names = {launch.name for launch in t.launches}
+    assert {"grouped_gemm_act_tma_kernel", "grouped_gemm_dact_tma_kernel"} <= names, names
+    assert not names & {"grouped_gemm_act_kernel", "grouped_gemm_dact_kernel"}, names
+
+
+def _tma_build(cc: int, forward: bool, act: str, rows: int):
+    from mtp.kernels import grouped_gemm_act_tma as ktma
+
+    cfg = kact.gpu_act_config(torch.bfloat16, rows, 4096, 4096, 8, act == "swiglu")
+    names = (["a_ptr", "b_ptr", "h_ptr", "y_ptr", "bias_ptr", "p_ptr"] if forward
+             else ["g_ptr", "b_ptr", "h_ptr", "p_ptr", "dh_ptr"])  # fmt: skip
+    signature = {n: "*bf16" for n in names}
+    signature["p_ptr"] = "*fp32"
+    if not forward:
+        signature["part_ptr"] = "*fp32"
+    strides = (["stride_am", "stride_be", "stride_bk", "stride_hm", "stride_ym"] if forward
+               else ["stride_gm", "stride_be", "stride_bn", "stride_hm", "stride_dm"])  # fmt: skip
+    signature.update({"map_ptr": "*i32", "M": "i32", "F": "i32", "K": "i32", "E": "i32"})
+    signature.update({s: "i32" for s in strides})
+    constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                  "GROUP_M": cfg.group_m, "FLATTEN": True, "UPCAST_DOT": False,
+                  "ACT": kact.ACTIVATIONS[act], "HAS_PROB": True}  # fmt: skip
+    if forward:
+        constexprs["HAS_BIAS"] = True
+    kernel = ktma.grouped_gemm_act_tma_kernel if forward else ktma.grouped_gemm_dact_tma_kernel
+    return compile_for_targets(kernel, signature, constexprs, targets=(cc,),
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                               divisible_by_16=strides + ["F", "K"])[cc]  # fmt: skip
+
+
+@pytest.mark.parametrize("cc", [90, 100])
+@pytest.mark.parametrize("forward", [True, False], ids=["fc1_act", "fc2_dgrad_dact"])
+@pytest.mark.parametrize("act, rows", [("swiglu", 1 << 20), ("gelu", 100)],
+                         ids=["swiglu_large", "gelu_small"])
+def test_aot_tma_kernels_tma_loads_tensor_cores_no_spills(cc, forward, act, rows):
+    from test_grouped_gemm_tma import _sass
+
+    build = _tma_build(cc, forward, act, rows)
+    info, sass = _sass(build)
+    assert build.fits_shared_memory, build.shared
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", info), info
+    assert "UTMALDG" in sass, "no TMA loads in the SASS"
+    if cc == 90:
+        assert "HGMMA" in sass, "no wgmma in the sm_90a SASS"
+    else:
+        assert re.search(r"UTC\w*MMA", sass), "no tcgen05 MMA in the sm_100a SASS"

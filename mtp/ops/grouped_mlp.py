@@ -5,9 +5,9 @@ each row's routing probability, applied before fc2 as in Megatron-Core), zeros p
 ``sum(tokens_per_expert)``.
 
 ``backend="triton"`` runs two launches forward and four grouped GEMMs backward (plus the
-per-expert bias sums) and nothing else on ``[M, F]`` tensors (:mod:`mtp.kernels.grouped_gemm_act`;
-its two kernels load with pointers, cp.async, not TMA; the other GEMMs are
-:func:`mtp.ops.grouped_gemm`'s):
+per-expert bias sums) and nothing else on ``[M, F]`` tensors (:mod:`mtp.kernels.grouped_gemm_act`,
+with TMA versions in :mod:`mtp.kernels.grouped_gemm_act_tma` for fp16/bf16 on sm_90+; the other
+GEMMs are :func:`mtp.ops.grouped_gemm`'s):
 
 * forward: fc1 with bias, activation and probability in its epilogue (stores the
   pre-activation ``h`` for the backward and ``y = act(h) * p``), then fc2 with its bias;
