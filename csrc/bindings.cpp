@@ -47,6 +47,7 @@ MTP_DECLARE_SMALL(sm90_small);
 #endif
 #ifdef MTP_WITH_SM100
 MTP_DECLARE_ARCH(sm100);
+MTP_DECLARE_SMALL(sm100_small);
 #endif
 
 namespace {
@@ -54,33 +55,40 @@ namespace {
 constexpr int kNumOps = 3;
 constexpr int kNumDTypes = 2;
 constexpr int kNumSmallOps = 2;  // kFwd, kFwdTransB
-// Below this many rows per expert on average, the forward ops take the small-group family where
-// the architecture has one: the default sm_90a kernel computes 128-row tiles in a 2x1 cluster,
-// so every expert costs a multiple of 256 rows of MMA; under 256 rows per expert at least half
-// of that would be padding, which the small family's 64-row tiles cut to under 64 rows.
+// Below this many rows per expert on average, the forward ops take the small-group family. The
+// default sm_90a kernel computes 128-row tiles in a 2x1 cluster, so every expert costs a
+// multiple of 256 rows of MMA; under 256 rows per expert at least half of that would be padding,
+// which the small family's 64-row tiles cut to under 64 rows. The default sm_100a kernel has
+// 128-row tiles and no cluster: its small family (64 x 128 tiles) takes over under 128 rows per
+// expert. Both thresholds are untuned (no GPU timings yet).
 constexpr int64_t kSmallRowsPerGroup = 256;
+constexpr int64_t kSmallRowsPerGroupSm100 = 128;
 
 struct ArchKernels {
   int arch;  // compute capability as major * 10 + minor: 90, 100
   KernelEntry entries[kNumOps][kNumDTypes];
-  bool has_small;
+  int64_t small_rows_per_group;                 // the small family's threshold (see above)
   KernelEntry small[kNumSmallOps][kNumDTypes];  // the small-group family's forward ops
 };
 
 const std::vector<ArchKernels>& kernel_table() {
   static const std::vector<ArchKernels> table = {
 #ifdef MTP_WITH_SM90
-      {90, MTP_ARCH_TABLE(sm90), true, MTP_SMALL_TABLE(sm90_small)},
+      {90, MTP_ARCH_TABLE(sm90), kSmallRowsPerGroup, MTP_SMALL_TABLE(sm90_small)},
 #endif
 #ifdef MTP_WITH_SM100
-      {100, MTP_ARCH_TABLE(sm100), false, {}},
+      {100, MTP_ARCH_TABLE(sm100), kSmallRowsPerGroupSm100, MTP_SMALL_TABLE(sm100_small)},
 #endif
   };
   return table;
 }
 
-bool small_groups(int op, int64_t m, int groups) {
-  return op != mtp_cuda::kWgrad && groups > 0 && m < kSmallRowsPerGroup * groups;
+int64_t small_rows_per_group(int arch) {
+  return arch >= 100 ? kSmallRowsPerGroupSm100 : kSmallRowsPerGroup;
+}
+
+bool small_groups(int op, int64_t m, int groups, int arch) {
+  return op != mtp_cuda::kWgrad && groups > 0 && m < small_rows_per_group(arch) * groups;
 }
 
 long kernel_setups() {
@@ -89,7 +97,6 @@ long kernel_setups() {
     for (const auto& row : t.entries) {
       for (const auto& e : row) total += e.setups();
     }
-    if (!t.has_small) continue;
     for (const auto& row : t.small) {
       for (const auto& e : row) total += e.setups();
     }
@@ -144,10 +151,10 @@ const ArchKernels& find_arch(int op, int dtype, int device) {
 }
 
 // The instantiation for this call: the small-group family for the forward ops when the experts
-// average fewer than kSmallRowsPerGroup rows and the architecture has one.
+// average fewer than the architecture's small_rows_per_group rows.
 const KernelEntry& find_entry(int op, int dtype, int device, int64_t m, int groups) {
   const ArchKernels& t = find_arch(op, dtype, device);
-  if (t.has_small && small_groups(op, m, groups)) return t.small[op][dtype];
+  if (small_groups(op, m, groups, t.arch)) return t.small[op][dtype];
   return t.entries[op][dtype];
 }
 
@@ -180,7 +187,7 @@ size_t workspace_size(int op, int dtype, int groups, int device) {
   const ArchKernels& t = find_arch(op, dtype, device);
   DeviceGuard guard(device);
   size_t bytes = t.entries[op][dtype].workspace_size(groups, device);
-  if (t.has_small && op != mtp_cuda::kWgrad) {  // either family may run: the larger workspace
+  if (op != mtp_cuda::kWgrad) {  // either family may run: the larger workspace
     bytes = std::max(bytes, t.small[op][dtype].workspace_size(groups, device));
   }
   return bytes;
@@ -247,9 +254,13 @@ PYBIND11_MODULE(_cuda_gemm, m) {
   m.def("compiled_archs", &compiled_archs,
         "Compute capabilities (major*10+minor) this build has kernels for, e.g. [90, 100].");
   m.attr("SMALL_ROWS_PER_GROUP") = kSmallRowsPerGroup;
+  m.def("small_rows_per_group", &small_rows_per_group, py::arg("arch") = 90,
+        "Rows per expert (average) under which the forward ops take the small-group family on "
+        "this architecture (major*10+minor): 256 on sm_90a, 128 on sm_100a.");
   m.def("small_groups", &small_groups, py::arg("op"), py::arg("m"), py::arg("groups"),
+        py::arg("arch") = 90,
         "Whether a call of `op` on m rows over `groups` experts takes the small-group kernel "
-        "family (forward ops, under SMALL_ROWS_PER_GROUP rows per expert; sm_90a builds).");
+        "family on `arch` (forward ops, under small_rows_per_group(arch) rows per expert).");
   m.def("kernel_setups", &kernel_setups,
         "Kernel configurations (dynamic shared-memory attribute) done so far, all instantiations "
         "together: one per (instantiation, device) used, never per call.");

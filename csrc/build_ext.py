@@ -42,10 +42,14 @@ from pathlib import Path
 MODULE = "_cuda_gemm"  # imported as mtp._cuda_gemm
 OPS = ("kFwd", "kFwdTransB", "kWgrad")
 DTYPES = ("kBF16", "kFP16")
-#: Second kernel families built with an architecture: name and ops. Hopper's small-group family
-#: (``Sm90SmallConfig``: ping-pong, 64-row tiles, no cluster) covers the forward / data-gradient
-#: ops; the weight gradient's tiles span the weights, not the experts' rows.
-SMALL_FAMILIES = {"sm90": ("sm90_small", ("kFwd", "kFwdTransB"))}
+#: Second kernel families built with an architecture: name and ops. The small-group families
+#: (``Sm90SmallConfig``: ping-pong, 64-row tiles, no cluster; ``Sm100SmallConfig``: 1-SM UMMA,
+#: 64 x 128 tiles) cover the forward / data-gradient ops; the weight gradient's tiles span the
+#: weights, not the experts' rows.
+SMALL_FAMILIES = {
+    "sm90": ("sm90_small", ("kFwd", "kFwdTransB")),
+    "sm100": ("sm100_small", ("kFwd", "kFwdTransB")),
+}
 # arch name -> (nvcc -gencode value, compute capability). "a" targets: TMA/WGMMA/tcgen05 need them.
 ARCHS = {
     "sm90": ("arch=compute_90a,code=sm_90a", "9.0a"),
@@ -226,7 +230,7 @@ def default_jobs() -> int:
 class Instance:
     """One kernel instantiation: an object file built from grouped_gemm_instance.cu."""
 
-    arch: str  # "sm90", "sm90_small" (a second family of sm90) or "sm100"
+    arch: str  # "sm90", "sm100", or a second family "sm90_small" / "sm100_small"
     op: str
     dtype: str
 

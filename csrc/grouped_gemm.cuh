@@ -68,6 +68,17 @@ struct Sm100Config {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecialized1Sm;
 };
 
+// Blackwell, small groups: the same 1-SM UMMA kernel with 64x128x64 tiles (tcgen05's smallest
+// 1-SM M): an expert is rounded up to 64 rows of MMA instead of 128, and the narrower N tile
+// gives twice the tiles to spread over the SMs when the experts are many and short.
+struct Sm100SmallConfig {
+  using ArchTag = cutlass::arch::Sm100;
+  using TileShape = cute::Shape<cute::_64, cute::_128, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using MainloopSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecialized1SmSm100;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecialized1Sm;
+};
+
 template <DType kDType> struct ElementOf;
 template <> struct ElementOf<kBF16> { using type = cutlass::bfloat16_t; };
 template <> struct ElementOf<kFP16> { using type = cutlass::half_t; };

@@ -1,5 +1,5 @@
 // One grouped GEMM instantiation, chosen at compile time:
-//   nvcc -DMTP_ARCH=sm90|sm90_small|sm100 -DMTP_OP=kFwd|kFwdTransB|kWgrad -DMTP_DTYPE=kBF16|kFP16
+//   nvcc -DMTP_ARCH=sm90|sm90_small|sm100|sm100_small -DMTP_OP=kFwd|kFwdTransB|kWgrad -DMTP_DTYPE=kBF16|kFP16
 // The build (csrc/build_ext.py, CMakeLists.txt) compiles this file once per combination, for the
 // matching architecture only (sm_90a or sm_100a), so each compiler process holds one CUTLASS
 // kernel and memory stays bounded.
@@ -9,13 +9,16 @@
 #error "define MTP_ARCH, MTP_OP and MTP_DTYPE (see csrc/build_ext.py)"
 #endif
 
-// MTP_ARCH=sm90_small: the Hopper small-group family (same target as sm90, its own entries).
+// MTP_ARCH=sm90_small / sm100_small: the small-group families (same target as sm90 / sm100,
+// their own entries).
 #define MTP_CONFIG_sm90 mtp_cuda::Sm90Config
 #define MTP_CONFIG_sm90_small mtp_cuda::Sm90SmallConfig
 #define MTP_CONFIG_sm100 mtp_cuda::Sm100Config
+#define MTP_CONFIG_sm100_small mtp_cuda::Sm100SmallConfig
 #define MTP_ARCH_IS_sm90 90
 #define MTP_ARCH_IS_sm90_small 90
 #define MTP_ARCH_IS_sm100 100
+#define MTP_ARCH_IS_sm100_small 100
 #define MTP_PASTE_(a, b) a##b
 #define MTP_PASTE(a, b) MTP_PASTE_(a, b)
 

@@ -88,9 +88,9 @@ def test_ninja_file_one_object_per_instantiation(tmp_path):
     text = build_ext.ninja_file(_config(tmp_path, ["sm90", "sm100"]))
     edges = re.findall(r"^build (obj/\S+\.o): nvcc .*\n  defines = (.*)\n  gencode = (.*)$",
                        text, flags=re.M)  # fmt: skip
-    # 2 archs x 3 ops x 2 dtypes, plus sm90's small-group family (2 forward ops x 2 dtypes),
+    # 2 archs x 3 ops x 2 dtypes, plus each arch's small-group family (2 forward ops x 2 dtypes),
     # each its own compiler process
-    assert len(edges) == 16
+    assert len(edges) == 20
     for obj, defines, gencode in edges:
         arch = re.search(r"-DMTP_ARCH=(\w+)", defines).group(1)
         assert obj.startswith(f"obj/{arch}_")
@@ -99,9 +99,10 @@ def test_ninja_file_one_object_per_instantiation(tmp_path):
         assert gencode == want, (obj, gencode)
     names = {obj for obj, _, _ in edges}
     assert "obj/sm100_wgrad_fp16.o" in names and "obj/sm90_fwdtransb_bf16.o" in names
-    small = {n for n in names if n.startswith("obj/sm90_small_")}
-    assert small == {f"obj/sm90_small_{op}_{dt}.o" for op in ("fwd", "fwdtransb")
-                     for dt in ("bf16", "fp16")}, small  # fmt: skip
+    for arch in ("sm90", "sm100"):
+        small = {n for n in names if n.startswith(f"obj/{arch}_small_")}
+        assert small == {f"obj/{arch}_small_{op}_{dt}.o" for op in ("fwd", "fwdtransb")
+                         for dt in ("bf16", "fp16")}, small  # fmt: skip
     # Bindings see only the compiled architectures; the CUDA runtime is linked statically.
     assert "-DMTP_WITH_SM90 -DMTP_WITH_SM100" in text
     assert "-lcudart_static" in text
@@ -112,7 +113,7 @@ def test_ninja_file_one_object_per_instantiation(tmp_path):
 def test_ninja_file_single_arch(tmp_path):
     text = build_ext.ninja_file(_config(tmp_path, ["sm100"]))
     assert "sm90" not in text.replace("MTP_WITH_SM100", "")
-    assert text.count(": nvcc ") == 6
+    assert text.count(": nvcc ") == 10  # 3 ops x 2 dtypes + the small family's 2 x 2
     assert "-DMTP_WITH_SM100" in text and "-DMTP_WITH_SM90" not in text
 
 
@@ -232,7 +233,7 @@ def test_module_sass_uses_tensor_cores():
     wanted = {"sm_90a": r"\bHGMMA\.", "sm_100a": r"\bUTC\w*MMA\b"}
     for arch, pattern in wanted.items():
         gemms = {f: s for f, s in sass[arch].items() if "GemmUniversal" in f}
-        count = 10 if arch == "sm_90a" else 6  # sm_90a: + the small-group family's 4
+        count = 10  # 6 + the small-group family's 4
         assert len(gemms) == count, f"{arch}: expected {count} GEMM kernels, got {len(gemms)}"
         for function, text in gemms.items():
             assert re.search(pattern, text), f"{arch}: no {pattern} in {function[:120]}"
@@ -241,17 +242,25 @@ def test_module_sass_uses_tensor_cores():
         assert len(prepare) == count, f"{arch}: expected one problem-description kernel per GEMM"
     small = [f for f in sass["sm_90a"] if "GemmUniversal" in f and "Pingpong" in f]
     assert len(small) == 4, "the small-group family: fwd and fwd-transposed, bf16 and fp16"
+    # sm_100a's small family: the 1-SM UMMA atom with a 64 x 128 tile (the default is 128 x 256)
+    small = [f for f in sass["sm_100a"] if "GemmUniversal" in f and "Li64ELi128ELNS" in f]
+    assert len(small) == 4, "sm_100a small-group family: fwd and fwd-transposed, bf16 and fp16"
 
 
 def test_module_interface_without_gpu():
     _module_path()
     ext = cutlass.extension()
     assert sorted(ext.compiled_archs()) == [90, 100]
-    # forward ops under 256 rows per expert take the small-group family; the wgrad never does
-    assert ext.SMALL_ROWS_PER_GROUP == 256
+    # forward ops under 256 rows per expert (sm_90a; 128 on sm_100a) take the small-group
+    # family; the wgrad never does
+    assert ext.SMALL_ROWS_PER_GROUP == ext.small_rows_per_group(90) == 256
+    assert ext.small_rows_per_group(100) == 128
     assert ext.small_groups(ext.OP_FWD, 8 * 255, 8) and ext.small_groups(ext.OP_FWD_TRANS_B, 0, 8)
     assert not ext.small_groups(ext.OP_FWD, 8 * 256, 8)
     assert not ext.small_groups(ext.OP_WGRAD, 10, 8)
+    assert ext.small_groups(ext.OP_FWD, 8 * 127, 8, 100)
+    assert not ext.small_groups(ext.OP_FWD, 8 * 128, 8, 100)
+    assert not ext.small_groups(ext.OP_WGRAD, 10, 8, 100)
     setups = ext.kernel_setups()  # kernels are configured on their first launch only
     assert setups == 0 if not torch.cuda.is_available() else setups >= 0
     assert (ext.OP_FWD, ext.OP_FWD_TRANS_B, ext.OP_WGRAD) == (0, 1, 2)
