@@ -20,7 +20,9 @@ Both find their tiles from the device counts exactly as :mod:`mtp.kernels.groupe
 (no host sync, graph-safe), write zeros for the rows past ``sum(counts)``, compute in fp32 and
 take the activation of the *stored* (rounded) ``h`` so the forward and the backward agree.
 Activations: ``"gelu"`` (erf), ``"gelu_tanh"``, ``"swiglu"`` (:mod:`mtp.kernels.bias_act`'s
-codes and +-inf handling).
+codes and +-inf handling) and GPT-OSS's ``"clamped_swiglu"`` (interleaved gate/up columns
+``2j`` / ``2j + 1``, ``(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)`` with
+``g = min(gate, L)``).
 """
 
 from __future__ import annotations
@@ -34,15 +36,45 @@ import triton.language as tl
 from mtp.kernels import grouped_gemm as _gg
 from mtp.kernels import grouped_gemm_tma as _tma
 from mtp.kernels._common import dot_upcast, next_power_of_2
-from mtp.kernels.bias_act import ACTIVATIONS, _gelu_and_grad, _silu_and_sigmoid
+from mtp.kernels.bias_act import ACTIVATIONS as _BIAS_ACT_CODES
+from mtp.kernels.bias_act import _gelu_and_grad, _silu_and_sigmoid
 from mtp.kernels.grouped_tiles import expert_tile_map, locate_expert_tile, tail_tile
+
+#: activation name -> the kernels' ``ACT``: bias_act's codes plus GPT-OSS's clamped SwiGLU
+#: (interleaved gate/up columns).
+ACTIVATIONS = {**_BIAS_ACT_CODES, "clamped_swiglu": 3}
+GATED = ("swiglu", "clamped_swiglu")
 
 __all__ = ["act_config", "gpu_act_config", "grouped_gemm_act", "grouped_gemm_dact"]
 
 
 @triton.jit
-def _act(ua, ug, ACT: tl.constexpr):
-    """The activation of the fp32 pre-activation: ``silu(ua) * ug`` (SwiGLU) or ``gelu(ua)``."""
+def _clamped_parts(ua, ug, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """GPT-OSS's clamped SwiGLU pieces: ``g = min(ua, L)``, ``clamp(ug, -L, L) + 1``,
+    ``sigmoid(ALPHA * g)``; the activation is ``(clamp(ug) + 1) * g * sigmoid(ALPHA * g)``."""
+    gate = tl.where(ua > LIMIT, LIMIT, ua)
+    up1 = tl.where(ug > LIMIT, LIMIT, tl.where(ug < -LIMIT, -LIMIT, ug)) + 1.0
+    return gate, up1, tl.sigmoid(ALPHA * gate)
+
+
+@triton.jit
+def _clamped_swiglu_grad(ua, ug, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """The clamped SwiGLU and its derivatives in ``ua`` and ``ug`` (zero where the clamps cut,
+    as ``torch.clamp``'s)."""
+    gate, up1, sig = _clamped_parts(ua, ug, LIMIT, ALPHA)
+    glu = gate * sig
+    grad_a = tl.where(ua > LIMIT, 0.0, up1 * (sig + ALPHA * gate * sig * (1.0 - sig)))
+    grad_g = tl.where((ug >= -LIMIT) & (ug <= LIMIT), glu, 0.0)
+    return up1 * glu, grad_a, grad_g
+
+
+@triton.jit
+def _act(ua, ug, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """The activation of the fp32 pre-activation: ``silu(ua) * ug`` (SwiGLU), the clamped
+    SwiGLU, or ``gelu(ua)``."""
+    if ACT == 3:
+        gate, up1, sig = _clamped_parts(ua, ug, LIMIT, ALPHA)
+        return up1 * gate * sig
     if ACT == 2:
         silu, _, _ = _silu_and_sigmoid(ua)
         return silu * ug
@@ -52,18 +84,18 @@ def _act(ua, ug, ACT: tl.constexpr):
 
 @triton.jit
 def _dual_mma(
-    a_ptr, b_ptr, expert, rows64, mask_m, cols, mask_n, F, K,
+    a_ptr, b_ptr, expert, rows64, mask_m, cols, mask_n, up_cols, K,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """``a[rows] @ b[expert][:, cols]`` and, when ``GATED``, ``a[rows] @ b[expert][:, F + cols]``
+    """``a[rows] @ b[expert][:, cols]`` and, when ``GATED``, ``a[rows] @ b[expert][:, up_cols]``
     (one load of each ``a`` tile for both), fp32."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
     b_base = b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk
     b_ptrs = b_base + cols[None, :].to(tl.int64) * stride_bn
-    bg_ptrs = b_base + (cols + F)[None, :].to(tl.int64) * stride_bn
+    bg_ptrs = b_base + up_cols[None, :].to(tl.int64) * stride_bn
     acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range((K + BLOCK_K - 1) // BLOCK_K):
@@ -113,23 +145,26 @@ def _tile_coords(
 def fwd_epilogue(
     acc_a, acc_g, expert, rows, mask_m, cols, mask_n, h_ptr, y_ptr, bias_ptr, p_ptr, F,
     stride_hm, stride_ym, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
+    LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702,
 ):
-    """fc1's epilogue on the fp32 accumulators (``acc_g``: the up half, SwiGLU only): + bias,
-    store ``h``, store ``act(h) * p``."""
+    """fc1's epilogue on the fp32 accumulators (``acc_g``: the up half, gated activations
+    only): + bias, store ``h``, store ``act(h) * p``."""
     rows64 = rows.to(tl.int64)
+    gc = 2 * cols if ACT == 3 else cols  # the gate's columns; the up's are + up
+    up = 1 if ACT == 3 else F
     if HAS_BIAS:
-        b_row = bias_ptr + expert.to(tl.int64) * (2 * F if ACT == 2 else F)
-        acc_a += tl.load(b_row + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if ACT == 2:
-            acc_g += tl.load(b_row + F + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        b_ptrs = bias_ptr + expert.to(tl.int64) * (2 * F if ACT >= 2 else F) + gc
+        acc_a += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ACT >= 2:
+            acc_g += tl.load(b_ptrs + up, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + gc[None, :]
     ha = acc_a.to(h_ptr.dtype.element_ty)
     tl.store(h_ptrs, ha, mask=mask)
     hg = acc_g.to(h_ptr.dtype.element_ty)
-    if ACT == 2:
-        tl.store(h_ptrs + F, hg, mask=mask)
-    y = _act(ha.to(tl.float32), hg.to(tl.float32), ACT)
+    if ACT >= 2:
+        tl.store(h_ptrs + up, hg, mask=mask)
+    y = _act(ha.to(tl.float32), hg.to(tl.float32), ACT, LIMIT, ALPHA)
     if HAS_PROB:
         y = y * tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :],
@@ -143,9 +178,10 @@ def fwd_zero(rows, mask_m, cols, F, h_ptr, y_ptr, stride_hm, stride_ym, ACT: tl.
     mask = mask_m[:, None] & (cols < F)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
-    tl.store(h_ptr + rows64 * stride_hm + cols[None, :], zeros, mask=mask)
-    if ACT == 2:
-        tl.store(h_ptr + rows64 * stride_hm + F + cols[None, :], zeros, mask=mask)
+    h_ptrs = h_ptr + rows64 * stride_hm + (2 * cols if ACT == 3 else cols)[None, :]
+    tl.store(h_ptrs, zeros, mask=mask)
+    if ACT >= 2:
+        tl.store(h_ptrs + (1 if ACT == 3 else F), zeros, mask=mask)
     tl.store(y_ptr + rows64 * stride_ym + cols[None, :], zeros, mask=mask)
 
 
@@ -158,9 +194,11 @@ def grouped_gemm_act_kernel(
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702,
 ):
     """fc1 with its epilogue: ``h[rows of e] = a @ b[e] + bias[e]`` (``[M, W]``, ``W = 2F`` for
-    SwiGLU, else ``F``) and ``y = act(h) * p[row]`` (``[M, F]``); zeros past the routed rows.
+    the gated activations, else ``F``) and ``y = act(h) * p[row]`` (``[M, F]``); zeros past the
+    routed rows (``LIMIT`` / ``ALPHA``: the clamped SwiGLU's).
     Tiles and grid as :func:`mtp.kernels.grouped_gemm.grouped_gemm_kernel` over ``[M, F]``."""
     pid = tl.program_id(0)
     lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed, total = expert_tile_map(
@@ -173,13 +211,16 @@ def grouped_gemm_act_kernel(
             BLOCK_M, BLOCK_N, GROUP_M,
         )
         if expert >= 0:
+            gc = 2 * cols if ACT == 3 else cols
             acc_a, acc_g = _dual_mma(
-                a_ptr, b_ptr, expert, rows.to(tl.int64), mask_m, cols, cols < F, F, K,
+                a_ptr, b_ptr, expert, rows.to(tl.int64), mask_m, gc, cols < F,
+                gc + (1 if ACT == 3 else F), K,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                BLOCK_M, BLOCK_N, BLOCK_K, ACT == 2, UPCAST_DOT, DOT_PRECISION,
+                BLOCK_M, BLOCK_N, BLOCK_K, ACT >= 2, UPCAST_DOT, DOT_PRECISION,
             )
             fwd_epilogue(acc_a, acc_g, expert, rows, mask_m, cols, cols < F, h_ptr, y_ptr,
-                         bias_ptr, p_ptr, F, stride_hm, stride_ym, ACT, HAS_BIAS, HAS_PROB)
+                         bias_ptr, p_ptr, F, stride_hm, stride_ym, ACT, HAS_BIAS, HAS_PROB,
+                         LIMIT, ALPHA)  # fmt: skip
         else:  # the zero tail: rows [routed, M)
             fwd_zero(rows, mask_m, cols, F, h_ptr, y_ptr, stride_hm, stride_ym, ACT,
                      BLOCK_M, BLOCK_N)
@@ -189,30 +230,37 @@ def grouped_gemm_act_kernel(
 def dact_epilogue(
     dy, rows, mask_m, cols, mask_n, h_ptr, p_ptr, dh_ptr, part_ptr, pid_n, M, F,
     stride_hm, stride_dm, ACT: tl.constexpr, HAS_PROB: tl.constexpr,
+    LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702,
 ):
     """fc2's data-gradient epilogue on ``dy = dL/dy`` (fp32): ``dh`` and the ``dL/dp``
     partial of this column tile."""
     rows64 = rows.to(tl.int64)
     mask = mask_m[:, None] & mask_n[None, :]
-    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-    dh_ptrs = dh_ptr + rows64[:, None] * stride_dm + cols[None, :]
+    gc = (2 * cols if ACT == 3 else cols)[None, :]  # the gate's columns; the up's are + up
+    up = 1 if ACT == 3 else F
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + gc
+    dh_ptrs = dh_ptr + rows64[:, None] * stride_dm + gc
     # The order keeps few [BLOCK_M, BLOCK_N] fp32 values alive at once (no spills).
     ua = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 2:
-        act_a, sig, c = _silu_and_sigmoid(ua)
-        grad_a = sig + c * sig * (1.0 - sig)
-        ug = tl.load(h_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 3:
+        ug = tl.load(h_ptrs + up, mask=mask, other=0.0).to(tl.float32)
+        act, grad_a, grad_g = _clamped_swiglu_grad(ua, ug, LIMIT, ALPHA)
+    elif ACT == 2:
+        silu, sig, c = _silu_and_sigmoid(ua)
+        dsilu = sig + c * sig * (1.0 - sig)
+        ug = tl.load(h_ptrs + up, mask=mask, other=0.0).to(tl.float32)
+        act, grad_a, grad_g = silu * ug, ug * dsilu, silu
     else:
-        act_a, grad_a = _gelu_and_grad(ua, ACT == 1, True)
-        ug = 1.0
+        act, grad_a = _gelu_and_grad(ua, ACT == 1, True)
+        grad_g = 0.0
     scaled = dy
     if HAS_PROB:
-        dp = tl.sum(tl.where(mask, dy * act_a * ug, 0.0), axis=1)
+        dp = tl.sum(tl.where(mask, dy * act, 0.0), axis=1)
         tl.store(part_ptr + pid_n.to(tl.int64) * M + rows, dp, mask=mask_m)
         scaled = dy * tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-    if ACT == 2:
-        tl.store(dh_ptrs + F, (scaled * act_a).to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_ptrs, (scaled * ug * grad_a).to(dh_ptr.dtype.element_ty), mask=mask)
+    if ACT >= 2:
+        tl.store(dh_ptrs + up, (scaled * grad_g).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptrs, (scaled * grad_a).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -224,6 +272,7 @@ def grouped_gemm_dact_kernel(
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
     ACT: tl.constexpr, HAS_PROB: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702,
 ):
     """fc2's data gradient with the activation's backward: ``dy = g[rows of e] @ b[e]``
     (``[M, F]``, ``b[e]`` is ``w2[e]^T``), ``dh = dy * p * act'(h)`` (``[M, W]``) and
@@ -241,12 +290,12 @@ def grouped_gemm_dact_kernel(
         )
         if expert >= 0:
             dy, _ = _dual_mma(
-                g_ptr, b_ptr, expert, rows.to(tl.int64), mask_m, cols, cols < F, F, K,
+                g_ptr, b_ptr, expert, rows.to(tl.int64), mask_m, cols, cols < F, cols, K,
                 stride_gm, stride_gk, stride_be, stride_bk, stride_bn,
                 BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, DOT_PRECISION,
             )
             dact_epilogue(dy, rows, mask_m, cols, cols < F, h_ptr, p_ptr, dh_ptr, part_ptr,
-                          pid_n, M, F, stride_hm, stride_dm, ACT, HAS_PROB)
+                          pid_n, M, F, stride_hm, stride_dm, ACT, HAS_PROB, LIMIT, ALPHA)
         else:  # the zero tail
             dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, stride_dm, ACT,
                       HAS_PROB, BLOCK_M, BLOCK_N)
@@ -257,11 +306,12 @@ def dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, stride_dm, ACT:
               HAS_PROB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Zeros in ``dh`` and the ``dL/dp`` partials for a tile of the rows past the routed ones."""
     mask = mask_m[:, None] & (cols < F)[None, :]
-    dh_ptrs = dh_ptr + rows.to(tl.int64)[:, None] * stride_dm + cols[None, :]
+    dh_row = dh_ptr + rows.to(tl.int64)[:, None] * stride_dm
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dh_ptr.dtype.element_ty)
+    dh_ptrs = dh_row + (2 * cols if ACT == 3 else cols)[None, :]
     tl.store(dh_ptrs, zeros, mask=mask)
-    if ACT == 2:
-        tl.store(dh_ptrs + F, zeros, mask=mask)
+    if ACT >= 2:
+        tl.store(dh_ptrs + (1 if ACT == 3 else F), zeros, mask=mask)
     if HAS_PROB:
         tl.store(part_ptr + pid_n.to(tl.int64) * M + rows,
                  tl.zeros((BLOCK_M,), dtype=tl.float32), mask=mask_m)  # fmt: skip
@@ -273,16 +323,18 @@ def dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, stride_dm, ACT:
 
 
 def gpu_act_config(dtype: torch.dtype, M: int, F: int, K: int, E: int,
-                   gated: bool) -> _gg.GemmConfig:  # fmt: skip
+                   act: str) -> _gg.GemmConfig:  # fmt: skip
     """Tiles of both kernels on sm_90 / sm_100: the grouped forward's
     (:func:`mtp.kernels.grouped_gemm.forward_config`) with room for the epilogue, whose
     activation (and, backward, its derivative and the loaded ``h``) keeps several fp32 tiles
     alive next to the accumulators: 128-row tiles use 64 columns (for SwiGLU two accumulators
     and two ``b`` tiles per stage, so registers and shared memory match the plain 128 x 128
-    tile) and 64-row tiles 8 warps. With these, both kernels compile without spills for
-    sm_90a and sm_100a (``gated`` is accepted for configs that would differ)."""
-    del gated
+    tile) and 64-row tiles 8 warps. The clamped SwiGLU (stride-2 gate/up loads, a larger
+    epilogue) takes 32 columns: 128 x 32 with 8 warps, 64 x 32 with 4. With these, both kernels
+    compile without spills for sm_90a and sm_100a."""
     config = _gg.forward_config(dtype, M, F, K, E)
+    if act == "clamped_swiglu" and config.block_n > 32:
+        return dataclasses.replace(config, block_n=32)
     if config.block_m == 128 and config.block_n > 64:
         config = dataclasses.replace(config, block_n=64)
     elif config.block_m == 64:
@@ -290,19 +342,23 @@ def gpu_act_config(dtype: torch.dtype, M: int, F: int, K: int, E: int,
     return config
 
 
-def act_config(a: torch.Tensor, M: int, F: int, K: int, E: int, gated: bool) -> _gg.GemmConfig:
+def act_config(a: torch.Tensor, M: int, F: int, K: int, E: int, act: str) -> _gg.GemmConfig:
     """:func:`gpu_act_config` on a GPU, the small interpreter tiles elsewhere."""
     if a.device.type != "cuda":
         return _gg.default_forward_config(a, M, F, K, E)
-    return gpu_act_config(a.dtype, M, F, K, E, gated)
+    return gpu_act_config(a.dtype, M, F, K, E, act)
 
 
 def _launch(kernel, a, b, counts, M, F, K, act, persistent, tensors, strides, flags, tma_args):
-    """The pointer kernel, or with ``tma_args = (kernel, strides)`` its TMA version."""
+    """The pointer kernel, or with ``tma_args = (kernel, strides)`` its TMA version. ``act``:
+    a name of :data:`ACTIVATIONS`, or ``("clamped_swiglu", limit, alpha)``."""
     E = b.shape[0]
-    gated = act == "swiglu"
-    config = act_config(a, M, F, K, E, gated)
+    act, *clamp = (act,) if isinstance(act, str) else tuple(act)
+    gated = act in GATED
+    config = act_config(a, M, F, K, E, act)
     flags = dict(flags, ACT=ACTIVATIONS[act])
+    if clamp:
+        flags.update(LIMIT=float(clamp[0]), ALPHA=float(clamp[1]))
     if tma_args is not None:
         from mtp.kernels import grouped_gemm_act_tma as _act_tma
 
@@ -320,10 +376,18 @@ def _launch(kernel, a, b, counts, M, F, K, act, persistent, tensors, strides, fl
     )
 
 
-def _use_tma(tma: bool | None, a: torch.Tensor, w: torch.Tensor, unit_dim: int) -> bool:
+def _name(act) -> str:
+    """The activation's name (``act`` is a name or ``("clamped_swiglu", limit, alpha)``)."""
+    return act if isinstance(act, str) else act[0]
+
+
+def _use_tma(tma: bool | None, a: torch.Tensor, w: torch.Tensor, unit_dim: int, act) -> bool:
+    """TMA unless off or not eligible; the interleaved clamped SwiGLU reads its stride-2 gate
+    and up columns with the pointer kernels."""
     from mtp.kernels import grouped_gemm_act_tma as _act_tma
 
-    return _tma.use_tma(tma, a.device, _act_tma.eligible(a, w, unit_dim) and a.shape[1] > 0)
+    ok = _act_tma.eligible(a, w, unit_dim) and a.shape[1] > 0 and isinstance(act, str)
+    return _tma.use_tma(tma, a.device, ok)
 
 
 def grouped_gemm_act(
@@ -332,7 +396,7 @@ def grouped_gemm_act(
     counts: torch.Tensor,
     h: torch.Tensor,
     y: torch.Tensor,
-    act: str,
+    act: str | tuple,
     *,
     bias: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
@@ -345,11 +409,13 @@ def grouped_gemm_act(
     Args:
         a: ``[M, K]`` fp32/fp16/bf16, rows grouped by expert, any strides.
         b: ``[E, K, W]`` in ``a``'s dtype, any strides; ``W = 2F`` for ``"swiglu"`` (gate columns
-            ``[0, F)``, up ``[F, 2F)``), else ``F``.
+            ``[0, F)``, up ``[F, 2F)``) and the clamped SwiGLU (gate ``2j``, up ``2j + 1``),
+            else ``F``.
         counts: ``[E]`` int32/int64 on ``a``'s device.
         h: ``[M, W]`` output (pre-activation incl. bias), last dim contiguous.
         y: ``[M, F]`` output, last dim contiguous.
-        act: ``"gelu"``, ``"gelu_tanh"`` or ``"swiglu"``.
+        act: ``"gelu"``, ``"gelu_tanh"``, ``"swiglu"``, or ``("clamped_swiglu", limit,
+            alpha)`` (GPT-OSS; pointer kernels only).
         bias: contiguous ``[E, W]`` or None. probs: ``[M]`` contiguous or None.
         persistent: as :func:`mtp.kernels.grouped_gemm.grouped_gemm` (pointer kernel).
         tma: the TMA kernel (:mod:`mtp.kernels.grouped_gemm_act_tma`); default: on sm_90+ for
@@ -362,7 +428,7 @@ def grouped_gemm_act(
         return
     _gg._check_counts(counts, b.shape[0], a.device)
     tma_args = None
-    if _use_tma(tma, a, b, 2):
+    if _use_tma(tma, a, b, 2, act):
         from mtp.kernels.grouped_gemm_act_tma import grouped_gemm_act_tma_kernel
 
         tma_args = (grouped_gemm_act_tma_kernel,
@@ -382,7 +448,7 @@ def grouped_gemm_dact(
     counts: torch.Tensor,
     h: torch.Tensor,
     dh: torch.Tensor,
-    act: str,
+    act: str | tuple,
     *,
     probs: torch.Tensor | None = None,
     persistent: bool | None = None,
@@ -401,7 +467,7 @@ def grouped_gemm_dact(
     M, K = g.shape
     F = b.shape[2]
     _gg._check_counts(counts, b.shape[0], g.device)
-    config = act_config(g, M, F, K, b.shape[0], act == "swiglu")
+    config = act_config(g, M, F, K, b.shape[0], _name(act))
     part = None
     if probs is not None:
         part = torch.empty((triton.cdiv(F, config.block_n), M), dtype=torch.float32,
@@ -409,7 +475,7 @@ def grouped_gemm_dact(
     if M == 0 or F == 0:
         return None if part is None else part.zero_()
     tma_args = None
-    if _use_tma(tma, g, b, 1):
+    if _use_tma(tma, g, b, 1, act):
         from mtp.kernels.grouped_gemm_act_tma import grouped_gemm_dact_tma_kernel
 
         tma_args = (grouped_gemm_dact_tma_kernel,

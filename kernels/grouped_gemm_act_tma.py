@@ -42,7 +42,7 @@ def grouped_gemm_act_tma_kernel(
         a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
     b_desc = tl.make_tensor_descriptor(
-        b_ptr, shape=[E, K, 2 * F if ACT == 2 else F], strides=[stride_be, stride_bk, 1],
+        b_ptr, shape=[E, K, 2 * F if ACT >= 2 else F], strides=[stride_be, stride_bk, 1],
         block_shape=[1, BLOCK_K, BLOCK_N],
     )
     num_n = (F + BLOCK_N - 1) // BLOCK_N

@@ -29,6 +29,7 @@ from torch import nn
 
 from mtp import ops
 from mtp.ops._backend import resolve_backend
+from mtp.ops.grouped_mlp import clamped_swiglu
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, torch_grouped_mm, grouped_gemm
 from mtp.moe._checks import check_bool
 from mtp.utils import check_int
@@ -39,15 +40,6 @@ ACTIVATIONS = ("gelu", "swiglu", "clamped_swiglu", "relu2")
 _ACTIVATIONS = ACTIVATIONS
 _GATED = ("swiglu", "clamped_swiglu")
 _ACT_BACKENDS = ("triton", "reference")
-
-
-def clamped_swiglu(h: torch.Tensor, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
-    """GPT-OSS's SwiGLU on interleaved columns: ``gate = h[..., 0::2].clamp(max=limit)``,
-    ``up = h[..., 1::2].clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-    gate, up = h[..., 0::2], h[..., 1::2]
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def activation_function(
@@ -127,7 +119,8 @@ class GroupedMLP(nn.Module):
             (Megatron-Core's option of that name; :func:`mtp.ops.grouped_gemm_accumulate_wgrad`):
             the weights must be in the activation dtype (``params_dtype``) and have a
             ``main_grad`` (:class:`mtp.optim.DistributedDataParallel` gives them one).
-        bias_activation_fusion: on the ``triton`` backend with ``"gelu"`` or ``"swiglu"``, run
+        bias_activation_fusion: on the ``triton`` backend with ``"gelu"``, ``"swiglu"`` or
+            ``"clamped_swiglu"``, run
             the experts as :func:`mtp.ops.grouped_mlp` (Megatron-Core's option of that name,
             extended): fc1's epilogue adds the bias, applies the activation and the probability
             (stores the pre-activation for the backward), fc2's adds its bias, and fc2's
@@ -413,7 +406,7 @@ class GroupedMLP(nn.Module):
 
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether this call runs :func:`mtp.ops.grouped_mlp` (see ``bias_activation_fusion``)."""
-        if not self.bias_activation_fusion or self.activation not in ("gelu", "swiglu"):
+        if not self.bias_activation_fusion or self.activation == "relu2":
             return False
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return False
@@ -435,7 +428,8 @@ class GroupedMLP(nn.Module):
             x, w1.to(x.dtype), w2.to(x.dtype), tokens_per_expert,
             None if after else permuted_probs, self.bias1,
             self.bias2 if self.tp_rank == 0 else None,
-            activation=self.activation, gradient_accumulation_fusion=accumulate,
+            activation=self.activation, activation_limit=self.activation_limit,
+            activation_alpha=self.activation_alpha, gradient_accumulation_fusion=accumulate,
             backend="triton", validate=False,
         )  # fmt: skip
         return y * permuted_probs.to(y.dtype).unsqueeze(-1) if after else y

@@ -37,16 +37,30 @@ from mtp.ops.grouped_gemm_accumulate import (
 from mtp.ops.grouped_gemm_bias import expert_bias_grad
 from mtp.utils import check_tensor, empty
 
-__all__ = ["grouped_mlp", "GROUPED_MLP_ACTIVATIONS"]
+__all__ = ["grouped_mlp", "clamped_swiglu", "GROUPED_MLP_ACTIVATIONS"]
 
 #: Activations fused into the epilogues (``"gelu"``: exact erf GeLU).
-GROUPED_MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+GROUPED_MLP_ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "clamped_swiglu")
+_GATED = ("swiglu", "clamped_swiglu")
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def clamped_swiglu(h: torch.Tensor, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    """GPT-OSS's SwiGLU on interleaved columns: ``gate = h[..., 0::2].clamp(max=limit)``,
+    ``up = h[..., 1::2].clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate, up = h[..., 0::2], h[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _width(w1: torch.Tensor, act: str) -> int:
     """``F``: fc1's output columns after the activation."""
-    return w1.shape[2] // 2 if act == "swiglu" else w1.shape[2]
+    return w1.shape[2] // 2 if act in _GATED else w1.shape[2]
+
+
+def _kernel_act(act: str, limit: float, alpha: float):
+    return (act, limit, alpha) if act == "clamped_swiglu" else act
 
 
 @torch.library.custom_op("mtp::grouped_gemm_act", mutates_args=())
@@ -57,17 +71,19 @@ def _act_op(
     bias: torch.Tensor | None,
     probs: torch.Tensor | None,
     act: str,
+    limit: float,
+    alpha: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from mtp.kernels.grouped_gemm_act import grouped_gemm_act
 
     h = empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device)
     y = empty((x.shape[0], _width(w1, act)), dtype=x.dtype, device=x.device)
-    grouped_gemm_act(x, w1, counts, h, y, act, bias=bias, probs=probs)
+    grouped_gemm_act(x, w1, counts, h, y, _kernel_act(act, limit, alpha), bias=bias, probs=probs)
     return h, y
 
 
 @_act_op.register_fake
-def _(x, w1, counts, bias, probs, act):
+def _(x, w1, counts, bias, probs, act, limit, alpha):
     return x.new_empty(x.shape[0], w1.shape[2]), x.new_empty(x.shape[0], _width(w1, act))
 
 
@@ -79,18 +95,21 @@ def _dact_op(
     h: torch.Tensor,
     probs: torch.Tensor | None,
     act: str,
+    limit: float,
+    alpha: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from mtp.kernels.grouped_gemm_act import grouped_gemm_dact
 
     dh = empty(h.shape, dtype=h.dtype, device=h.device)
-    part = grouped_gemm_dact(dy, w2.transpose(1, 2), counts, h, dh, act, probs=probs)
+    part = grouped_gemm_dact(dy, w2.transpose(1, 2), counts, h, dh,
+                             _kernel_act(act, limit, alpha), probs=probs)  # fmt: skip
     if part is None:
         return dh, dy.new_empty((0,), dtype=torch.float32)
     return dh, part.sum(0)  # fixed order over the column tiles: deterministic
 
 
 @_dact_op.register_fake
-def _(dy, w2, counts, h, probs, act):
+def _(dy, w2, counts, h, probs, act, limit, alpha):
     n = 0 if probs is None else dy.shape[0]
     return h.new_empty(h.shape), dy.new_empty((n,), dtype=torch.float32)
 
@@ -104,10 +123,11 @@ def _weight_grad(w, a, b, counts, accumulate: bool):
 class _FusedGroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, counts, probs, b1, b2, act, accumulate):
-        h, y = torch.ops.mtp.grouped_gemm_act(x, w1, counts, b1, probs, act)
+        act, limit, alpha = act
+        h, y = torch.ops.mtp.grouped_gemm_act(x, w1, counts, b1, probs, act, limit, alpha)
         out = torch.ops.mtp.grouped_gemm(y, w2, counts, False, "triton", b2)
         ctx.save_for_backward(x, w1, w2, counts, probs, h, y)
-        ctx.act, ctx.accumulate = act, accumulate
+        ctx.act, ctx.accumulate = (act, limit, alpha), accumulate
         ctx.dtypes = tuple(None if t is None else t.dtype for t in (probs, b1, b2))
         return out
 
@@ -124,7 +144,7 @@ class _FusedGroupedMLP(torch.autograd.Function):
         if need[2]:
             dw2 = _weight_grad(w2, y, dout, counts, ctx.accumulate)
         if need[0] or need[1] or need[4] or need[5]:
-            dh, dprobs = torch.ops.mtp.grouped_gemm_dact(dout, w2, counts, h, probs, ctx.act)
+            dh, dprobs = torch.ops.mtp.grouped_gemm_dact(dout, w2, counts, h, probs, *ctx.act)
             if need[4]:
                 dp = dprobs.to(p_dtype)
             if need[5]:
@@ -137,6 +157,7 @@ class _FusedGroupedMLP(torch.autograd.Function):
 
 
 def _reference(x, w1, w2, counts, probs, b1, b2, act, accumulate):
+    act, limit, alpha = act
     """The unfused chain: grouped GEMM (per-expert loop), fp32 activation, scale, grouped GEMM."""
 
     def gemm(a, w, bias):
@@ -146,7 +167,9 @@ def _reference(x, w1, w2, counts, probs, b1, b2, act, accumulate):
         return grouped_gemm(a, w, counts, backend="reference", validate=False, bias=bias)
 
     h = gemm(x, w1, b1)
-    if act == "swiglu":
+    if act == "clamped_swiglu":
+        y = clamped_swiglu(h.float(), limit, alpha).to(h.dtype)
+    elif act == "swiglu":
         y = bias_swiglu(h, backend="reference")
     else:
         y = bias_gelu(h, approximate="tanh" if act == "gelu_tanh" else "none",
@@ -161,10 +184,10 @@ def _check(x, weight1, weight2, probs, bias2, activation: str) -> None:
         raise ValueError(
             f"activation must be one of {GROUPED_MLP_ACTIVATIONS}, got {activation!r}"
         )
-    if activation == "swiglu" and weight1.shape[2] % 2:
+    if activation in _GATED and weight1.shape[2] % 2:
         raise ValueError(
-            f"weight1 [E, H, 2F] holds the gate and up halves for 'swiglu': its last dim must "
-            f"be even, got {tuple(weight1.shape)}"
+            f"weight1 [E, H, 2F] holds the gate and up columns for {activation!r}: its last dim "
+            f"must be even, got {tuple(weight1.shape)}"
         )
     E, H, F = weight1.shape[0], x.shape[1], _width(weight1, activation)
     check_tensor("weight2", weight2, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -192,6 +215,8 @@ def grouped_mlp(
     bias2: torch.Tensor | None = None,
     *,
     activation: str = "swiglu",
+    activation_limit: float = 7.0,
+    activation_alpha: float = 1.702,
     gradient_accumulation_fusion: bool = False,
     backend: str = "auto",
     validate: bool = True,
@@ -209,7 +234,10 @@ def grouped_mlp(
         probs: ``[M]`` routing probabilities (any float dtype) multiplying ``act(h)`` before
             fc2, or None. Its gradient is ``sum_f dL/dy * act(h)`` (fp32, fixed order).
         bias1, bias2: ``[E, W]`` and ``[E, H]`` per-expert biases, or None.
-        activation: ``"swiglu"``, ``"gelu"`` or ``"gelu_tanh"``.
+        activation: ``"swiglu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"clamped_swiglu"`` (GPT-OSS:
+            ``W = 2F`` interleaved, gate in column ``2j``, up in ``2j + 1``, see
+            :func:`clamped_swiglu`; pointer kernels, no TMA).
+        activation_limit, activation_alpha: the clamped SwiGLU's ``limit`` and ``alpha``.
         gradient_accumulation_fusion: add the weight gradients to ``weight1.main_grad`` /
             ``weight2.main_grad`` in the weight-gradient kernels' epilogue (see
             :func:`mtp.ops.grouped_gemm_accumulate_wgrad`).
@@ -230,11 +258,11 @@ def grouped_mlp(
             if w.requires_grad:
                 check_main_grad(w)
     accumulate = bool(gradient_accumulation_fusion)
+    act = (activation, float(activation_limit), float(activation_alpha))
     if name == "reference":
-        return _reference(x, weight1, weight2, counts, probs, bias1, bias2, activation,
-                          accumulate)  # fmt: skip
+        return _reference(x, weight1, weight2, counts, probs, bias1, bias2, act, accumulate)
     probs = None if probs is None else probs.contiguous()
     bias1 = None if bias1 is None else bias1.contiguous()
     bias2 = None if bias2 is None else bias2.contiguous()
-    return _FusedGroupedMLP.apply(x, weight1, weight2, counts, probs, bias1, bias2, activation,
+    return _FusedGroupedMLP.apply(x, weight1, weight2, counts, probs, bias1, bias2, act,
                                   accumulate)  # fmt: skip
