@@ -107,6 +107,29 @@ def test_run_distributed_returns_per_rank_values():
     assert out == [expected, expected]
 
 
+def _rank_and_size(rank, world_size):
+    return rank, world_size
+
+
+def test_run_distributed_retries_a_taken_rendezvous_port(monkeypatch):
+    """The port free_port() chose is taken before rank 0 binds it (a parallel test): the launch
+    is retried on a new port instead of failing with EADDRINUSE."""
+    import socket
+
+    import mtp.testing as testing
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = iter([port])
+        real, chosen = testing.free_port, []
+        monkeypatch.setattr(testing, "free_port",
+                            lambda: chosen.append(next(ports, None) or real()) or chosen[-1])
+        assert run_distributed(_rank_and_size, 2, timeout=60) == [(0, 2), (1, 2)]
+    assert len(chosen) == 2 and chosen[0] == port != chosen[1], chosen
+
+
 def test_run_distributed_reraises_child_failure():
     with pytest.raises(RankFailedError) as info:
         run_distributed(_rank_one_raises, 2, timeout=120)

@@ -214,12 +214,20 @@ def _distributed_child(fn, rank, world_size, args, backend, port, timeout, resul
 
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        except Exception as exc:  # noqa: BLE001
+            if "address already in use" in str(exc).lower() or "EADDRINUSE" in str(exc):
+                # Another process took the port between free_port() and the bind: the parent
+                # retries on a new one (nothing of fn has run).
+                results.put((rank, "port_in_use", None, None, None))
+                return
+            raise
         value = fn(rank, world_size, *args)
         dist.barrier()  # rank 0 hosts the store: nobody leaves while others may still need it
         dist.destroy_process_group()
@@ -273,6 +281,26 @@ def run_distributed(
         raise TypeError(
             f"run_distributed needs a picklable fn and args (a module-level function): {exc}"
         ) from exc
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, world_size, args, backend, timeout)
+        except _PortInUse:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise RankFailedError(0, world_size, "DistNetworkError",
+                                      f"the rendezvous port was taken {_PORT_ATTEMPTS} times "
+                                      "in a row (address already in use)") from None  # fmt: skip
+    raise AssertionError("unreachable")
+
+
+#: Rendezvous attempts of :func:`run_distributed` when the free port is taken before the bind.
+_PORT_ATTEMPTS = 3
+
+
+class _PortInUse(Exception):
+    """A rank could not bind the rendezvous port (taken after :func:`free_port` chose it)."""
+
+
+def _run_once(fn, world_size, args, backend, timeout) -> list[Any]:
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -311,6 +339,8 @@ def run_distributed(
             if status == "ok":
                 values[rank] = a
                 continue
+            if status == "port_in_use":
+                raise _PortInUse()
             original = None
             if blob is not None:
                 with contextlib.suppress(Exception):
