@@ -67,17 +67,16 @@ constexpr int64_t kSmallRowsPerGroupSm100 = 128;
 struct ArchKernels {
   int arch;  // compute capability as major * 10 + minor: 90, 100
   KernelEntry entries[kNumOps][kNumDTypes];
-  int64_t small_rows_per_group;                 // the small family's threshold (see above)
   KernelEntry small[kNumSmallOps][kNumDTypes];  // the small-group family's forward ops
 };
 
 const std::vector<ArchKernels>& kernel_table() {
   static const std::vector<ArchKernels> table = {
 #ifdef MTP_WITH_SM90
-      {90, MTP_ARCH_TABLE(sm90), kSmallRowsPerGroup, MTP_SMALL_TABLE(sm90_small)},
+      {90, MTP_ARCH_TABLE(sm90), MTP_SMALL_TABLE(sm90_small)},
 #endif
 #ifdef MTP_WITH_SM100
-      {100, MTP_ARCH_TABLE(sm100), kSmallRowsPerGroupSm100, MTP_SMALL_TABLE(sm100_small)},
+      {100, MTP_ARCH_TABLE(sm100), MTP_SMALL_TABLE(sm100_small)},
 #endif
   };
   return table;

@@ -49,6 +49,16 @@ __all__ = ["act_config", "gpu_act_config", "grouped_gemm_act", "grouped_gemm_dac
 
 
 @triton.jit
+def _gate_up(cols, F, ACT: tl.constexpr):
+    """Where the halves of output columns ``cols`` live in ``w1`` / ``h``: the gate's columns
+    and the up half's offset from them (``cols`` and ``+F`` for SwiGLU's halves; ``2 cols`` and
+    ``+1`` for the clamped SwiGLU's interleaved pairs; the offset is unused otherwise)."""
+    if ACT == 3:
+        return 2 * cols, 1
+    return cols, F
+
+
+@triton.jit
 def _clamped_parts(ua, ug, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
     """GPT-OSS's clamped SwiGLU pieces: ``g = min(ua, L)``, ``clamp(ug, -L, L) + 1``,
     ``sigmoid(ALPHA * g)``; the activation is ``(clamp(ug) + 1) * g * sigmoid(ALPHA * g)``."""
@@ -150,8 +160,7 @@ def fwd_epilogue(
     """fc1's epilogue on the fp32 accumulators (``acc_g``: the up half, gated activations
     only): + bias, store ``h``, store ``act(h) * p``."""
     rows64 = rows.to(tl.int64)
-    gc = 2 * cols if ACT == 3 else cols  # the gate's columns; the up's are + up
-    up = 1 if ACT == 3 else F
+    gc, up = _gate_up(cols, F, ACT)
     if HAS_BIAS:
         b_ptrs = bias_ptr + expert.to(tl.int64) * (2 * F if ACT >= 2 else F) + gc
         acc_a += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -178,10 +187,11 @@ def fwd_zero(rows, mask_m, cols, F, h_ptr, y_ptr, stride_hm, stride_ym, ACT: tl.
     mask = mask_m[:, None] & (cols < F)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
-    h_ptrs = h_ptr + rows64 * stride_hm + (2 * cols if ACT == 3 else cols)[None, :]
+    gc, up = _gate_up(cols, F, ACT)
+    h_ptrs = h_ptr + rows64 * stride_hm + gc[None, :]
     tl.store(h_ptrs, zeros, mask=mask)
     if ACT >= 2:
-        tl.store(h_ptrs + (1 if ACT == 3 else F), zeros, mask=mask)
+        tl.store(h_ptrs + up, zeros, mask=mask)
     tl.store(y_ptr + rows64 * stride_ym + cols[None, :], zeros, mask=mask)
 
 
@@ -211,10 +221,9 @@ def grouped_gemm_act_kernel(
             BLOCK_M, BLOCK_N, GROUP_M,
         )
         if expert >= 0:
-            gc = 2 * cols if ACT == 3 else cols
+            gc, up = _gate_up(cols, F, ACT)
             acc_a, acc_g = _dual_mma(
-                a_ptr, b_ptr, expert, rows.to(tl.int64), mask_m, gc, cols < F,
-                gc + (1 if ACT == 3 else F), K,
+                a_ptr, b_ptr, expert, rows.to(tl.int64), mask_m, gc, cols < F, gc + up, K,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                 BLOCK_M, BLOCK_N, BLOCK_K, ACT >= 2, UPCAST_DOT, DOT_PRECISION,
             )
@@ -236,10 +245,9 @@ def dact_epilogue(
     partial of this column tile."""
     rows64 = rows.to(tl.int64)
     mask = mask_m[:, None] & mask_n[None, :]
-    gc = (2 * cols if ACT == 3 else cols)[None, :]  # the gate's columns; the up's are + up
-    up = 1 if ACT == 3 else F
-    h_ptrs = h_ptr + rows64[:, None] * stride_hm + gc
-    dh_ptrs = dh_ptr + rows64[:, None] * stride_dm + gc
+    gc, up = _gate_up(cols, F, ACT)
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + gc[None, :]
+    dh_ptrs = dh_ptr + rows64[:, None] * stride_dm + gc[None, :]
     # The order keeps few [BLOCK_M, BLOCK_N] fp32 values alive at once (no spills).
     ua = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
     if ACT == 3:
@@ -306,12 +314,12 @@ def dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, stride_dm, ACT:
               HAS_PROB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Zeros in ``dh`` and the ``dL/dp`` partials for a tile of the rows past the routed ones."""
     mask = mask_m[:, None] & (cols < F)[None, :]
-    dh_row = dh_ptr + rows.to(tl.int64)[:, None] * stride_dm
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dh_ptr.dtype.element_ty)
-    dh_ptrs = dh_row + (2 * cols if ACT == 3 else cols)[None, :]
+    gc, up = _gate_up(cols, F, ACT)
+    dh_ptrs = dh_ptr + rows.to(tl.int64)[:, None] * stride_dm + gc[None, :]
     tl.store(dh_ptrs, zeros, mask=mask)
     if ACT >= 2:
-        tl.store(dh_ptrs + (1 if ACT == 3 else F), zeros, mask=mask)
+        tl.store(dh_ptrs + up, zeros, mask=mask)
     if HAS_PROB:
         tl.store(part_ptr + pid_n.to(tl.int64) * M + rows,
                  tl.zeros((BLOCK_M,), dtype=tl.float32), mask=mask_m)  # fmt: skip
@@ -349,23 +357,21 @@ def act_config(a: torch.Tensor, M: int, F: int, K: int, E: int, act: str) -> _gg
     return gpu_act_config(a.dtype, M, F, K, E, act)
 
 
-def _launch(kernel, a, b, counts, M, F, K, act, persistent, tensors, strides, flags, tma_args):
-    """The pointer kernel, or with ``tma_args = (kernel, strides)`` its TMA version. ``act``:
-    a name of :data:`ACTIVATIONS`, or ``("clamped_swiglu", limit, alpha)``."""
+def _launch(kernel, a, b, counts, M, F, K, act, limit, alpha, config, persistent, tensors,
+            strides, flags, tma_args):
+    """The pointer kernel, or with ``tma_args = (kernel, strides)`` its TMA version, on the
+    tiles ``config`` (:func:`act_config`)."""
     E = b.shape[0]
-    act, *clamp = (act,) if isinstance(act, str) else tuple(act)
-    gated = act in GATED
-    config = act_config(a, M, F, K, E, act)
     flags = dict(flags, ACT=ACTIVATIONS[act])
-    if clamp:
-        flags.update(LIMIT=float(clamp[0]), ALPHA=float(clamp[1]))
+    if act == "clamped_swiglu":  # constexprs: other activations keep one build
+        flags.update(LIMIT=float(limit), ALPHA=float(alpha))
     if tma_args is not None:
         from mtp.kernels import grouped_gemm_act_tma as _act_tma
 
         _act_tma.launch(tma_args[0], a, b, counts, M, F, K, config, dot_upcast(a.dtype),
                         tensors, tma_args[1], flags)  # fmt: skip
         return
-    stage = (config.block_m + (2 if gated else 1) * config.block_n) * config.block_k
+    stage = (config.block_m + (2 if act in GATED else 1) * config.block_n) * config.block_k
     grid, persistent = _gg.launch_plan(a, config, M, F, E, persistent, stage)
     kernel[grid](
         *tensors, counts, M, F, K, E, *strides,
@@ -376,17 +382,12 @@ def _launch(kernel, a, b, counts, M, F, K, act, persistent, tensors, strides, fl
     )
 
 
-def _name(act) -> str:
-    """The activation's name (``act`` is a name or ``("clamped_swiglu", limit, alpha)``)."""
-    return act if isinstance(act, str) else act[0]
-
-
-def _use_tma(tma: bool | None, a: torch.Tensor, w: torch.Tensor, unit_dim: int, act) -> bool:
+def _use_tma(tma: bool | None, a: torch.Tensor, w: torch.Tensor, unit_dim: int, act: str) -> bool:
     """TMA unless off or not eligible; the interleaved clamped SwiGLU reads its stride-2 gate
     and up columns with the pointer kernels."""
     from mtp.kernels import grouped_gemm_act_tma as _act_tma
 
-    ok = _act_tma.eligible(a, w, unit_dim) and a.shape[1] > 0 and isinstance(act, str)
+    ok = _act_tma.eligible(a, w, unit_dim) and a.shape[1] > 0 and act != "clamped_swiglu"
     return _tma.use_tma(tma, a.device, ok)
 
 
@@ -396,10 +397,12 @@ def grouped_gemm_act(
     counts: torch.Tensor,
     h: torch.Tensor,
     y: torch.Tensor,
-    act: str | tuple,
+    act: str,
     *,
     bias: torch.Tensor | None = None,
     probs: torch.Tensor | None = None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
     persistent: bool | None = None,
     tma: bool | None = None,
 ) -> None:
@@ -414,9 +417,10 @@ def grouped_gemm_act(
         counts: ``[E]`` int32/int64 on ``a``'s device.
         h: ``[M, W]`` output (pre-activation incl. bias), last dim contiguous.
         y: ``[M, F]`` output, last dim contiguous.
-        act: ``"gelu"``, ``"gelu_tanh"``, ``"swiglu"``, or ``("clamped_swiglu", limit,
-            alpha)`` (GPT-OSS; pointer kernels only).
+        act: ``"gelu"``, ``"gelu_tanh"``, ``"swiglu"`` or ``"clamped_swiglu"`` (GPT-OSS;
+            pointer kernels only), see :data:`ACTIVATIONS`.
         bias: contiguous ``[E, W]`` or None. probs: ``[M]`` contiguous or None.
+        limit, alpha: the clamped SwiGLU's (ignored by the other activations).
         persistent: as :func:`mtp.kernels.grouped_gemm.grouped_gemm` (pointer kernel).
         tma: the TMA kernel (:mod:`mtp.kernels.grouped_gemm_act_tma`); default: on sm_90+ for
             fp16/bf16 operands TMA can read (``MTP_TRITON_TMA=0/1`` overrides, as for
@@ -427,6 +431,7 @@ def grouped_gemm_act(
     if M == 0 or F == 0:
         return
     _gg._check_counts(counts, b.shape[0], a.device)
+    config = act_config(a, M, F, K, b.shape[0], act)
     tma_args = None
     if _use_tma(tma, a, b, 2, act):
         from mtp.kernels.grouped_gemm_act_tma import grouped_gemm_act_tma_kernel
@@ -434,7 +439,7 @@ def grouped_gemm_act(
         tma_args = (grouped_gemm_act_tma_kernel,
                     (a.stride(0), b.stride(0), b.stride(1), h.stride(0), y.stride(0)))
     _launch(
-        grouped_gemm_act_kernel, a, b, counts, M, F, K, act, persistent,
+        grouped_gemm_act_kernel, a, b, counts, M, F, K, act, limit, alpha, config, persistent,
         (a, b, h, y, h if bias is None else bias, h if probs is None else probs),
         (a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
          y.stride(0)),
@@ -448,9 +453,11 @@ def grouped_gemm_dact(
     counts: torch.Tensor,
     h: torch.Tensor,
     dh: torch.Tensor,
-    act: str | tuple,
+    act: str,
     *,
     probs: torch.Tensor | None = None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
     persistent: bool | None = None,
     tma: bool | None = None,
 ) -> torch.Tensor | None:
@@ -461,13 +468,13 @@ def grouped_gemm_dact(
     Args:
         g: ``[M, K]`` (fc2's output gradient), b: ``[E, K, F]`` any strides (``w2.transpose(1,
             2)`` of a ``[E, F, K]`` weight), h: ``[M, W]`` the forward's pre-activation, dh:
-            ``[M, W]`` output (last dims contiguous), act, probs, persistent and tma as in
-            :func:`grouped_gemm_act` (TMA reads ``w2`` with its unit last stride).
+            ``[M, W]`` output (last dims contiguous), act, probs, limit, alpha, persistent and
+            tma as in :func:`grouped_gemm_act` (TMA reads ``w2`` with its unit last stride).
     """
     M, K = g.shape
     F = b.shape[2]
     _gg._check_counts(counts, b.shape[0], g.device)
-    config = act_config(g, M, F, K, b.shape[0], _name(act))
+    config = act_config(g, M, F, K, b.shape[0], act)
     part = None
     if probs is not None:
         part = torch.empty((triton.cdiv(F, config.block_n), M), dtype=torch.float32,
@@ -481,7 +488,7 @@ def grouped_gemm_dact(
         tma_args = (grouped_gemm_dact_tma_kernel,
                     (g.stride(0), b.stride(0), b.stride(2), h.stride(0), dh.stride(0)))
     _launch(
-        grouped_gemm_dact_kernel, g, b, counts, M, F, K, act, persistent,
+        grouped_gemm_dact_kernel, g, b, counts, M, F, K, act, limit, alpha, config, persistent,
         (g, b, h, dh if probs is None else probs, dh, dh if part is None else part),
         (g.stride(0), g.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
          dh.stride(0)),

@@ -21,6 +21,7 @@ import triton.language as tl
 from mtp.kernels import grouped_gemm_tma as _tma
 from mtp.kernels.grouped_gemm_act import dact_epilogue, dact_zero, fwd_epilogue, fwd_zero
 from mtp.kernels.grouped_gemm_tma import map_tile
+from mtp.kernels.grouped_tiles import tail_tile
 
 __all__ = ["grouped_gemm_act_tma_kernel", "grouped_gemm_dact_tma_kernel", "launch"]
 
@@ -71,8 +72,7 @@ def grouped_gemm_act_tma_kernel(
         fwd_epilogue(acc_a, acc_g, expert, rows, mask_m, cols, cols < F, h_ptr, y_ptr, bias_ptr,
                      p_ptr, F, stride_hm, stride_ym, ACT, HAS_BIAS, HAS_PROB)  # fmt: skip
     for tile in range(pid, (M - routed + BLOCK_M - 1) // BLOCK_M * num_n, programs):
-        rows = routed + (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols = tail_tile(tile, 0, routed, num_n, BLOCK_M, BLOCK_N)
         fwd_zero(rows, rows < M, cols, F, h_ptr, y_ptr, stride_hm, stride_ym, ACT,
                  BLOCK_M, BLOCK_N)  # fmt: skip
 
@@ -118,8 +118,7 @@ def grouped_gemm_dact_tma_kernel(
         dact_epilogue(dy, rows, mask_m, cols, cols < F, h_ptr, p_ptr, dh_ptr, part_ptr,
                       col // BLOCK_N, M, F, stride_hm, stride_dm, ACT, HAS_PROB)  # fmt: skip
     for tile in range(pid, (M - routed + BLOCK_M - 1) // BLOCK_M * num_n, programs):
-        rows = routed + (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols = tail_tile(tile, 0, routed, num_n, BLOCK_M, BLOCK_N)
         dact_zero(rows, rows < M, cols, tile % num_n, M, F, dh_ptr, part_ptr, stride_dm, ACT,
                   HAS_PROB, BLOCK_M, BLOCK_N)  # fmt: skip
 

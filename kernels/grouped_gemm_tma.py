@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from mtp.kernels._common import interpreting, next_power_of_2
+from mtp.kernels.grouped_tiles import tail_tile
 
 __all__ = [
     "FORWARD_TABLE",
@@ -190,8 +191,7 @@ def grouped_gemm_tma_kernel(
     # The zero tail: rows [routed, M).
     tail_tiles = (M - routed + BLOCK_M - 1) // BLOCK_M * num_n
     for tile in range(pid, tail_tiles, programs):
-        rows = routed + (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, cols = tail_tile(tile, 0, routed, num_n, BLOCK_M, BLOCK_N)
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
         tl.store(c_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])

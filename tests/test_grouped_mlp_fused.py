@@ -254,15 +254,21 @@ def test_bad_inputs_name_the_argument():
 # --- AOT: tensor cores, no spills -----------------------------------------------------------
 
 
-def _build(kernel_name: str, act: str, M_rows: int):
-    cfg = kact.gpu_act_config(torch.bfloat16, M_rows, 4096, 4096, 8, act)
-    forward = kernel_name == "act"
-    ptrs = (["a_ptr", "b_ptr", "h_ptr", "y_ptr", "bias_ptr", "p_ptr"] if forward
-            else ["g_ptr", "b_ptr", "h_ptr", "p_ptr", "dh_ptr"])  # fmt: skip
-    signature = {p: "*bf16" for p in ptrs}
+def _tensor_args(forward: bool) -> dict[str, str]:
+    """The bf16 / fp32 tensor arguments both kernel families take (pointer and TMA)."""
+    names = (["a_ptr", "b_ptr", "h_ptr", "y_ptr", "bias_ptr", "p_ptr"] if forward
+             else ["g_ptr", "b_ptr", "h_ptr", "p_ptr", "dh_ptr"])  # fmt: skip
+    signature = {n: "*bf16" for n in names}
     signature["p_ptr"] = "*fp32"
     if not forward:
         signature["part_ptr"] = "*fp32"
+    return signature
+
+
+def _build(kernel_name: str, act: str, M_rows: int):
+    cfg = kact.gpu_act_config(torch.bfloat16, M_rows, 4096, 4096, 8, act)
+    forward = kernel_name == "act"
+    signature = _tensor_args(forward)
     signature.update({"counts_ptr": "*i32", "M": "i32", "F": "i32", "K": "i32", "E": "i32"})
     lead = "stride_am" if forward else "stride_gm"
     strides = [lead, "stride_be", "stride_hm", "stride_ym" if forward else "stride_dm"]
@@ -370,12 +376,7 @@ def _tma_build(cc: int, forward: bool, act: str, rows: int):
     from mtp.kernels import grouped_gemm_act_tma as ktma
 
     cfg = kact.gpu_act_config(torch.bfloat16, rows, 4096, 4096, 8, act)
-    names = (["a_ptr", "b_ptr", "h_ptr", "y_ptr", "bias_ptr", "p_ptr"] if forward
-             else ["g_ptr", "b_ptr", "h_ptr", "p_ptr", "dh_ptr"])  # fmt: skip
-    signature = {n: "*bf16" for n in names}
-    signature["p_ptr"] = "*fp32"
-    if not forward:
-        signature["part_ptr"] = "*fp32"
+    signature = _tensor_args(forward)
     strides = (["stride_am", "stride_be", "stride_bk", "stride_hm", "stride_ym"] if forward
                else ["stride_gm", "stride_be", "stride_bn", "stride_hm", "stride_dm"])  # fmt: skip
     signature.update({"map_ptr": "*i32", "M": "i32", "F": "i32", "K": "i32", "E": "i32"})

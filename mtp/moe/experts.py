@@ -351,15 +351,24 @@ class GroupedMLP(nn.Module):
             return "torch"
         return self.backend
 
-    def _gemm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, bias) -> torch.Tensor:
-        """``x_e @ w[e] (+ bias[e])`` (the bias in the GEMM's epilogue on the Triton backend)."""
-        backend = self.gemm_backend(x.device)
-        if self.gradient_accumulation_fusion and w.requires_grad and torch.is_grad_enabled():
+    def _accumulates(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
+        """Whether this call adds the gradients of ``weights`` to their ``main_grad`` (gradient-
+        accumulation fusion on, autograd recording, one of them trainable); those weights must
+        then be in ``x``'s dtype."""
+        on = (self.gradient_accumulation_fusion and torch.is_grad_enabled()
+              and any(w.requires_grad for w in weights))  # fmt: skip
+        for w in weights if on else ():
             if w.dtype != x.dtype:
                 raise ValueError(
                     f"gradient_accumulation_fusion needs the expert weights in the activation "
                     f"dtype: weights are {w.dtype}, activations {x.dtype} (params_dtype)"
                 )
+        return on
+
+    def _gemm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, bias) -> torch.Tensor:
+        """``x_e @ w[e] (+ bias[e])`` (the bias in the GEMM's epilogue on the Triton backend)."""
+        backend = self.gemm_backend(x.device)
+        if self._accumulates(x, w):
             return ops.grouped_gemm_accumulate_wgrad(x, w, counts, backend=backend,
                                                      validate=False, bias=bias)  # fmt: skip
         return grouped_gemm(x, w.to(x.dtype), counts, backend=backend, validate=False, bias=bias)
@@ -416,13 +425,7 @@ class GroupedMLP(nn.Module):
 
     def _forward_fused(self, x, tokens_per_expert, permuted_probs):
         w1, w2 = self.weight1, self.weight2
-        accumulate = (self.gradient_accumulation_fusion and torch.is_grad_enabled()
-                      and (w1.requires_grad or w2.requires_grad))  # fmt: skip
-        if accumulate and (w1.dtype != x.dtype or w2.dtype != x.dtype):
-            raise ValueError(
-                f"gradient_accumulation_fusion needs the expert weights in the activation "
-                f"dtype: weights are {w1.dtype}, activations {x.dtype} (params_dtype)"
-            )
+        accumulate = self._accumulates(x, w1, w2)
         after = self.probs_after_fc2 and permuted_probs is not None
         y = ops.grouped_mlp(
             x, w1.to(x.dtype), w2.to(x.dtype), tokens_per_expert,

@@ -15,8 +15,9 @@ GEMMs are :func:`mtp.ops.grouped_gemm`'s):
   (writes ``dh`` directly: ``dL/dy`` is never stored), the two weight gradients, fc1's data
   gradient and the per-expert bias sums.
 
-Custom ops: ``mtp::grouped_gemm_act(x, w1, counts, bias, probs, act) -> (h, y)`` and
-``mtp::grouped_gemm_dact(dy, w2, counts, h, probs, act) -> (dh, dprobs)``, with fakes.
+Custom ops: ``mtp::grouped_gemm_act(x, w1, counts, bias, probs, act, limit, alpha) -> (h, y)``
+and ``mtp::grouped_gemm_dact(dy, w2, counts, h, probs, act, limit, alpha) -> (dh, dprobs)``,
+with fakes (``limit`` / ``alpha``: the clamped SwiGLU's).
 ``backend="reference"`` composes the unfused ops (per-expert loop GEMMs, fp32 activation) with
 the same contract, for comparison and CPUs without the Triton interpreter.
 """
@@ -59,10 +60,6 @@ def _width(w1: torch.Tensor, act: str) -> int:
     return w1.shape[2] // 2 if act in _GATED else w1.shape[2]
 
 
-def _kernel_act(act: str, limit: float, alpha: float):
-    return (act, limit, alpha) if act == "clamped_swiglu" else act
-
-
 @torch.library.custom_op("mtp::grouped_gemm_act", mutates_args=())
 def _act_op(
     x: torch.Tensor,
@@ -78,7 +75,7 @@ def _act_op(
 
     h = empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device)
     y = empty((x.shape[0], _width(w1, act)), dtype=x.dtype, device=x.device)
-    grouped_gemm_act(x, w1, counts, h, y, _kernel_act(act, limit, alpha), bias=bias, probs=probs)
+    grouped_gemm_act(x, w1, counts, h, y, act, bias=bias, probs=probs, limit=limit, alpha=alpha)
     return h, y
 
 
@@ -101,8 +98,8 @@ def _dact_op(
     from mtp.kernels.grouped_gemm_act import grouped_gemm_dact
 
     dh = empty(h.shape, dtype=h.dtype, device=h.device)
-    part = grouped_gemm_dact(dy, w2.transpose(1, 2), counts, h, dh,
-                             _kernel_act(act, limit, alpha), probs=probs)  # fmt: skip
+    part = grouped_gemm_dact(dy, w2.transpose(1, 2), counts, h, dh, act, probs=probs,
+                             limit=limit, alpha=alpha)  # fmt: skip
     if part is None:
         return dh, dy.new_empty((0,), dtype=torch.float32)
     return dh, part.sum(0)  # fixed order over the column tiles: deterministic
@@ -157,8 +154,8 @@ class _FusedGroupedMLP(torch.autograd.Function):
 
 
 def _reference(x, w1, w2, counts, probs, b1, b2, act, accumulate):
-    act, limit, alpha = act
     """The unfused chain: grouped GEMM (per-expert loop), fp32 activation, scale, grouped GEMM."""
+    act, limit, alpha = act
 
     def gemm(a, w, bias):
         if accumulate and w.requires_grad and torch.is_grad_enabled():
