@@ -1,13 +1,22 @@
-# mtp developer targets. Each target creates .venv first when it is missing:
+# mtp developer targets. Each target creates .venv first when it is missing
+# (tools/venv_mode.py decides how):
 #   CPU machine : a plain venv, torch==2.13.0 (the CPU build on local disk) installed first,
 #                 then triton and the package with its test extras.
 #   GPU machine : (nvidia-smi works) a venv on top of the system Python, which already has a
-#                 CUDA torch and triton; nothing replaces them.
+#                 CUDA torch and triton; nothing replaces them. Where python3 is itself a venv
+#                 (the lent GPU machines), that interpreter is used as it is, with the checkout
+#                 on PYTHONPATH: a venv made from it would not see its torch.
 PYTHON ?= python3
 VENV   ?= .venv
-PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+VENV_MODE := $(shell $(PYTHON) tools/venv_mode.py $(if $(HAS_GPU),--gpu) 2>/dev/null || echo create)
+ifeq ($(VENV_MODE),reuse)
+PY     := $(shell $(PYTHON) -c 'import sys; print(sys.executable)')
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+else
+PY     := $(VENV)/bin/python
+endif
+PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 # Two workers when pytest-xdist is there (the CI machine has 2 cores).
 XDIST = $$($(PY) -c "import xdist" 2>/dev/null && echo "-n 2")
@@ -23,7 +32,9 @@ CUDA_EXT_DEPS := 'nvidia-cutlass==4.2.*' 'pybind11>=2.12' ninja nvidia-cuda-cuob
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py pyproject.toml
-ifeq ($(HAS_GPU),1)
+ifeq ($(VENV_MODE),reuse)
+	mkdir -p $(VENV)
+else ifeq ($(HAS_GPU),1)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PIP) install --no-deps --no-build-isolation -e .
 	-$(PIP) install hypothesis pytest-xdist
@@ -61,7 +72,7 @@ BENCH_ARGS ?= --quick
 
 .PHONY: bench
 bench: $(VENV)/.bench-installed
-	$(VENV)/bin/mtp-bench $(BENCH_ARGS) --out bench/results
+	$(PY) -m bench $(BENCH_ARGS) --out bench/results
 
 # Plot and progress-bar packages (the `bench` extra). The GPU machine's Python already has
 # matplotlib and no network; the CLI works without tqdm there.

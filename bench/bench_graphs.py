@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -120,7 +122,19 @@ def run(kind, tokens, args, device):
     return rows
 
 
-def main():
+ROW_KEYS = ("model", "tokens", "mode", "host_ms", "device_ms", "launches")
+
+
+def write_rows(path: Path, rows: list[tuple], device: str) -> None:
+    """``{"device", "rows": [{model, tokens, mode, host_ms, device_ms, launches}]}``, written
+    atomically (a run killed at its time limit keeps the rows it finished)."""
+    data = {"device": device, "rows": [dict(zip(ROW_KEYS, r)) for r in rows]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 512])
@@ -129,8 +143,12 @@ def main():
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--models", nargs="+", default=["dense", "moe_router", "moe_full"])
-    args = p.parse_args()
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write the rows here (rewritten after each model and size)")
+    args = p.parse_args(argv)
     device = torch.device(args.device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    done: list[tuple] = []
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'})"
           f", pp={args.pp} rank 0 order, {args.microbatches} microbatches per step")
     print(f"{'model':<11}{'tokens':>7}  {'mode':<8}{'host ms':>9}{'device ms':>11}"
@@ -139,7 +157,10 @@ def main():
         for tokens in args.tokens:
             for row in run(kind, tokens, args, device):
                 print(f"{row[0]:<11}{row[1]:>7}  {row[2]:<8}{row[3]:>9.3f}{row[4]:>11.3f}"
-                      f"{row[5]:>10}")
+                      f"{row[5]:>10}", flush=True)
+                done.append(row)
+            if args.json is not None:
+                write_rows(args.json, done, name)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,21 @@ Every backend of the op (``triton``, ``cutlass`` when built, ``torch`` =
 - Mixtral-like: E=8, top-2, H=4096, F=14336 (few large groups; fc1 is K=4096, N=14336);
 - DeepSeek-like (V3): E=256, top-8, H=7168, F=2048 (many small groups; K=7168, N=2048);
 - Qwen3-30B-A3B: E=128, top-8, H=2048, F=768 (K=2048, N=768: small GEMMs, launch-bound);
+- OLMoE-like: E=64, top-8, H=2048, F=1024 (E >= 64, where one launch must beat multi-stream);
 
-each with balanced routing (equal rows per expert) and skewed routing (Zipf-like: rows per
-expert proportional to ``1 / (rank + 1) ** 1.2`` over a shuffled expert order, some experts
-empty), forward and forward+backward. ``fc1`` is ``[M, H] x [E, H, F]``; the full run adds
-``fc2`` (``[M, F] x [E, F, H]``). The counts live on the GPU, as in an MoE layer: the loop
+each with balanced routing (equal rows per expert) and, in the full run, skewed routing
+(Zipf-like: rows per expert proportional to ``1 / (rank + 1) ** 1.2`` over a shuffled expert
+order, some experts empty), forward and forward+backward. The quick run (a lent GPU's 15
+minutes) keeps the balanced routing and orders the models by what their figures decide: the
+Qwen3 and DeepSeek shapes (the fraction-of-peak goals), the E=64 shape (against multi-stream),
+then Mixtral. ``fc1`` is ``[M, H] x [E, H, F]``; the full run adds
+``fc2`` (``[M, F] x [E, F, H]``).
+
+``torch`` is mtp's backend on PyTorch's grouped GEMM (it stores exact zeros in the tail rows and
+empty groups, :mod:`mtp.kernels.grouped_mm_fill`); ``F.grouped_mm`` is the raw PyTorch call on
+the same operands (no zeroing, offsets computed in the call), the peer the goals name.
+
+The counts live on the GPU, as in an MoE layer: the loop
 backends (``sequential``, ``multistream``, ``reference``) copy them to the host once per call
 (one sync), the single-launch backends read them on the device. Calls use ``validate=False``,
 as :class:`mtp.moe.GroupedMLP` does.
@@ -40,7 +50,12 @@ import os
 
 import torch
 
-from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, grouped_gemm, grouped_gemm_reference
+from mtp.ops.grouped_gemm import (
+    GROUPED_GEMM_BACKENDS,
+    grouped_gemm,
+    grouped_gemm_reference,
+    torch_grouped_mm,
+)
 
 from .core import FLOAT64, Case, Provider, Run, import_peer, needs_cuda, peer_attr, randn, seeded
 
@@ -48,12 +63,17 @@ FAMILY = "grouped_gemm"
 OPS = ("grouped_gemm",)
 BACKENDS = tuple(GROUPED_GEMM_BACKENDS)
 
-#: name -> (E, k, H, F)
+#: name -> (E, k, H, F), in the order the quick run takes them (most decisive first)
 MODELS = {
-    "Mixtral-like": (8, 2, 4096, 14336),
-    "DeepSeek-like": (256, 8, 7168, 2048),
     "Qwen3-30B-A3B": (128, 8, 2048, 768),
+    "DeepSeek-like": (256, 8, 7168, 2048),
+    "OLMoE-like": (64, 8, 2048, 1024),
+    "Mixtral-like": (8, 2, 4096, 14336),
 }
+#: size -> routings timed
+_SKEWS = {"quick": ("balanced",), "full": ("balanced", "skewed")}
+#: The raw PyTorch grouped GEMM provider (``torch.nn.functional.grouped_mm``).
+RAW_TORCH = "F.grouped_mm"
 
 #: size -> (tokens per model, gemms); smoke sizes are below.
 _GPU_SIZES = {"quick": (4096, ("fc1",)), "full": (8192, ("fc1", "fc2"))}
@@ -126,7 +146,7 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
     for name, (E, k, H, F) in MODELS.items():
         for gemm in gemms:
             K, N = (H, F) if gemm == "fc1" else (F, H)
-            for skew in ("balanced", "skewed"):
+            for skew in _SKEWS[size]:
                 for pass_ in ("fwd", "fwd+bwd"):
                     out.append(_case(name, E, k, tokens, K, N, gemm, skew, dtype, pass_))
     return out
@@ -156,6 +176,8 @@ def providers(op: str = "grouped_gemm") -> list[Provider]:
     out += [
         Provider("triton-ptr", "mtp", cpu=False,
                  needs=lambda d: needs_cuda(d) or backend_ready("triton")(d)),
+        Provider(RAW_TORCH, "baseline", cpu=False,
+                 needs=lambda d: needs_cuda(d) or backend_ready("torch")(d)),
         Provider("torch.compile", "baseline", cpu=False,
                  needs=lambda d: "not timed: the reference's per-expert loop reads the sizes on "
                                  "the host (see the 'torch' backend for PyTorch's grouped GEMM)"),
@@ -206,6 +228,13 @@ def _provider_fn(provider: str, w: torch.Tensor):
         layer = _te_layer(w.detach())
         params = [getattr(layer, f"weight{e}") for e in range(w.shape[0])]
         return (lambda x, c: layer(x, c.tolist())), params
+    if provider == RAW_TORCH:
+        mm = torch_grouped_mm()
+
+        def raw(x, c):
+            return mm(x, w, offs=torch.cumsum(c, 0, dtype=torch.int32))
+
+        return raw, [w]
     if provider == "grouped_gemm_pkg":
         gmm = peer_attr("grouped_gemm", "ops.gmm")
         return (lambda x, c: gmm(x, w, c.cpu(), trans_b=False)), [w]

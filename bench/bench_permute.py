@@ -45,6 +45,9 @@ OPS = ("permute", "unpermute")
 BACKENDS = ("triton", "reference")
 
 _MEGATRON = "megatron.core.transformer.moe.moe_utils"
+#: Index of the row map (``sorted_indices``) in Megatron-Core's ``permute`` outputs (0.16 to
+#: 0.19: tokens, probs, sorted_indices, pad_offsets, tokens_per_expert).
+MEGATRON_MAP_OUTPUT = 2
 _TE = "transformer_engine.pytorch"
 
 #: (name, T tokens, H hidden, E experts, k)
@@ -136,7 +139,10 @@ def _permute_fn(provider: str, N: int):
         return lambda x, rm: ref(x, rm, None, N)[::2]
     if provider == "megatron":
         mg = peer_attr(_MEGATRON, "permute")
-        return lambda x, rm: (lambda out: (out[0], out[-1]))(mg(x, rm, num_out_tokens=N))
+        # (permuted tokens, permuted probs, sorted indices, ...): the map is the third output
+        return lambda x, rm: (lambda out: (out[0], out[MEGATRON_MAP_OUTPUT]))(
+            mg(x, rm, num_out_tokens=N)
+        )
     if provider == "te":
         te = peer_attr(_TE, "moe_permute")
         return lambda x, rm: te(x, rm, num_out_tokens=N, map_type="mask")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import shlex
 import sys
@@ -25,6 +26,10 @@ from .env import REPO, device_folder, environment, prepare_runtime
 __all__ = ["main", "parse_args", "default_out"]
 
 logger = logging.getLogger("mtp")
+
+#: Providers the quick GPU run does not time: the per-expert loop and the plain-PyTorch
+#: reference (still computed once per case as the check).
+QUICK_UNTIMED = ("sequential", "reference")
 
 
 def default_out() -> Path:
@@ -64,9 +69,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: keep them, so the ops can be run in several calls)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up (GPU)")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time (GPU)")
-    return parser.parse_args(argv)
+    parser.add_argument("--warmup-ms", type=int, default=None,
+                        help="do_bench warm-up (GPU; default 25, 10 with --quick)")
+    parser.add_argument("--rep-ms", type=int, default=None,
+                        help="do_bench measuring time (GPU; default 100, 40 with --quick)")
+    parser.add_argument("--untimed", nargs="*", default=None, metavar="NAME",
+                        help="providers not timed (GPU; default with --quick: "
+                        f"{' '.join(QUICK_UNTIMED)}; the reference stays the check)")
+    parser.add_argument("--ceilings", type=Path, default=None,
+                        help="a JSON file of this GPU's measured ceilings: read when it exists, "
+                        "else measured and written (one measurement for several runs)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting new cases after this many seconds (GPU); the rest "
+                        "are recorded as skipped")
+    args = parser.parse_args(argv)
+    quick_gpu = args.quick
+    if args.warmup_ms is None:
+        args.warmup_ms = 10 if quick_gpu else 25
+    if args.rep_ms is None:
+        args.rep_ms = 40 if quick_gpu else 100
+    if args.untimed is None:
+        args.untimed = list(QUICK_UNTIMED) if quick_gpu else []
+    return args
 
 
 def _usage_error(message: str) -> int:
@@ -128,10 +152,6 @@ def main(argv=None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
 
     peak_dict = dataclasses.asdict(peak) if peak else None
-    body, ceilings = _measure(args, mode, planned, size, peak_dict)
-    this_run = body["records"]
-    for rec in this_run:
-        rec["run_date"] = env["date"]
     result = {
         "schema": report.SCHEMA,
         "command": "mtp-bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -143,19 +163,24 @@ def main(argv=None) -> int:
         "ops": sorted({case.op for _, case, _ in planned}),
         "providers": _providers_by_op(planned),
         "peak": peak_dict,
-        "ceilings": ceilings,
-        **body,
+        "ceilings": None,
+        "records": [],
+        "structure": {},
+        "complete": False,
     }
+    saver = _Saver(folder / "results.json", result, env["date"], merge=not args.replace)
+    body, result["ceilings"] = _measure(args, mode, planned, size, peak_dict, saver)
+    this_run = body["records"]
+    result.update(structure=body["structure"], complete=True)
     if mode != "gpu":
         formula_size = "quick" if args.quick else "full"
         result["formula_size"] = formula_size
         result["formulas"] = report.formula_table(
             runner.plan(modules, args.ops, formula_size, dtype, args.backends)
         )
-    if not args.replace:
-        result = report.merge_previous(folder / "results.json", result)
+    result = saver.merged(this_run)
     if args.no_plots:
-        plots, note = [], "plots skipped (--no-plots)"
+        plots, note = [], "plots skipped (--no-plots; `python -m bench.report DIR` draws them)"
     else:
         plots, note = report.write_plots(folder, result)
     result["plots"], result["plot_note"] = plots, note
@@ -175,7 +200,41 @@ def main(argv=None) -> int:
     return 1 if any(r["kind"] == "mtp" or r["provider"] == "reference" for r in failed) else 0
 
 
-def _measure(args, mode: str, planned, size: str, peak: dict | None):
+class _Saver:
+    """Writes ``results.json`` after every case (``complete: false`` until the run ends), so a
+    run killed at its time limit keeps every finished case; other ops' records of an earlier
+    run in the folder are kept (:func:`mtp.bench.report.merge_previous`) unless ``merge`` is
+    False."""
+
+    def __init__(self, path: Path, result: dict, run_date: str, merge: bool) -> None:
+        from . import report
+
+        self.path, self.result, self.run_date, self.merge = path, result, run_date, merge
+        self.previous = None
+        if merge and path.exists():
+            try:
+                self.previous = json.loads(path.read_text())
+            except ValueError:  # a broken earlier file: start afresh
+                self.previous = None
+        self.report = report
+        self.records: list[dict] = []
+
+    def merged(self, records: list[dict]) -> dict:
+        for rec in records:
+            rec["run_date"] = self.run_date
+        result = {**self.result, "records": records}
+        if self.previous is None:
+            return result
+        return self.report.merge_records(self.previous, result)
+
+    def __call__(self, records: list[dict]) -> None:
+        self.records += records
+        tmp = self.path.with_suffix(".json.tmp")
+        self.report.write_json(tmp, self.merged(self.records))
+        tmp.replace(self.path)  # atomic: a kill mid-write leaves the previous version
+
+
+def _measure(args, mode: str, planned, size: str, peak: dict | None, saver=None):
     """Run the planned cases: ``(body, ceilings)``, body = ``{"records", "structure"}``."""
     import torch
 
@@ -187,10 +246,17 @@ def _measure(args, mode: str, planned, size: str, peak: dict | None):
         if mode == "gpu":
             from .timing import GpuTimer, measure_ceilings
 
+            deadline = (time.monotonic() + args.budget_s) if args.budget_s else None
             torch.backends.cuda.matmul.allow_tf32 = False
-            timer = GpuTimer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-            ceilings = measure_ceilings(timer)
-            return runner.run_gpu(planned, timer, peak, ceilings, progress), ceilings
+            timer = GpuTimer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                             host_calls=5 if args.quick else 20,
+                             count_launches=not args.quick)  # fmt: skip
+            ceilings = _ceilings(args.ceilings, lambda: measure_ceilings(timer))
+            if saver is not None:
+                saver.result["ceilings"] = ceilings
+            body = runner.run_gpu(planned, timer, peak, ceilings, progress, on_records=saver,
+                                  deadline=deadline, untimed=tuple(args.untimed))  # fmt: skip
+            return body, ceilings
         # Tiny tensors: one intra-op thread (more only spin and fight other processes for
         # the cores of a small CI machine).
         threads = torch.get_num_threads()
@@ -202,6 +268,16 @@ def _measure(args, mode: str, planned, size: str, peak: dict | None):
             torch.set_num_threads(threads)
     finally:
         progress.close()
+
+
+def _ceilings(path: Path | None, measure) -> dict:
+    """The measured ceilings, shared through ``path`` between runs on the same GPU."""
+    if path is not None and path.exists():
+        return json.loads(path.read_text())
+    ceilings = measure()
+    if path is not None:
+        path.write_text(json.dumps(ceilings, indent=1) + "\n")
+    return ceilings
 
 
 def _providers_by_op(planned) -> dict[str, list[str]]:

@@ -29,6 +29,7 @@ __all__ = [
     "Case",
     "Provider",
     "Run",
+    "Skip",
     "FLOAT64",
     "dtype_name",
     "seeded",
@@ -107,12 +108,14 @@ class Provider:
         cpu: runs in the CPU smoke pass (the Triton backends do, under the interpreter).
         needs: why it may be unavailable: a callable returning None when it can run on
             ``device``, else the reason (shown as the skip note).
+        note: what differs in the work this provider is timed on (copied into its records).
     """
 
     name: str
     kind: str
     cpu: bool = True
     needs: Callable[[torch.device], str | None] | None = None
+    note: str = ""
 
     def unavailable(self, device: torch.device) -> str | None:
         if device.type != "cuda" and not self.cpu:
@@ -136,12 +139,21 @@ class Run:
         inputs: the tensors the call reads (kept alive; their size is reported).
         graph_fn: for layers that support it, a zero-arg callable returning a captured CUDA
             graph's replay function (the eager-vs-graph comparison).
+        for_check: maps ``fn``'s outputs to the layout of the reference's outputs, applied
+            only to the checked call (never timed): a peer whose API returns the same result
+            in pieces (Liger's SwiGLU: da and dg rather than dx and dbias).
     """
 
     fn: Callable[[], Sequence[torch.Tensor]]
     grad_to_none: list[torch.Tensor] = dataclasses.field(default_factory=list)
     inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
     graph_fn: Callable[[], Callable[[], Any]] | None = None
+    for_check: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None
+
+
+class Skip(Exception):  # noqa: N818 - a skip, not an error
+    """Raised by a setup factory when its provider cannot run this case (the record is
+    "skipped" with the message, not "failed"): e.g. a CUDA graph of a forward+backward."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,8 +197,29 @@ def check_limit(dtype: torch.dtype) -> float:
     return _LIMITS.get(dtype, 0.0)
 
 
-def rel_err(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
-    """Largest ``||a - e|| / ||e||`` over the tensor pairs (inf on NaN or shape mismatch)."""
+#: Elements per float64 chunk in :func:`rel_err` (32 MiB of float64 per operand): the check of
+#: a 30 GB weight gradient must not need a float64 copy of it.
+REL_ERR_CHUNK = 1 << 22
+
+
+def _diff_and_norm(a: torch.Tensor, e: torch.Tensor, chunk: int) -> tuple[float, float]:
+    """``(||a - e||^2, ||e||^2)`` accumulated in float64 over flat chunks of ``chunk``
+    elements (NaN when ``a`` holds NaN); no full float64 copy of either operand."""
+    a, e = a.detach().reshape(-1), e.detach().to(a.device).reshape(-1)
+    diff2 = torch.zeros((), dtype=torch.float64, device=a.device)
+    ref2 = torch.zeros((), dtype=torch.float64, device=a.device)
+    for start in range(0, a.numel(), chunk):
+        a64 = a[start:start + chunk].double()
+        e64 = e[start:start + chunk].double()
+        diff2 += (a64 - e64).square().sum()
+        ref2 += e64.square().sum()
+    return diff2.item(), ref2.item()
+
+
+def rel_err(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor],
+            chunk: int = REL_ERR_CHUNK) -> float:
+    """Largest ``||a - e|| / ||e||`` over the tensor pairs (inf on NaN or shape mismatch),
+    computed in float64 chunk by chunk (``chunk`` elements at a time)."""
     if len(actual) != len(expected):
         return float("inf")
     worst = 0.0
@@ -199,14 +232,13 @@ def rel_err(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) ->
             return float("inf")
         if a.numel() == 0:
             continue
-        a64, e64 = a.detach().double(), e.detach().to(a.device).double()
         if not a.dtype.is_floating_point:
-            worst = max(worst, 0.0 if torch.equal(a64, e64) else float("inf"))
+            worst = max(worst, 0.0 if torch.equal(a, e.to(a.device, a.dtype)) else float("inf"))
             continue
-        diff = (a64 - e64).norm().item()
-        if diff != diff:  # NaN: an unwritten (poisoned) or broken output
+        diff2, ref2 = _diff_and_norm(a, e, chunk)
+        if diff2 != diff2:  # NaN: an unwritten (poisoned) or broken output
             return float("inf")
-        ref = e64.norm().item()
+        diff, ref = diff2**0.5, ref2**0.5
         worst = max(worst, diff / ref if ref > 0 else diff)
     return worst
 
@@ -244,7 +276,9 @@ _COMPILED: dict[Any, Callable] = {}
 def compiled(fn: Callable) -> Callable:
     """``torch.compile(fn)``, cached per function (compiled once per run, not per case)."""
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn)
+        # dynamic=False: one graph per shape, as a user's static-shape training step compiles
+        # (by default the second shape would turn the graph dynamic, slower than either).
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn]
 
 

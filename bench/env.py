@@ -43,7 +43,11 @@ def prepare_runtime(mode: str = "auto") -> str:
 
 
 def git_revision() -> str | None:
-    """``<sha>`` of the mtp checkout (``+dirty`` with uncommitted changes), None outside git."""
+    """``<sha>`` of the mtp checkout (``+dirty`` with uncommitted changes); outside git (the
+    copy a lent GPU machine gets) ``$MTP_REVISION`` (``tools/gpu_check.py`` sets it to the
+    commit the bundle was made at), else None."""
+    if os.environ.get("MTP_REVISION"):
+        return os.environ["MTP_REVISION"]
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10

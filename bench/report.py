@@ -81,6 +81,11 @@ def merge_previous(path: Path, result: dict[str, Any]) -> dict[str, Any]:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return result
+    return merge_records(old, result)
+
+
+def merge_records(old: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` plus ``old``'s records of other ops (see :func:`merge_previous`)."""
     same = all(old.get(k) == result.get(k) for k in ("schema", "gpu_timing", "size", "dtype")) and (
         old.get("environment", {}).get("device") == result["environment"]["device"]
     )
@@ -362,7 +367,7 @@ def _gpu_plots(plt, folder: Path, result) -> list[str]:
     peak, ceil = result.get("peak"), result.get("ceilings")
     names = []
     for (op, pass_), records in _group(result["records"], ("op", "pass")).items():
-        timed = [r for r in records if r.get("timing")]
+        timed = [r for r in records if r.get("timing") and r.get("status") == "ok"]
         if not timed:
             continue
         compute = any(r["flops"] for r in timed)
@@ -509,3 +514,25 @@ def _span(records, key) -> str:
     if not values:
         return ""
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def main(argv=None) -> int:
+    """``python -m bench.report DIR``: the plots and ``results.md`` of ``DIR/results.json``
+    (a lent GPU's run writes no plots; they are drawn here from the JSON)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="a folder holding results.json")
+    args = parser.parse_args(argv)
+    result = json.loads((args.folder / "results.json").read_text())
+    plots, note = write_plots(args.folder, result)
+    result["plots"], result["plot_note"] = plots, note
+    write_json(args.folder / "results.json", result)
+    write_markdown(args.folder / "results.md", result)
+    print(f"wrote {len(plots)} plot(s) and results.md in {args.folder}"
+          + (f" ({note})" if note else ""))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,13 +23,14 @@ import gc
 import importlib
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from .core import FLOAT64, Case, Provider, check_limit, dtype_name, rel_err
+from .core import FLOAT64, Case, Provider, Skip, check_limit, dtype_name, rel_err
 
 __all__ = [
     "MODULES",
@@ -155,13 +156,15 @@ def _record(module: ModuleType, case: Case, provider: Provider) -> dict[str, Any
         "provider": provider.name,
         "kind": provider.kind,
         "status": "ok",
-        "note": "",
+        "note": provider.note,
         "bytes": case.bytes,
         "flops": case.flops,
     }
 
 
-def _check(out, expected, case: Case, against: str) -> dict[str, Any]:
+def _check(out, expected, case: Case, against: str, run=None) -> dict[str, Any]:
+    if run is not None and run.for_check is not None:
+        out = run.for_check(out)
     err = rel_err(_detach(out), expected)
     limit = check_limit(case.dtype)
     return {"rel_err": err, "limit": limit, "ok": err <= limit, "against": against}
@@ -198,6 +201,8 @@ def _each_provider(module, case, providers, device, progress, body) -> list[dict
         else:
             try:
                 body(rec, provider)
+            except Skip as exc:  # this provider cannot run this case: not a failure
+                rec.update(status="skipped", note=str(exc))
             except Exception as exc:  # one broken provider must not stop the run
                 rec.update(status="failed", note=_error_note(exc))
             _free(device)
@@ -222,7 +227,7 @@ def run_cpu_case(module: ModuleType, case: Case, providers: list[Provider], prog
         with poisoned(), _no_kernels(case):
             out = run.fn()  # the checked call, also the warm-up of the counted one
         if expected is not None:
-            rec["check"] = _check(out, expected, case, FLOAT64)
+            rec["check"] = _check(out, expected, case, FLOAT64, run)
             if not rec["check"]["ok"]:
                 rec.update(status="failed", note="differs from the float64 reference")
         del out
@@ -335,9 +340,11 @@ def _figures(rec, timing, peak, ceilings) -> dict[str, Any]:
     return fig
 
 
-def run_gpu_case(module, case, providers, timer, peak=None, ceilings=None, progress=None):
+def run_gpu_case(module, case, providers, timer, peak=None, ceilings=None, progress=None,
+                 untimed=()):
     """Records of one case on the GPU: check each provider, then time it (``timer`` is a
-    :class:`mtp.bench.timing.GpuTimer` or anything with its ``measure(run)``)."""
+    :class:`mtp.bench.timing.GpuTimer` or anything with its ``measure(run)``). Providers named
+    in ``untimed`` are not run (the reference still computes the expected result)."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     setup = module.SETUP[case.op]
     expected, expected_error = None, ""
@@ -348,6 +355,8 @@ def run_gpu_case(module, case, providers, timer, peak=None, ceilings=None, progr
         expected_error = _error_note(exc)
 
     def check_and_time(rec, provider):
+        if provider.name in untimed:
+            raise Skip("not timed in this run (--untimed); the reference is still the check")
         _time_one(rec, setup, case, provider, device, expected, timer, peak, ceilings)
         if expected is None:
             rec["note"] = f"unchecked: the reference failed ({expected_error})"
@@ -360,15 +369,18 @@ def run_gpu_case(module, case, providers, timer, peak=None, ceilings=None, progr
 
 
 def _time_one(rec, setup, case, provider, device, expected, timer, peak, ceilings) -> None:
+    """Check one provider against ``expected``, then time it. A failed check marks the record
+    failed (it never reaches a summary) but is still timed, for the record."""
     run = setup(case, provider.name, device)
     with poisoned():
         out = run.fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
     if expected is not None:
-        rec["check"] = _check(out, expected, case, GPU_EXPECTED)
+        rec["check"] = _check(out, expected, case, GPU_EXPECTED, run)
         if not rec["check"]["ok"]:
-            rec["note"] = "check failed: result differs from the reference (timed anyway)"
+            rec.update(status="failed",
+                       note="check failed: result differs from the reference (timed anyway)")
     del out
     rec["timing"] = _figures(rec, timer.measure(run), peak, ceilings)
     del run
@@ -391,10 +403,23 @@ def _speedups(records: list[dict]) -> None:
         }
 
 
-def run_gpu(planned, timer, peak=None, ceilings=None, progress=None) -> dict[str, Any]:
+def run_gpu(planned, timer, peak=None, ceilings=None, progress=None, on_records=None,
+            deadline: float | None = None, untimed=()) -> dict[str, Any]:
+    """Every planned case on the GPU. ``on_records(records)`` is called as each case ends (the
+    CLI appends them to ``records.jsonl``, so a killed run keeps its finished cases); past
+    ``deadline`` (``time.monotonic()``) the remaining cases are recorded as skipped."""
     records = []
     for module, case, providers in planned:
-        records += run_gpu_case(module, case, providers, timer, peak, ceilings, progress)
+        if deadline is not None and time.monotonic() > deadline:
+            recs = [dict(_record(module, case, p), status="skipped",
+                         note="not run: the time budget (--budget-s) was spent")
+                    for p in providers]  # fmt: skip
+        else:
+            recs = run_gpu_case(module, case, providers, timer, peak, ceilings, progress,
+                                untimed)  # fmt: skip
+        records += recs
+        if on_records is not None:
+            on_records(recs)
     return {"records": records, "structure": {}}
 
 

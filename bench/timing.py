@@ -43,6 +43,8 @@ class GpuTimer:
     Args:
         warmup_ms, rep_ms: ``do_bench``'s warm-up and measuring budgets (milliseconds).
         host_calls: calls whose issue time is measured (median reported).
+        count_launches: take the profiler pass that counts launches (seconds per record; the
+            quick run leaves it out: launches are counted on CPU, ``bench/counting.py``).
     """
 
     def __init__(
@@ -51,8 +53,10 @@ class GpuTimer:
         rep_ms: int = 100,
         host_calls: int = 20,
         host_budget_s: float = 1.0,
+        count_launches: bool = True,
     ) -> None:
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+        self.count_launches = count_launches
         self.host_calls, self.host_budget_s = host_calls, host_budget_s
 
     def device_time(self, run: Run) -> dict[str, float]:
@@ -115,11 +119,11 @@ class GpuTimer:
         the profiler without CUPTI) is None, with the reason in ``errors``."""
         figures: dict[str, Any] = self.device_time(run)
         errors = {}
-        for key, measure in (
-            ("host_us", lambda: {"host_us": self.host_time(run) * 1e6}),
-            ("kernels", lambda: self.launches(run)),
-            ("peak_mem_bytes", lambda: {"peak_mem_bytes": self.peak_memory(run)}),
-        ):
+        secondary = [("host_us", lambda: {"host_us": self.host_time(run) * 1e6}),
+                     ("peak_mem_bytes", lambda: {"peak_mem_bytes": self.peak_memory(run)})]
+        if self.count_launches:
+            secondary.insert(1, ("kernels", lambda: self.launches(run)))
+        for key, measure in secondary:
             try:
                 figures.update(measure())
             except Exception as exc:  # keep the timing; say what is missing

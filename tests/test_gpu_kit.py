@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -192,26 +193,46 @@ def test_bundle_alone_compiles_one_instantiation(bundle, tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
+def _dry_run(bundle_dir, out, *extra, wait=True):
+    cmd = [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run", "--out", str(out),
+           "--bundle", str(bundle_dir), *extra]  # fmt: skip
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=_clean_env(), cwd=ROOT)  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(), timeout=600,
+                          cwd=ROOT)  # fmt: skip
+
+
+def test_plan_orders_steps_by_value_within_540_s():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--plan"],
+                          capture_output=True, text=True, env=_clean_env(), timeout=60)
+    lines = [line.split() for line in proc.stdout.strip().splitlines()]
+    steps = [name for name, _ in lines[:-1]]
+    assert steps == ["env", "smoke", "build", "graphs", "grouped_gemm", "linear_cross_entropy",
+                     "moe_layer", "pytest", "cross_entropy", "bias_act", "permute"]
+    total = sum(int(s) for _, s in lines[:-1])
+    assert lines[-1] == ["total", str(total)] and total <= 540
+    assert int(dict(lines[:-1])["build"]) == 0  # only when the carried module fails to load
+
+
 def test_dry_run_walks_every_step(bundle, tmp_path):
     dest, _ = bundle
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run", "--out", str(out),
-         "--bundle", str(dest.parent)],
-        capture_output=True, text=True, env=_clean_env(), timeout=600, cwd=ROOT,
-    )  # fmt: skip
+    proc = _dry_run(dest.parent, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("== mtp gpu-check") :]
-    rows = {line.split()[0]: line for line in table.splitlines()[2:6]}
-    assert list(rows) == ["env", "build", "pytest", "bench"], table
-    assert "not run: no GPU" in rows["bench"] and "not run: no GPU" in rows["pytest"]
+    rows = {line.split()[0]: line for line in table.splitlines()[2:13]}
+    assert list(rows) == [name for name, _ in gpu_check.PLAN], table
+    for name in gpu_check.BENCH_STEPS + ("graphs",):
+        assert "not run: no GPU" in rows[name], rows[name]
     assert "tests: not run: no GPU" in table and "bench: not run: no GPU" in table
     collected = re.search(r"\((\d+) of (\d+) tests collected with -m gpu\)", rows["pytest"])
     assert collected and 0 < int(collected.group(1)) < int(collected.group(2)), rows["pytest"]
+    assert "modules imported, 0 failed" in rows["smoke"], rows["smoke"]
     if _nvcc():  # the build plan was made against the bundle, for sm_90a only
         assert rows["build"].split()[1:3] == ["dry-run", "ok"], rows["build"]
     assert sorted(p.name for p in out.iterdir()) == [
-        "env.json", "gpu-check.tar.gz", "pytest.log", "summary.txt"]
+        "env.json", "failures.txt", "gpu-check.tar.gz", "pytest.log", "summary.txt"]
     assert (out / "summary.txt").read_text().strip() == table.split("\n(unpack")[0].strip()
     env = json.loads((out / "env.json").read_text())
     import torch
@@ -222,11 +243,58 @@ def test_dry_run_walks_every_step(bundle, tmp_path):
     with tarfile.open(out / "gpu-check.tar.gz") as tar:
         names = set(tar.getnames())
         build_log = tar.extractfile("dry-run/gpu-check/build.log").read().decode()
+        bench_log = tar.extractfile("dry-run/gpu-check/bench-grouped_gemm.log").read().decode()
     assert {"dry-run/gpu-check/summary.txt", "dry-run/gpu-check/steps.json",
-            "dry-run/gpu-check/pytest.log", "dry-run/gpu-check/bench.log"} <= names
+            "dry-run/gpu-check/pytest.log", "dry-run/gpu-check/smoke.json"} <= names
+    assert "--quick" in bench_log and "--no-plots" in bench_log and "--budget-s" in bench_log
     if _nvcc():
         assert f"-I{dest / 'include'}" in build_log and "code=sm_90a" in build_log
         assert "sm_100" not in build_log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_dry_run_keeps_its_finished_steps(tmp_path, sig):
+    """Killed in the middle of a step (SIGTERM: packs on the way out; SIGKILL: nothing runs on
+    the way out), --out still holds every step finished before."""
+    out = tmp_path / "out"
+    proc = _dry_run(tmp_path / "no-bundle", out, "--dry-step-s", "4", "--only", "smoke",
+                    "graphs", "grouped_gemm", "moe_layer", wait=False)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # wait until graphs is packed, grouped_gemm running
+            steps = _packed_steps(out)
+            if "graphs" in steps:
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        time.sleep(1)
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    steps = _packed_steps(out)
+    assert steps[:3] == ["env", "smoke", "graphs"], steps
+    assert "moe_layer" not in steps
+    if sig == signal.SIGTERM:
+        assert steps[-1] == "(signal)" and proc.returncode == 128 + signal.SIGTERM
+    assert (out / "summary.txt").exists() and "graphs" in (out / "summary.txt").read_text()
+
+
+def _packed_steps(out: Path) -> list[str]:
+    try:
+        with tarfile.open(out / "gpu-check.tar.gz") as tar:
+            data = tar.extractfile("dry-run/gpu-check/steps.json").read()
+    except (FileNotFoundError, KeyError, tarfile.TarError, EOFError):
+        return []
+    return [s["step"] for s in json.loads(data)]
+
+
+def test_venv_mode_detection():
+    venv_mode = _load("venv_mode")
+    assert venv_mode.mode("/opt/torch/.venv", "/usr", has_gpu=True) == "reuse"
+    assert venv_mode.mode("/usr", "/usr", has_gpu=True) == "system-site"
+    assert venv_mode.mode("/work/.venv", "/usr", has_gpu=False) == "create"
+    assert venv_mode.mode("/usr", "/usr", has_gpu=False) == "create"
 
 
 def _checker(tmp_path):
@@ -258,6 +326,17 @@ def test_time_box_kills_the_whole_step(tmp_path):
     assert checker.run(["false"], log, cap=30, reserve=0)[0] == "failed (rc 1)"
     checker.deadline = time.monotonic()
     assert checker.run(["true"], log, cap=30)[0] == "skipped (budget)"
+
+
+def test_step_deadlines_are_cumulative_shares(tmp_path):
+    """A step that ends early gives its time to the next: each deadline is the start plus the
+    shares up to and including the step."""
+    checker = _checker(tmp_path)
+    total = 0
+    for name, seconds in gpu_check.PLAN:
+        total += seconds
+        assert checker.step_deadline(name) == pytest.approx(checker.start + total)
+    assert checker.deadline == pytest.approx(checker.start + total)
 
 
 def test_junit_counts(tmp_path):
@@ -310,6 +389,44 @@ def test_bench_table_best_backend_and_ratios():
     assert lines[-1] == "failed records: grouped_gemm/te"
     assert gpu_check.bench_table({"gpu_timing": False, "records": []}) == [
         "bench: not run: no GPU"]
+
+
+def test_check_failed_rows_never_reach_the_summary():
+    """A provider whose check failed is timed (for the record) but can top nothing."""
+    records = [_rec("a", "triton", "mtp", 2.0), _rec("a", "cutlass", "mtp", 0.1, status="failed"),
+               _rec("a", "F.grouped_mm", "baseline", 0.05, status="failed"),
+               _rec("a", "torch", "mtp", 3.0)]  # fmt: skip
+    lines = gpu_check.bench_table({"gpu_timing": True, "records": records})
+    row = next(line for line in lines if line.startswith("grouped_gemm"))
+    assert "triton 1" in row and "cutlass" not in row and "F.grouped_mm" not in row, row
+    assert lines[-1] == "failed records: grouped_gemm/F.grouped_mm, grouped_gemm/cutlass"
+
+
+def test_live_failures_plugin_writes_failing_ids_as_they_happen(tmp_path):
+    (tmp_path / "test_x.py").write_text(
+        "def test_ok():\n    pass\n\ndef test_bad():\n    assert 1 == 2, 'boom'\n")
+    failures = tmp_path / "failures.txt"
+    env = _clean_env(MTP_FAILURES_FILE=str(failures))
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT / "tools")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_live_failures",
+                           "-p", "no:cacheprovider", str(tmp_path / "test_x.py")],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    lines = failures.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("test_x.py::test_bad [call]"), lines
+    text = gpu_check.failures_text(failures)
+    assert text[0] == "failing tests (1):" and "test_bad" in text[1]
+
+
+def test_graphs_table_reads_the_bench_json():
+    data = {"device": "x", "rows": [
+        {"model": "dense", "tokens": 128, "mode": "eager", "host_ms": 6.0, "device_ms": 2.0,
+         "launches": 400},
+        {"model": "dense", "tokens": 128, "mode": "graphed", "host_ms": 1.5, "device_ms": 1.0,
+         "launches": 8}]}  # fmt: skip
+    lines = gpu_check.graphs_table(data)
+    assert lines[0].startswith("graphs") and "4.0x host" in lines[-1] and " 8 " in lines[-1]
+    assert gpu_check.graphs_table({"rows": []}) == []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,3 +575,19 @@ def test_progress_of_a_killed_pytest(tmp_path):
     log.write_text("$ python -m pytest -m gpu -x -q\n..s.F                  [ 40%]\n"
                    "..E.ss                 [ 90%]\nsomething else .F\n")
     assert gpu_check.progress_text(log) == "6 passed, 1 failed, 1 errors, 3 skipped (from the log)"
+
+
+def test_smoke_imports_everything_and_runs_one_call_per_family(tmp_path):
+    """tools/gpu_smoke.py, here under the interpreter (on the GPU: the first seconds of a lease)."""
+    report = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_smoke.py"), "--json",
+                           str(report)], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env=_clean_env(TRITON_INTERPRET="1"))  # fmt: skip
+    data = json.loads(report.read_text())
+    assert not data["imports"]["failed"] and len(data["imports"]["ok"]) > 60, data["imports"]
+    assert {"mtp.kernels.grouped_mm_fill", "mtp.bench.cli"} <= set(data["imports"]["ok"])
+    families = {c["family"] for c in data["calls"]}
+    assert families == {"bias_act", "cross_entropy", "linear_cross_entropy", "permute",
+                        "grouped_gemm", "moe_layer"}  # fmt: skip
+    assert all(c["ok"] for c in data["calls"]), [c for c in data["calls"] if not c["ok"]]
+    assert proc.returncode == 0, proc.stdout[-2000:]

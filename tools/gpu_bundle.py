@@ -14,12 +14,18 @@ CUTLASS module built here (Python 3.11) cannot load there. This script fills the
   pytest (``hypothesis``, ``pytest-xdist`` and their needs) and of the bench's peers
   (``liger-kernel``, ``megatron-core``). ``tools/gpu_check.py`` installs one only when its
   import fails there.
+* ``.gpu/ext/_cuda_gemm.cpython-312-x86_64-linux-gnu.so``: the CUTLASS module itself, built
+  here for sm_90a and sm_100a by a CPython 3.12 (the GPU machine's Python; ``--build-python``,
+  default ``build/py312-venv``, made from pyenv's 3.12 with the build inputs), so the lease
+  spends no nvcc minutes: ``tools/gpu_check.py`` copies it next to ``mtp/__init__.py`` and
+  builds only when it does not import there. The module links the CUDA runtime statically and
+  no torch, so one build serves any torch there.
 * ``.gpu/MANIFEST.json``: CUTLASS version, file counts and sizes, and the bytes that travel.
 
 It then prints the folder to carry and the command to run on the GPU machine. The working tree
 plus ``.gpu/`` must stay under the device tool's 64 MiB; the script fails when it does not.
 
-Usage: ``python tools/gpu_bundle.py [--out .gpu] [--no-wheels] [--check-only]``.
+Usage: ``python tools/gpu_bundle.py [--out .gpu] [--no-wheels] [--no-ext] [--check-only]``.
 """
 
 from __future__ import annotations
@@ -41,11 +47,16 @@ LIMIT_BYTES = 64 * 2**20  # the device tool's limit on what travels
 # triton; Megatron-Core also numpy and packaging, which the GPU image has. Transformer Engine
 # (a CUDA build of several hundred MB) does not fit the 64 MiB the device tool carries.
 WHEELS = ("hypothesis==6.170.15", "sortedcontainers==2.4.0", "pytest-xdist==3.8.0",
-          "execnet==2.1.2", "liger-kernel==0.8.5", "megatron-core==0.19.2")  # fmt: skip
+          "execnet==2.1.2", "pytest-timeout==2.4.0", "liger-kernel==0.8.5",
+          "megatron-core==0.19.2")  # fmt: skip
 # The module each wheel provides, for gpu_check's "install only when missing".
 WHEEL_MODULES = {"hypothesis": "hypothesis", "sortedcontainers": "sortedcontainers",
-                 "pytest_xdist": "xdist", "execnet": "execnet", "liger_kernel": "liger_kernel",
-                 "megatron_core": "megatron.core"}  # fmt: skip
+                 "pytest_xdist": "xdist", "execnet": "execnet", "pytest_timeout": "pytest_timeout",
+                 "liger_kernel": "liger_kernel", "megatron_core": "megatron.core"}  # fmt: skip
+EXT_FOLDER = "ext"  # .gpu/ext/: the prebuilt CUTLASS module
+GPU_PYTHON = "3.12"  # the GPU machines' CPython
+EXT_ARCHS = "9.0a;10.0a"
+BUILD_INPUTS = ("nvidia-cutlass==4.2.*", "pybind11>=2.12", "ninja")
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".cpp")
 _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 
@@ -121,6 +132,47 @@ def download_wheels(dest: Path, specs=WHEELS) -> list[Path]:
     return sorted(dest.glob("*.whl"))
 
 
+def find_python(version: str = GPU_PYTHON) -> Path | None:
+    """A CPython ``version`` interpreter here: ``$GPU_PYTHON``, pyenv's, or ``pythonX.Y``."""
+    if os.environ.get("GPU_PYTHON"):
+        return Path(os.environ["GPU_PYTHON"])
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = sorted(pyenv.glob(f"{version}.*/bin/python{version}")) if pyenv.is_dir() else []
+    if found:
+        return found[-1]
+    which = shutil.which(f"python{version}")
+    return Path(which) if which else None
+
+
+def build_python(venv: Path) -> Path:
+    """``venv``'s interpreter, creating the venv (CPython 3.12 + the build inputs) if needed."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        base = find_python()
+        if base is None:
+            raise SystemExit(f"gpu-bundle: no CPython {GPU_PYTHON} here (set GPU_PYTHON)")
+        subprocess.run([str(base), "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *BUILD_INPUTS], check=True)
+    return python
+
+
+def build_extension(out: Path, python: Path, jobs: int | None = None) -> Path:
+    """Build the CUTLASS module with ``python`` (3.12) for sm_90a + sm_100a in
+    ``build/cuda-cp312`` (ninja: incremental) and copy it to ``out/ext/``."""
+    build_dir = ROOT / "build" / "cuda-cp312"
+    env = dict(os.environ, MTP_CUDA_ARCH_LIST=EXT_ARCHS)
+    cmd = [str(python), str(ROOT / "csrc" / "build_ext.py"), "--build-dir", str(build_dir)]
+    subprocess.run(cmd + (["-j", str(jobs)] if jobs else []), check=True, env=env, cwd=ROOT)
+    built = sorted(build_dir.glob("_cuda_gemm.cpython-312-*.so"))
+    if not built:
+        raise SystemExit(f"gpu-bundle: no cp312 module in {build_dir}")
+    dest = out / EXT_FOLDER
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    return Path(shutil.copy2(built[-1], dest / built[-1].name))
+
+
 def travelling_files(root: Path = ROOT) -> list[Path]:
     """What the device tool sends: tracked and untracked-not-ignored files (and shared/)."""
     out = subprocess.run(
@@ -163,9 +215,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / ".gpu", help="bundle folder (.gpu)")
     parser.add_argument("--no-wheels", action="store_true", help="headers only (no pip download)")
+    parser.add_argument("--no-ext", action="store_true", help="no prebuilt CUTLASS module")
+    parser.add_argument("--build-python", type=Path, default=None,
+                        help="a CPython 3.12 with the build inputs (default: build/py312-venv)")
     parser.add_argument("--check-only", action="store_true", help="measure an existing bundle")
     args = parser.parse_args(argv)
     out = args.out.resolve()
+    previous = out / "MANIFEST.json"
+    ext_archs = json.loads(previous.read_text()).get("extension_archs") if previous.exists() \
+        else None
     build_ext = load_build_ext()
     include = build_ext.find_cutlass()
     version = ".".join(map(str, build_ext.cutlass_version(include)))
@@ -175,6 +233,11 @@ def main(argv=None) -> int:
         if not args.no_wheels:
             wheels = download_wheels(out / "wheels")
             print(f"gpu-bundle: wheels {', '.join(w.name for w in wheels)}")
+        if not args.no_ext:
+            python = args.build_python or build_python(ROOT / "build" / "py312-venv")
+            so = build_extension(out, python)
+            ext_archs = EXT_ARCHS
+            print(f"gpu-bundle: {so.name} for {EXT_ARCHS} ({so.stat().st_size / 2**20:.1f} MiB)")
     headers = folder_bytes(out / "cutlass")
     wheels_b = folder_bytes(out / "wheels")
     tree = tree_bytes(travelling_files())
@@ -187,6 +250,8 @@ def main(argv=None) -> int:
         "header_bytes": headers,
         "wheels": sorted(p.name for p in (out / "wheels").glob("*.whl")),
         "wheel_bytes": wheels_b,
+        "extension": sorted(p.name for p in (out / EXT_FOLDER).glob("*.so")),
+        "extension_archs": ext_archs if (out / EXT_FOLDER).is_dir() else None,
         "working_tree_bytes": tree,
         "total_bytes": total,
         "limit_bytes": LIMIT_BYTES,

@@ -1,33 +1,34 @@
-"""``make gpu-check``: validate and benchmark mtp on a lent GPU in one command (< 9 minutes).
+"""``make gpu-check``: validate and benchmark mtp on a lent GPU in one call of at most 9 minutes.
 
-Runs on the GPU machine with its own ``python3`` (torch, triton, nvcc, ninja, pybind11, pytest;
-no network), the checkout on ``PYTHONPATH`` (no install), and the folder ``make gpu-bundle``
-made (``.gpu/``: CUTLASS headers, fallback wheels) carried along. Steps, each in its own process
-group with a time box; a failed or timed-out step never stops the next one:
+A lent GPU machine gives a session 15 minutes in all (its start and every idle second count),
+at most 10 per command, and returns at most 8 files from ``$OUT``. So this script runs a fixed
+plan ordered by value, each step in its own process group with a deadline, and re-packs
+``$OUT`` after every step (and on SIGTERM/SIGINT): a command killed at its limit still returns
+every finished step. ``python tools/gpu_check.py --plan`` prints the plan.
 
-1. ``env``: GPU name, driver, clocks and limits as nvidia-smi reads them, torch/triton/CUDA/nvcc
-   versions, CPU count, the bundle's commit -> ``env.json``;
-2. ``build``: the CUTLASS extension (``csrc/build_ext.py --inplace``) for this GPU's architecture
-   only (sm_90a on H100/H200, sm_100a on B200), ``CUTLASS_DIR`` = the carried headers,
-   ``MAX_JOBS`` = cores, timed -> ``build.log``;
-3. ``pytest``: ``pytest -m gpu -x`` (``MTP_REQUIRE_CUDA_EXT=1`` when the build succeeded) ->
-   ``junit.xml``, ``pytest.log``;
-4. ``bench``: ``python -m bench OP --quick`` per op family (each call keeps the earlier ones'
-   records), so a slow family costs only itself -> ``results.json``, ``results.md``, PNGs;
-5. ``summary``: a short table printed last (steps, tests passed/failed, and per op the best mtp
-   backend's time and every other provider's time over it) -> ``summary.txt``.
+Steps, in run order (seconds are shares; a step that ends early gives its time to the next,
+since each step's deadline is the sum of the shares up to it):
+
+``env``: versions, the GPU and its clocks, the bundle's commit; the carried CUTLASS module
+(``.gpu/ext/``, built here by ``make gpu-bundle``) copied next to ``mtp/__init__.py``.
+``smoke``: ``tools/gpu_smoke.py``: import every mtp module, one tiny call per op family against
+its reference (a torch/triton mismatch shows in seconds).
+``build``: only when the carried CUTLASS module does not import: ``csrc/build_ext.py`` for this
+GPU (its time comes out of the later steps).
+``graphs``, ``grouped_gemm``, ``linear_cross_entropy``, ``moe_layer``: the quick bench (``python
+-m bench OP --quick --no-plots --budget-s``: no profiler pass, no timing of the loop backends,
+``results.json`` rewritten after every case).
+``pytest``: ``-m gpu``, no ``-x``, a per-test timeout, xdist workers, the Triton tests before
+the CUTLASS ones, failing test ids written to ``failures.txt`` as they happen.
+``cross_entropy``, ``bias_act``, ``permute``: the memory-bound families.
 
 Where it writes: with ``--out DIR`` or ``$OUT`` set (the device tool), everything goes to a
 scratch folder laid out as ``<device>/...`` (bench files) and ``<device>/gpu-check/...`` (the
-rest), packed into ``DIR/gpu-check.tar.gz``, and the key files are also copied flat into DIR
-(the device tool returns at most 8 files): unpack with
-``tar xzf gpu-check.tar.gz -C bench/results`` and commit. Without either, straight into
-``bench/results/<device>/``.
-
-``--dry-run`` (any machine, no GPU needed): walks every step without the GPU-only actions (the
-build plan is made against the bundle's headers, the gpu tests are collected, the bench commands
-are listed) and writes the table with "not run: no GPU", into ``bench/results/_scratch/`` unless
-``--out`` is given.
+rest), packed into ``DIR/gpu-check.tar.gz`` with the key files also copied flat into ``DIR``:
+unpack with ``tar xzf gpu-check.tar.gz -C bench/results``. Without either, straight into
+``bench/results/<device>/``. ``--dry-run`` (any machine): walks the plan without the GPU
+actions (GPU tests collected, bench commands listed, ``--dry-step-s`` seconds of sleep per bench
+step for the kill test).
 """
 
 from __future__ import annotations
@@ -42,48 +43,31 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bundle import WHEEL_MODULES  # noqa: E402
+from gpu_bundle import EXT_FOLDER, WHEEL_MODULES  # noqa: E402
+from gpu_probe import TORCH_PROBE, nvidia_smi, smi, which_nvcc  # noqa: E402
 from gpu_report import (  # noqa: E402
-    NO_GPU, bench_table, collected_text, junit_counts, progress_text, tests_text, text_table,
+    NO_GPU, bench_table, collected_text, failures_text, graphs_table, junit_counts,
+    progress_text, tests_text, text_table,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-# linear_cross_entropy last: its GEMM-sized cases (and a torch.compile) must not starve the rest
-BENCH_OPS = ("bias_act", "cross_entropy", "permute", "grouped_gemm", "moe_layer",
-             "linear_cross_entropy")
-# capability -> MTP_CUDA_ARCH_LIST entry (only these have CUTLASS kernels)
-ARCH_OF_CAPABILITY = {"9.0": "9.0a", "10.0": "10.0a"}
-SMI_FIELDS = ("name", "driver_version", "pci.bus_id", "memory.total", "power.limit",
-              "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
-              "clocks.applications.graphics", "temperature.gpu", "persistence_mode",
-              "compute_mode")  # fmt: skip
-# Versions, the GPU and the bench's folder name for it, in a child process (a broken torch or
-# CUDA must not take this script down).
-TORCH_PROBE = textwrap.dedent("""\
-    import json, torch, triton
-    d = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-             cuda_available=torch.cuda.is_available())
-    if d["cuda_available"]:
-        p = torch.cuda.get_device_properties(0)
-        d.update(device=p.name, capability=f"{p.major}.{p.minor}",
-                 sm_count=p.multi_processor_count, memory_bytes=p.total_memory)
-        try:
-            from bench.env import device_folder
-            from bench.peaks import match_peak
-
-            peak = match_peak(p.name, p.multi_processor_count)
-            d["folder"] = device_folder(dict(mode="gpu", device=p.name),
-                                        peak.name if peak else None)
-        except Exception as exc:
-            d["folder_error"] = repr(exc)
-    print(json.dumps(d))
-    """)
-FLAT_FILES = ("summary.txt", "env.json", "junit.xml", "pytest.log", "results.json", "results.md")
+#: (step, seconds), in run order. The sum is the whole run's budget (at most 540 s: the device
+#: tool's 600 s command limit less Python's start, the wheel install and the last pack).
+PLAN = (("env", 15), ("smoke", 30), ("build", 0), ("graphs", 40), ("grouped_gemm", 110),
+        ("linear_cross_entropy", 55), ("moe_layer", 75), ("pytest", 120), ("cross_entropy", 30),
+        ("bias_act", 30), ("permute", 30))  # fmt: skip
+BENCH_STEPS = ("grouped_gemm", "linear_cross_entropy", "moe_layer", "cross_entropy", "bias_act",
+               "permute")  # fmt: skip
+BUILD_CAP_S = 150  # the CUTLASS build when the carried module does not load (16 cores: ~100 s)
+ARCH_OF_CAPABILITY = {"9.0": "9.0a", "10.0": "10.0a"}  # only these have CUTLASS kernels
+#: At most 8 files come back: the tarball holds everything, these are also copied flat.
+FLAT_FILES = ("summary.txt", "env.json", "results.json", "failures.txt", "pytest.log",
+              "junit.xml", "graphs.json")  # fmt: skip
+CUTLASS_TESTS = "tests/test_cutlass_grouped_gemm.py"
 
 
 class Checker:
@@ -91,7 +75,8 @@ class Checker:
         self.args = args
         self.dry = args.dry_run
         self.start = time.monotonic()
-        self.deadline = self.start + args.budget_s
+        self.shares = dict(PLAN)
+        self.deadline = self.start + sum(self.shares.values())
         self.steps: list[dict] = []
         self.env = dict(os.environ)
         self.env["PYTHONPATH"] = os.pathsep.join(
@@ -101,7 +86,9 @@ class Checker:
         self.env.pop("TRITON_INTERPRET", None)
         self.bundle = (ROOT / args.bundle).resolve() if args.bundle else None
         self.record: dict = {}
+        self.tests: dict = {"note": "not run"}
         self.device = "dry-run" if self.dry else "gpu"
+        self.child: subprocess.Popen | None = None
         self.final_out = args.out
         if self.final_out is not None:
             self.root = Path(tempfile.mkdtemp(prefix="mtp-gpu-check-"))
@@ -110,7 +97,7 @@ class Checker:
         else:
             self.root = ROOT / "bench" / "results"
 
-    # -- paths -----------------------------------------------------------------------------
+    # -- paths and time ---------------------------------------------------------------------
 
     @property
     def folder(self) -> Path:
@@ -127,14 +114,24 @@ class Checker:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    # -- running things --------------------------------------------------------------------
+    def step_deadline(self, name: str) -> float:
+        """The end of ``name``'s share: the start plus the shares up to and including it."""
+        total = 0
+        for step, seconds in PLAN:
+            total += seconds
+            if step == name:
+                break
+        return self.start + total
+
+    # -- running things ---------------------------------------------------------------------
 
     def run(self, cmd: list[str], log: Path, cap: float, env: dict | None = None,
-            reserve: float = 15.0) -> tuple[str, int | None, float]:
+            reserve: float = 5.0) -> tuple[str, int | None, float]:
         """Run ``cmd`` with output to ``log``, killed (whole process group) after
         ``min(cap, time left - reserve)`` s. Returns (status, returncode, seconds)."""
-        limit = min(cap, self.remaining() - reserve)
-        if self.remaining() - reserve < 5:
+        budget = self.remaining() - reserve
+        limit = min(cap, budget)
+        if budget < 3 or limit <= 0:
             with open(log, "a") as f:
                 f.write(f"$ {shlex.join(cmd)}\nnot run: time budget spent\n")
             return "skipped (budget)", None, 0.0
@@ -142,16 +139,17 @@ class Checker:
         with open(log, "a") as f:
             f.write(f"$ {shlex.join(cmd)}\n")
             f.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=f,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self.child = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=f,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                rc = proc.wait(timeout=limit)
+                rc = self.child.wait(timeout=limit)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                _kill_group(self.child)
                 f.write(f"\n[gpu-check] killed after {limit:.0f} s (time box)\n")
                 return f"timeout ({limit:.0f} s)", None, time.monotonic() - t0
-        seconds = time.monotonic() - t0
-        return ("ok" if rc == 0 else f"failed (rc {rc})"), rc, seconds
+            finally:
+                self.child = None
+        return ("ok" if rc == 0 else f"failed (rc {rc})"), rc, time.monotonic() - t0
 
     def python(self, code: str, timeout: float = 60) -> str | None:
         """stdout of ``python -c code`` in the run's environment, None on failure."""
@@ -168,13 +166,24 @@ class Checker:
         if log is not None and not status.startswith(("ok", "not run", "dry-run")) and log.exists():
             tail = log.read_text(errors="replace").splitlines()[-12:]
             print("\n".join(f"    | {line}" for line in tail), flush=True)
+        self.pack()
 
-    # -- step 0: fallback wheels -----------------------------------------------------------
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.record.get("cuda_available")) and not self.dry
+
+    # -- env --------------------------------------------------------------------------------
 
     def prepare(self) -> None:
+        """Install the carried wheels whose module does not import here (no network there)."""
         wheels = sorted((self.bundle / "wheels").glob("*.whl")) if self.bundle else []
-        missing = [w for w in wheels
-                   if self.python(f"import {WHEEL_MODULES.get(w.name.split('-')[0], '_')}") is None]
+        names = {w: WHEEL_MODULES.get(w.name.split("-")[0], "_") for w in wheels}
+        probe = "import importlib.util as u, json, sys; print(json.dumps([m for m in " \
+                "sys.argv[1:] if u.find_spec(m.split('.')[0]) is None]))"
+        out = subprocess.run([sys.executable, "-c", probe, *names.values()], capture_output=True,
+                             text=True, env=self.env).stdout.strip()  # fmt: skip
+        absent = set(json.loads(out or "[]"))
+        missing = [w for w, module in names.items() if module in absent]
         if not missing:
             return
         site = Path(tempfile.gettempdir()) / "mtp-gpu-site"
@@ -182,11 +191,9 @@ class Checker:
                "--no-compile", "--upgrade", "--target", str(site), *map(str, missing)]  # fmt: skip
         ok = subprocess.run(cmd, capture_output=True, text=True).returncode == 0
         if ok:
-            self.env["PYTHONPATH"] = os.pathsep.join([str(site), self.env["PYTHONPATH"]])
+            self.env["PYTHONPATH"] = os.pathsep.join([self.env["PYTHONPATH"], str(site)])
         print(f"[gpu-check] installed {'' if ok else 'FAILED '}{[w.name for w in missing]}",
               flush=True)
-
-    # -- step 1: environment ---------------------------------------------------------------
 
     def step_env(self) -> None:
         t0 = time.monotonic()
@@ -196,133 +203,179 @@ class Checker:
         manifest = self.bundle / "MANIFEST.json" if self.bundle else None
         if manifest and manifest.exists():
             data = json.loads(manifest.read_text())
-            rec["bundle"] = {k: data.get(k) for k in ("commit", "cutlass_version", "headers")}
+            rec["bundle"] = {k: data.get(k) for k in ("commit", "cutlass_version", "headers",
+                                                      "extension")}  # fmt: skip
+            if data.get("commit"):
+                self.env["MTP_REVISION"] = data["commit"]
+        rec["carried_extension"] = self.place_extension()
         out = self.python(TORCH_PROBE, timeout=120)
         rec.update(json.loads(out) if out else {"torch": None, "error": "torch/triton failed"})
         self.record = rec
-        gpu = rec.get("cuda_available")
-        if self.dry and gpu:
+        if self.dry and rec.get("cuda_available"):
             print("[gpu-check] --dry-run on a GPU machine: GPU actions skipped all the same")
-        self.device = rec.get("folder", "gpu") if gpu and not self.dry else self.device
-        rec["nvidia_smi"] = _nvidia_smi()
-        clocks = _smi(["-q", "-d", "CLOCK,PERFORMANCE,POWER"])
+        self.device = rec.get("folder", "gpu") if self.has_gpu else self.device
+        rec["nvidia_smi"] = nvidia_smi()
+        clocks = smi(["-q", "-d", "CLOCK,PERFORMANCE,POWER"])
         if clocks:
             (self.own / "nvidia-smi.txt").write_text(clocks)
-        rec["nvcc"] = _first_line([_which_nvcc(), "--version"], pick="release")
-        (self.own / "env.json").write_text(json.dumps(rec, indent=2) + "\n")
+        rec["nvcc"] = _first_line([which_nvcc(), "--version"], pick="release")
+        self.write_env()
         detail = ", ".join(
             f"{k} {rec.get(k)}" for k in ("device", "torch", "triton", "cuda") if rec.get(k)
         )
-        smi = rec["nvidia_smi"]
-        if smi:
-            detail += f", driver {smi.get('driver_version')}, SM clock {smi.get('clocks.sm')}"
+        if rec["nvidia_smi"]:
+            detail += (f", driver {rec['nvidia_smi'].get('driver_version')}, SM clock "
+                       f"{rec['nvidia_smi'].get('clocks.sm')}")  # fmt: skip
         self.step("env", "ok" if rec.get("torch") else "failed", time.monotonic() - t0,
                   detail or "torch not importable")  # fmt: skip
 
-    @property
-    def has_gpu(self) -> bool:
-        return bool(self.record.get("cuda_available")) and not self.dry
+    def place_extension(self) -> str | None:
+        """Copy the carried ``_cuda_gemm*.so`` next to ``mtp/__init__.py`` (unless one is there):
+        its file name, or None when the bundle has none."""
+        carried = sorted((self.bundle / EXT_FOLDER).glob("_cuda_gemm*.so")) if self.bundle else []
+        for so in carried:
+            dest = ROOT / "mtp" / so.name
+            if not dest.exists() and not self.dry:
+                shutil.copy2(so, dest)
+        return carried[0].name if carried else None
 
-    # -- step 2: the CUTLASS extension -----------------------------------------------------
+    def write_env(self) -> None:
+        (self.own / "env.json").write_text(json.dumps(self.record, indent=2) + "\n")
+
+    # -- smoke and build --------------------------------------------------------------------
+
+    def step_smoke(self) -> None:
+        log, report = self.own / "smoke.log", self.own / "smoke.json"
+        cmd = [sys.executable, "tools/gpu_smoke.py", "--json", str(report)]
+        if self.dry or not self.has_gpu:
+            cmd.append("--imports-only")
+        status, _, seconds = self.run(cmd, log, self.step_deadline("smoke") - time.monotonic())
+        data = json.loads(report.read_text()) if report.exists() else {}
+        self.record["smoke"] = data
+        self.cutlass_ok = data.get("cutlass") == "ok"
+        self.write_env()
+        detail = data.get("summary", "no smoke.json")
+        self.step("smoke", status, seconds, detail, log)
 
     def step_build(self) -> None:
         log = self.own / "build.log"
-        log.write_text("")
         arch = ARCH_OF_CAPABILITY.get(self.record.get("capability", ""), None)
         if self.dry:
             arch = arch or "9.0a"
+        if getattr(self, "cutlass_ok", False):
+            self.step("build", "not needed", 0, "the carried CUTLASS module loads")
+            return
         if arch is None:
             self.step("build", "skipped", 0, f"no CUTLASS kernels for capability "
-                      f"{self.record.get('capability')}", log)  # fmt: skip
+                      f"{self.record.get('capability')}")  # fmt: skip
             return
         env = dict(self.env, MTP_CUDA_ARCH_LIST=arch, MAX_JOBS=str(os.cpu_count() or 1))
         if self.bundle:
             env["CUTLASS_DIR"] = str(self.bundle / "cutlass")
-        cmd = [sys.executable, "csrc/build_ext.py", "--inplace", "-j", env["MAX_JOBS"]]
-        if self.dry and not Path(_which_nvcc()).exists():
-            self.build_ok = False
-            self.step("build", "dry-run: no nvcc", 0, f"{arch}: no nvcc on this machine", log)
-            return
         if self.dry:
             cmd = [sys.executable, "csrc/build_ext.py", "--print-ninja"]
-        status, rc, seconds = self.run(cmd, log, self.args.build_cap_s, env=env)
-        self.build_ok = rc == 0 and not self.dry
-        where = f"CUTLASS_DIR={env.get('CUTLASS_DIR', '(package)')}"
+        else:
+            cmd = [sys.executable, "csrc/build_ext.py", "--inplace", "-j", env["MAX_JOBS"]]
+        if self.dry and not Path(which_nvcc()).exists():
+            self.step("build", "dry-run: no nvcc", 0, f"{arch}: no nvcc on this machine", log)
+            return
+        status, rc, seconds = self.run(cmd, log, BUILD_CAP_S, env=env)
         if self.dry:
             status = "dry-run ok" if rc == 0 else status
-            detail = f"build plan for {arch} against {where} (nvcc not run)"
-        else:
-            detail = f"{arch}, MAX_JOBS={env['MAX_JOBS']}, {where}"
         self.record["build"] = dict(status=status, seconds=round(seconds, 1), arch=arch)
-        self.step("build", status, seconds, detail, log)
+        self.step("build", status, seconds, f"{arch}, CUTLASS_DIR={env.get('CUTLASS_DIR')}", log)
 
-    # -- step 3: gpu tests -----------------------------------------------------------------
+    # -- graphs and the bench families ------------------------------------------------------
+
+    def step_graphs(self) -> None:
+        log, data = self.own / "graphs.log", self.own / "graphs.json"
+        cmd = [sys.executable, "-m", "bench.bench_graphs", "--iters", "5", "--json", str(data)]
+        if self.dry or not self.has_gpu:
+            return self.dry_bench("graphs", cmd, log)
+        status, _, seconds = self.run(cmd, log, self.step_deadline("graphs") - time.monotonic())
+        rows = json.loads(data.read_text())["rows"] if data.exists() else []
+        self.step("graphs", status, seconds, f"{len(rows)} rows", log)
+
+    def step_bench(self, op: str) -> None:
+        log = self.own / f"bench-{op}.log"
+        cap = self.step_deadline(op) - time.monotonic()
+        cmd = [sys.executable, "-m", "bench", op, "--quick", "--mode", "gpu", "--out",
+               str(self.root), "--no-progress", "--no-plots", "--ceilings",
+               str(self.own / "ceilings.json"), "--budget-s", f"{max(cap - 15, 1):.0f}",
+               *self.args.bench_args]  # fmt: skip
+        if self.dry or not self.has_gpu:
+            return self.dry_bench(op, cmd, log)
+        status, _, seconds = self.run(cmd, log, cap)
+        records = [r for r in self.bench_records() if r.get("family") == op]
+        done = sum(r["status"] == "ok" for r in records)
+        failed = sum(r["status"] == "failed" for r in records)
+        self.step(op, status, seconds, f"{done} timed, {failed} failed of {len(records)} records",
+                  log)  # fmt: skip
+
+    def dry_bench(self, name: str, cmd: list[str], log: Path) -> None:
+        with open(log, "a") as f:
+            f.write(f"{NO_GPU}: {shlex.join(cmd)}\n")
+        if self.args.dry_step_s:  # stands in for the step's work (the kill test)
+            time.sleep(self.args.dry_step_s)
+        self.step(name, NO_GPU, 0, "command in the log")
+
+    # -- pytest -----------------------------------------------------------------------------
 
     def step_pytest(self) -> None:
-        log, junit = self.own / "pytest.log", self.own / "junit.xml"
-        log.write_text("")
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-x", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={junit}", "tests"]  # fmt: skip
-        env = dict(self.env)
-        if getattr(self, "build_ok", False):
+        log, failures = self.own / "pytest.log", self.own / "failures.txt"
+        failures.touch()
+        env = dict(self.env, MTP_FAILURES_FILE=str(failures))
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT / "tools")])
+        if getattr(self, "cutlass_ok", False) or self.record.get("build", {}).get("status") == "ok":
             env["MTP_REQUIRE_CUDA_EXT"] = "1"
+        base = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                "-p", "pytest_live_failures"]  # fmt: skip
         if self.dry or not self.has_gpu:
-            cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                   "--collect-only", "tests"]  # fmt: skip
             env.setdefault("OMP_NUM_THREADS", "1")
-        status, rc, seconds = self.run(cmd, log, self.args.pytest_cap_s, env=env)
-        if self.dry or not self.has_gpu:
-            collected = collected_text(log)
-            self.tests = {"note": f"{NO_GPU} ({collected} tests collected with -m gpu)"}
-            ok = rc == 0
-            self.step("pytest", "dry-run ok" if ok else status, seconds, self.tests["note"], log)
+            status, rc, seconds = self.run([*base, "--collect-only", "tests"], log, 120, env=env)
+            self.tests = {"note": f"{NO_GPU} ({collected_text(log)} tests collected with -m gpu)"}
+            self.step("pytest", "dry-run ok" if rc == 0 else status, seconds, self.tests["note"],
+                      log)  # fmt: skip
             return
-        if junit.exists():
-            self.tests = junit_counts(junit)
-        else:  # killed by its time box: pytest writes the JUnit file only at the end
-            self.tests = {"note": f"{progress_text(log)} before the {status}"}
-        self.step("pytest", status, seconds, tests_text(self.tests), log)
+        workers = ["-n", str(min(4, os.cpu_count() or 1))] if self.has_module("xdist") else []
+        timeout = ["--timeout", "90"] if self.has_module("pytest_timeout") else []
+        end = self.step_deadline("pytest")
+        parts = ((f"--ignore={CUTLASS_TESTS}", "tests"), (CUTLASS_TESTS,))  # Triton first
+        statuses, t0, counts = [], time.monotonic(), []
+        for i, part in enumerate(parts):
+            junit = self.own / f"junit-{i}.xml"
+            # the Triton tests may use all but 30 s of the share; CUTLASS gets the rest
+            cap = (end - time.monotonic()) - (30 if i == 0 else 0)
+            status, _, _ = self.run([*base, *workers, *timeout, f"--junitxml={junit}", *part],
+                                    log, cap, env=env)  # fmt: skip
+            statuses.append(status)
+            counts.append(junit_counts(junit) if junit.exists()
+                          else {"note": f"{progress_text(log)} before the {status}"})
+        self.tests = _merge_counts(counts)
+        _merge_junit([self.own / f"junit-{i}.xml" for i in range(len(parts))],
+                     self.own / "junit.xml")  # fmt: skip
+        status = next((s for s in statuses if s != "ok"), "ok")
+        self.step("pytest", status, time.monotonic() - t0, tests_text(self.tests), log)
 
-    # -- step 4: benchmarks ----------------------------------------------------------------
+    def has_module(self, name: str) -> bool:
+        return self.python(f"import {name}") is not None
 
-    def step_bench(self) -> None:
-        log = self.own / "bench.log"
-        log.write_text("")
-        ops = self.args.bench_ops
-        if self.dry or not self.has_gpu:
-            for op in ops:
-                cmd = [sys.executable, "-m", "bench", op, "--quick", "--mode", "gpu",
-                       "--out", str(self.root), "--no-progress"]  # fmt: skip
-                with open(log, "a") as f:
-                    f.write(f"{NO_GPU}: {shlex.join(cmd)}\n")
-            with open(log, "a") as f:
-                f.write(f"{NO_GPU}: {shlex.join(self.graphs_cmd())}\n")
-            self.step("bench", NO_GPU, 0, f"would run {len(ops)} op families: {', '.join(ops)}"
-                      " and eager vs graphed steps")  # fmt: skip
-            return
-        t0, results = time.monotonic(), []
-        for i, op in enumerate(ops):
-            # Share what is left between this family and the ones after it (at least half).
-            left = len(ops) - i
-            cap = max(self.remaining() / max(1, left) * 2, 30) if left > 1 else self.remaining()
-            cmd = [sys.executable, "-m", "bench", op, "--quick", "--mode", "gpu",
-                   "--out", str(self.root), "--no-progress", *self.args.bench_args]  # fmt: skip
-            status, _, seconds = self.run(cmd, log, cap)
-            results.append(f"{op} {status}")
-            print(f"[gpu-check]   bench {op}: {status} in {seconds:.0f} s", flush=True)
-        # Eager vs CUDA-graphed steps (bench/bench_graphs.py: host time, launches), its own log.
-        status, _, seconds = self.run(self.graphs_cmd(), self.own / "graphs.log", 90)
-        results.append(f"graphs {status}")
-        print(f"[gpu-check]   bench graphs: {status} in {seconds:.0f} s", flush=True)
-        n_ok = sum(r.endswith(" ok") for r in results)
-        status = "ok" if n_ok == len(results) else f"failed ({n_ok}/{len(results)} ok)"
-        self.step("bench", status, time.monotonic() - t0, "; ".join(results), log)
+    # -- summary and packing ----------------------------------------------------------------
 
-    @staticmethod
-    def graphs_cmd() -> list[str]:
-        return [sys.executable, "-m", "bench.bench_graphs", "--iters", "5"]
+    def bench_records(self) -> list[dict]:
+        path = self.results_json()
+        if path is None:
+            return []
+        try:
+            return json.loads(path.read_text()).get("records", [])
+        except ValueError:  # written atomically, but be safe
+            return []
 
-    # -- step 5: summary -------------------------------------------------------------------
+    def results_json(self) -> Path | None:
+        if (self.folder / "results.json").exists():
+            return self.folder / "results.json"
+        found = sorted(self.root.glob("*/results.json")) if self.final_out is not None else []
+        return found[0] if found else None
 
     def summary(self) -> str:
         rec = self.record
@@ -331,57 +384,94 @@ class Checker:
                  f"torch {rec.get('torch')}, triton {rec.get('triton')} =="]  # fmt: skip
         rows = [[s["step"], s["status"], f"{s['seconds']:.0f}", s["detail"]] for s in self.steps]
         lines += text_table(["step", "status", "s", "detail"], rows)
-        lines.append("")
-        lines.append(f"tests: {tests_text(getattr(self, 'tests', {'note': 'not run'}))}")
-        results = self.results_json()
+        lines += ["", f"tests: {tests_text(self.tests)}"]
+        lines += failures_text(self.own / "failures.txt")
+        path = self.results_json()
         if not self.has_gpu:
             lines.append(f"bench: {NO_GPU}")
-        elif results is None:
+        elif path is None:
             lines.append("bench: no results.json")
         else:
-            lines += bench_table(json.loads(results.read_text()))
+            lines += bench_table(json.loads(path.read_text()))
+        graphs = self.own / "graphs.json"
+        if graphs.exists():
+            lines += graphs_table(json.loads(graphs.read_text()))
         where = (Path(self.final_out) / "gpu-check.tar.gz") if self.final_out else self.folder
         lines.append(f"total {time.monotonic() - self.start:.0f} s; files: {where}")
         return "\n".join(lines)
 
-    def results_json(self) -> Path | None:
-        """The bench's results.json: in <device>/, or (scratch root) in whatever folder the
-        bench named when the env step could not name it."""
-        if (self.folder / "results.json").exists():
-            return self.folder / "results.json"
-        found = sorted(self.root.glob("*/results.json")) if self.final_out is not None else []
-        return found[0] if found else None
-
-    def finish(self) -> int:
-        smi = _nvidia_smi()
-        if smi and self.record:  # clocks again, after the load
-            self.record["nvidia_smi_after"] = smi
-            (self.own / "env.json").write_text(json.dumps(self.record, indent=2) + "\n")
+    def pack(self) -> str:
+        """summary.txt and steps.json, then (with --out) the tarball and the flat files: called
+        after every step, so whatever ends this process leaves the finished steps in --out."""
         text = self.summary()
         (self.own / "summary.txt").write_text(text + "\n")
         (self.own / "steps.json").write_text(json.dumps(self.steps, indent=2) + "\n")
+        if self.final_out is None:
+            return text
+        out = Path(self.final_out)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "gpu-check.tar.gz.tmp"
+        with tarfile.open(tmp, "w:gz") as tar:
+            for child in sorted(self.root.iterdir()):  # the scratch root: <device>/ only
+                tar.add(child, arcname=child.name)
+        tmp.replace(out / "gpu-check.tar.gz")
+        results = self.results_json()
+        for name in FLAT_FILES:
+            for src in (self.own / name, results and results.parent / name):
+                if src and src.exists():
+                    shutil.copy2(src, out / name)
+                    break
+        return text
+
+    def finish(self) -> int:
+        smi_after = nvidia_smi()
+        if smi_after and self.record:  # clocks again, after the load
+            self.record["nvidia_smi_after"] = smi_after
+            self.write_env()
+        text = self.pack()
         if self.final_out is not None:
-            out = Path(self.final_out)
-            out.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(out / "gpu-check.tar.gz", "w:gz") as tar:
-                for child in sorted(self.root.iterdir()):  # the scratch root: <device>/ only
-                    tar.add(child, arcname=child.name)
-            results = self.results_json()
-            for name in FLAT_FILES:
-                for src in (self.own / name, self.folder / name, results and results.parent / name):
-                    if src and src.exists():
-                        shutil.copy2(src, out / name)
-                        break
-            shutil.rmtree(self.root, ignore_errors=True)
-            text += f"\n(unpack here with: tar xzf gpu-check.tar.gz -C bench/results)"
+            text += "\n(unpack here with: tar xzf gpu-check.tar.gz -C bench/results)"
         print("\n" + text, flush=True)
         failed = [s for s in self.steps if s["status"].startswith(("failed", "timeout"))]
         return 1 if failed else 0
 
+    def on_signal(self, signum, _frame) -> None:
+        """SIGTERM/SIGINT: stop the running step, record it, pack, exit."""
+        if self.child is not None:
+            _kill_group(self.child)
+        self.steps.append(dict(step="(signal)", status=f"killed by signal {signum}",
+                               seconds=round(time.monotonic() - self.start, 1), detail=""))
+        self.pack()
+        os._exit(128 + signum)
+
 
 # ----------------------------------------------------------------------------------------------
-# Process and nvidia-smi helpers
+# Helpers
 # ----------------------------------------------------------------------------------------------
+
+
+def _merge_counts(parts: list[dict]) -> dict:
+    notes = [p["note"] for p in parts if "note" in p]
+    full = [p for p in parts if "note" not in p]
+    if not full:
+        return {"note": "; ".join(notes)}
+    total = {k: sum(p[k] for p in full) for k in ("tests", "passed", "failed", "errors", "skipped")}
+    total["first_failure"] = next((p["first_failure"] for p in full if p["first_failure"]), None)
+    if notes:
+        total["first_failure"] = (total["first_failure"] or "") + f" [{'; '.join(notes)}]"
+    return total
+
+
+def _merge_junit(parts: list[Path], dest: Path) -> None:
+    """One JUnit file of the parts' test suites (the flat file that comes back)."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.Element("testsuites")
+    for part in parts:
+        if part.exists():
+            tree = ET.parse(part).getroot()
+            root.extend([tree] if tree.tag == "testsuite" else list(tree))
+    ET.ElementTree(root).write(dest, encoding="utf-8", xml_declaration=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -397,10 +487,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _which_nvcc() -> str:
-    return shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-
-
 def _first_line(cmd: list[str], pick: str = "") -> str | None:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -410,28 +496,9 @@ def _first_line(cmd: list[str], pick: str = "") -> str | None:
     return lines[0] if out.returncode == 0 and lines else None
 
 
-def _smi(args: list[str]) -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 and out.stdout.strip() else None
-
-
-def _nvidia_smi() -> dict | None:
-    """GPU 0's nvidia-smi fields (clocks as read now, MHz); None without nvidia-smi. A field
-    this driver does not know is asked alone, so one bad name costs only itself."""
-    fmt = "--format=csv,noheader"
-    text = _smi([f"--query-gpu={','.join(SMI_FIELDS)}", fmt])
-    if text is not None:
-        return dict(zip(SMI_FIELDS, (v.strip() for v in text.splitlines()[0].split(","))))
-    if _smi(["-L"]) is None:
-        return None
-    fields = {}
-    for field in SMI_FIELDS:
-        one = _smi([f"--query-gpu={field}", fmt])
-        fields[field] = one.splitlines()[0].strip() if one else None
-    return fields
+def plan_text() -> str:
+    lines = [f"{step} {seconds}" for step, seconds in PLAN]
+    return "\n".join(lines + [f"total {sum(s for _, s in PLAN)}"])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -439,38 +506,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bundle", default=".gpu", help="the folder make gpu-bundle filled")
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT") or None,
                         help="pack the results here (default: $OUT, else bench/results/<gpu>/)")
+    parser.add_argument("--plan", action="store_true", help="print the plan and exit")
     parser.add_argument("--dry-run", action="store_true", help="walk the steps without a GPU")
-    parser.add_argument("--budget-s", type=float, default=float(os.environ.get(
-        "MTP_GPU_CHECK_BUDGET_S", 510)), help="whole run (default 510 s)")  # fmt: skip
-    parser.add_argument("--build-cap-s", type=float, default=240)
-    parser.add_argument("--pytest-cap-s", type=float, default=150)
-    parser.add_argument("--bench-ops", nargs="+", default=list(BENCH_OPS), metavar="OP")
+    parser.add_argument("--dry-step-s", type=float, default=0,
+                        help="--dry-run: seconds each bench step sleeps (tests)")
+    parser.add_argument("--only", nargs="+", default=None, choices=[s for s, _ in PLAN],
+                        help="run only these steps (env always runs), e.g. a rerun of failures")
     parser.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[],
                         help="extra mtp-bench arguments (last on the line)")
-    parser.add_argument("--skip", nargs="+", default=[], choices=("build", "pytest", "bench"))
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plan:
+        print(plan_text())
+        return 0
     checker = Checker(args)
     if checker.root.exists() and args.dry_run and args.out is None:
         shutil.rmtree(checker.root)
-    print(f"[gpu-check] {'DRY RUN, ' if args.dry_run else ''}budget {args.budget_s:.0f} s, "
-          f"bundle {checker.bundle}, writing under {checker.root}", flush=True)
-    if checker.bundle is None or not (checker.bundle / "cutlass").is_dir():
-        print(f"[gpu-check] WARNING: no bundle at {checker.bundle}: the CUTLASS build will fail "
-              "(run `make gpu-bundle` on the CPU side and carry .gpu)", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, checker.on_signal)
+    print(f"[gpu-check] {'DRY RUN, ' if args.dry_run else ''}plan {sum(checker.shares.values())}"
+          f" s, bundle {checker.bundle}, writing under {checker.root}", flush=True)
     checker.prepare()
     checker.step_env()
-    for name in ("build", "pytest", "bench"):
-        if name in args.skip:
-            checker.step(name, "skipped (--skip)", 0, "")
-            if name == "pytest":
-                checker.tests = {"note": "not run (--skip pytest)"}
+    for name, _ in PLAN[1:]:
+        if args.only is not None and name not in args.only:
             continue
         try:
-            getattr(checker, f"step_{name}")()
+            if name in BENCH_STEPS:
+                checker.step_bench(name)
+            else:
+                getattr(checker, f"step_{name}")()
         except Exception as exc:  # noqa: BLE001 - one broken step never costs the rest
             checker.step(name, "failed (gpu-check error)", 0, f"{type(exc).__name__}: {exc}")
     return checker.finish()

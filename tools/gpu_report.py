@@ -10,8 +10,8 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-__all__ = ["NO_GPU", "bench_table", "collected_text", "junit_counts", "progress_text",
-           "tests_text", "text_table"]  # fmt: skip
+__all__ = ["NO_GPU", "bench_table", "collected_text", "failures_text", "graphs_table",
+           "junit_counts", "progress_text", "tests_text", "text_table"]  # fmt: skip
 
 NO_GPU = "not run: no GPU"
 
@@ -118,3 +118,43 @@ def collected_text(log: Path) -> str:
         if m:
             return m.group(1) + (f" of {m.group(2)}" if m.group(2) else "")
     return "?"
+
+
+def failures_text(path: Path, limit: int = 15) -> list[str]:
+    """The failing test ids ``pytest_live_failures`` wrote (at most ``limit`` lines)."""
+    if not path.exists():
+        return []
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    if not lines:
+        return []
+    out = [f"failing tests ({len(lines)}):"] + [f"  {ln}" for ln in lines[:limit]]
+    if len(lines) > limit:
+        out.append(f"  ... {len(lines) - limit} more in failures.txt")
+    return out
+
+
+def graphs_table(data: dict) -> list[str]:
+    """Eager vs CUDA-graphed steps (``bench.bench_graphs --json``): host and device ms per
+    step, launches, and the graphed step's host-time gain."""
+    rows, eager = [], {}
+    for r in data.get("rows", []):
+        key = (r["model"], r["tokens"])
+        if r["mode"] == "eager":
+            eager[key] = r
+        base = eager.get(key)
+        gain = (f"{base['host_ms'] / r['host_ms']:.1f}x host" if base and r["mode"] != "eager"
+                and r["host_ms"] else "")
+        rows.append([r["model"], str(r["tokens"]), r["mode"], _num(r["host_ms"]),
+                     _num(r["device_ms"]), _num(r["launches"], 0), gain])  # fmt: skip
+    if not rows:
+        return []
+    return ["graphs (one pipeline step, eager vs CUDA-graphed):"] + text_table(
+        ["model", "tokens", "mode", "host ms", "device ms", "launches", "gain"], rows)
+
+
+def _num(value, digits: int = 3) -> str:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return "?"
+    return "nan" if math.isnan(value) else f"{value:.{digits}f}"

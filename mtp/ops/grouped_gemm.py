@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from mtp.kernels import grouped_gemm as _kernels
+from mtp.kernels import grouped_mm_fill as _fill
+from mtp.kernels._common import interpreting
 from mtp.ops._backend import resolve_backend
 from mtp.ops.grouped_gemm_bias import add_expert_bias_, expert_bias_grad
 from mtp.utils import check_tensor, data_checks_enabled, empty, is_fake
@@ -261,9 +263,21 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return buf.copy_(t)
 
 
-def _row_mask(M: int, offs: torch.Tensor) -> torch.Tensor:
-    """``[M, 1]`` True on rows at or past ``offs[-1]`` (computed on the device)."""
-    return torch.arange(M, device=offs.device)[:, None] >= offs[-1:].to(torch.int64)
+def _zero_unwritten(out: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> None:
+    """Exact zeros where grouped_mm wrote nothing: the rows past ``offs[-1]`` of a forward
+    output ``[M, N]``, or the empty groups of a weight gradient ``[E, P, Q]``. With Triton
+    (CUDA, or the interpreter) only those elements are stored; otherwise a masked fill."""
+    kernels = out.is_cuda or interpreting()
+    if out.dim() == 2:
+        if kernels and out.stride(1) == 1:
+            _fill.zero_tail_rows(out, offs)
+        else:
+            rows = torch.arange(out.shape[0], device=out.device)[:, None]
+            out.masked_fill_(rows >= offs[-1:].to(torch.int64), 0)
+    elif kernels and out[0].is_contiguous():
+        _fill.zero_empty_groups(out, counts)
+    else:
+        out.masked_fill_((counts <= 0)[:, None, None], 0)
 
 
 def _torch_forward(x, w, counts, trans_b, out):
@@ -274,7 +288,7 @@ def _torch_forward(x, w, counts, trans_b, out):
     offs = torch.cumsum(counts.clamp_min(0), 0, dtype=torch.int32)
     b = w.transpose(1, 2) if trans_b else w
     y = torch_grouped_mm()(_aligned(x), _aligned(b), offs=offs)
-    y.masked_fill_(_row_mask(M, offs), 0)  # grouped_mm leaves these rows uninitialised
+    _zero_unwritten(y, counts, offs)  # grouped_mm leaves the tail rows uninitialised
     if out is None and y.is_contiguous():
         return y
     return _out_or_new(out, (M, N), x).copy_(y)
@@ -286,7 +300,7 @@ def _torch_wgrad(a, b, counts, out):
         return _out_or_new(out, (E, P, Q), a).zero_()
     offs = torch.cumsum(counts.clamp_min(0), 0, dtype=torch.int32)
     dw = torch_grouped_mm()(_aligned(a).t(), _aligned(b), offs=offs)
-    dw.masked_fill_((counts <= 0)[:, None, None], 0)  # empty groups: exact zeros
+    _zero_unwritten(dw, counts, offs)  # empty groups: exact zeros
     if out is None and dw.is_contiguous():
         return dw
     return _out_or_new(out, (E, P, Q), a).copy_(dw)
