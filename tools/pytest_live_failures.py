@@ -9,7 +9,8 @@ import os
 
 def pytest_runtest_logreport(report) -> None:
     path = os.environ.get("MTP_FAILURES_FILE")
-    if not path or not report.failed:
+    # xdist: the controller sees every worker's reports; a worker writing too would double them
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     message = str(getattr(report, "longrepr", "") or "").strip().splitlines()
     last = message[-1][:200] if message else ""
