@@ -95,13 +95,14 @@ def plan(
 
 
 class Progress:
-    """tqdm when installed, else one line per case on stderr."""
+    """tqdm on a terminal when installed, else one line per run on stderr, written before the
+    run starts (a log then names the case and provider a killed or hung run was in)."""
 
     def __init__(self, total: int, enabled: bool = True) -> None:
         self.bar = None
         self.enabled = enabled
         self.done, self.total = 0, total
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
 
@@ -109,13 +110,15 @@ class Progress:
             except ImportError:
                 self.bar = None
 
+    def begin(self, label: str) -> None:
+        if self.bar is None and self.enabled:
+            print(f"[{self.done + 1}/{self.total}] {label} ...", file=sys.stderr, flush=True)
+
     def step(self, label: str) -> None:
         self.done += 1
         if self.bar is not None:
             self.bar.set_description_str(label[:60])
             self.bar.update(1)
-        elif self.enabled:
-            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -195,6 +198,8 @@ def _each_provider(module, case, providers, device, progress, body) -> list[dict
     for provider in providers:
         rec = _record(module, case, provider)
         records.append(rec)
+        if progress is not None:
+            progress.begin(f"{case.op} {case.label} {case.pass_} {provider.name}")
         reason = provider.unavailable(device)
         if reason:
             rec.update(status="skipped", note=reason)

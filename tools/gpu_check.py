@@ -300,7 +300,7 @@ class Checker:
         log = self.own / f"bench-{op}.log"
         cap = self.step_deadline(op) - time.monotonic()
         cmd = [sys.executable, "-m", "bench", op, "--quick", "--mode", "gpu", "--out",
-               str(self.root), "--no-progress", "--no-plots", "--ceilings",
+               str(self.root), "--no-plots", "--ceilings",
                str(self.own / "ceilings.json"), "--budget-s", f"{max(cap - 15, 1):.0f}",
                *self.args.bench_args]  # fmt: skip
         if self.dry or not self.has_gpu:

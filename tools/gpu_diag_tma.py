@@ -1,0 +1,160 @@
+"""Which TMA grouped GEMM configs compute the right result on this GPU, and how fast?
+
+The first lease (H200, triton 3.6) found the TMA kernels leaving rows of their tiles unwritten
+(NaN in poisoned outputs) at real sizes while the pointer kernels and the interpreter were
+right. This script runs the forward and the weight-gradient TMA kernels with the table's
+configs and variants (warp specialisation off, 8 warps, no flattening, smaller tiles) against
+an fp32 reference on NaN-poisoned outputs, and times the correct ones. One line per variant;
+``--json`` keeps them. Then a small MoE layer forward+backward per TMA setting in a child
+process with a time limit (the first lease's moe_layer bench never finished a case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MOE_CHILD = """
+import os, time, torch
+from mtp.moe import MoELayer
+torch.manual_seed(0)
+layer = MoELayer(1024, 512, 64, 8, activation="swiglu", backend="triton",
+                 params_dtype=torch.bfloat16, device="cuda")
+x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+t0 = time.time()
+y = layer(x)
+y.float().pow(2).sum().backward()
+torch.cuda.synchronize()
+ok = bool(torch.isfinite(y).all() and torch.isfinite(x.grad).all())
+print("moe_layer TMA=%s finite=%s %.1f s" % (os.environ.get("MTP_TRITON_TMA"), ok, time.time() - t0))
+"""
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    d = (a - b).norm().item()
+    return float("inf") if d != d else d / max(b.norm().item(), 1e-30)
+
+
+def main() -> int:
+    import torch
+    from triton.testing import do_bench
+
+    from mtp.kernels import grouped_gemm as K
+    from mtp.kernels import grouped_gemm_tma as T
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    rows = []
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    shapes = {  # name: (counts, K, N)
+        "mixed": ([0, 700, 3, 0, 1290, 64, 1, 0], 264, 200),
+        "qwen3": ([256] * 128, 2048, 768),
+    }
+    fwd_variants = {
+        "table": lambda c: c,
+        "no_ws": lambda c: dataclasses.replace(c, warp_specialize=False),
+        "ws_8warps": lambda c: dataclasses.replace(c, num_warps=8),
+        "ws_bm64": lambda c: dataclasses.replace(c, block_m=64),
+    }
+    for name, (sizes, Kd, N) in shapes.items():
+        M = sum(sizes) + 37
+        E = len(sizes)
+        x = torch.randn(M, Kd, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(E, Kd, N, device=dev) / Kd**0.5).to(torch.bfloat16)
+        counts = torch.tensor(sizes, device=dev)
+        ref = torch.zeros(M, N, device=dev)
+        start = 0
+        for e, m in enumerate(sizes):
+            ref[start:start + m] = x[start:start + m].float() @ w[e].float()
+            start += m
+        base = T.forward_default(dev, M, N, Kd, E)
+        for vname, make in fwd_variants.items():
+            cfg = make(base)
+            row = dict(kernel="fwd", shape=name, variant=vname, config=dataclasses.asdict(cfg))
+            try:
+                out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+                K.grouped_gemm(x, w, counts, out, config=cfg, tma=True)
+                torch.cuda.synchronize()
+                row["nan"] = int(torch.isnan(out).sum())
+                row["rel_err"] = rel(out, ref)
+                if row["rel_err"] < 2e-2:
+                    row["ms"] = do_bench(lambda: K.grouped_gemm(x, w, counts, out, config=cfg,
+                                                                tma=True), warmup=5, rep=20)
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+        # pointer kernel for comparison
+        try:
+            out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+            K.grouped_gemm(x, w, counts, out, tma=False)
+            torch.cuda.synchronize()
+            row = dict(kernel="fwd", shape=name, variant="pointer", rel_err=rel(out, ref),
+                       nan=int(torch.isnan(out).sum()))
+            row["ms"] = do_bench(lambda: K.grouped_gemm(x, w, counts, out, tma=False),
+                                 warmup=5, rep=20)
+        except Exception as exc:  # noqa: BLE001
+            row = dict(kernel="fwd", shape=name, variant="pointer", error=str(exc)[:200])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        # weight gradient: dw[e] = x_e^T @ dy_e
+        dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+        dref = torch.zeros(E, Kd, N, device=dev)
+        start = 0
+        for e, m in enumerate(sizes):
+            dref[e] = x[start:start + m].float().T @ dy[start:start + m].float()
+            start += m
+        wbase = T.wgrad_default(dev, M, Kd, N, E)
+        wvariants = {
+            "table": wbase,
+            "no_ws": dataclasses.replace(wbase, warp_specialize=False),
+            "ws_8warps": dataclasses.replace(wbase, num_warps=8),
+        }
+        for vname, cfg in wvariants.items():
+            row = dict(kernel="wgrad", shape=name, variant=vname, config=dataclasses.asdict(cfg))
+            try:
+                out = torch.full((E, Kd, N), float("nan"), device=dev, dtype=torch.bfloat16)
+                K.grouped_wgrad(x, dy, counts, out, config=cfg, tma=True)
+                torch.cuda.synchronize()
+                row["nan"] = int(torch.isnan(out).sum())
+                row["rel_err"] = rel(out, dref)
+                if row["rel_err"] < 2e-2:
+                    row["ms"] = do_bench(lambda: K.grouped_wgrad(x, dy, counts, out, config=cfg,
+                                                                 tma=True), warmup=5, rep=20)
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    for tma in ("0", "1"):
+        env = dict(os.environ, MTP_TRITON_TMA=tma, PYTHONPATH=str(ROOT))
+        t0 = time.time()
+        try:
+            out = subprocess.run([sys.executable, "-c", MOE_CHILD], env=env, timeout=30,
+                                 capture_output=True, text=True, cwd=ROOT)
+            line = (out.stdout.strip().splitlines() or [out.stderr.strip()[-300:]])[-1]
+        except subprocess.TimeoutExpired:
+            line = f"moe_layer TMA={tma}: no result in 30 s (hang?)"
+        rows.append(dict(kernel="moe_layer", variant=f"TMA={tma}", result=line,
+                         seconds=round(time.time() - t0, 1)))
+        print(line, flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
