@@ -36,6 +36,7 @@ from mtp.tensor_parallel import (
     ParallelSelfAttention,
     VocabParallelEmbedding,
     VocabParallelLinearCrossEntropy,
+    mark_sequence_parallel_parameters,
     vocab_parallel_cross_entropy,
 )
 
@@ -85,8 +86,9 @@ class Block(nn.Module):
         self.attn = ParallelSelfAttention(args.hidden, args.heads, sequence_parallel=sp)
         self.norm2 = nn.LayerNorm(args.hidden)
         if args.moe:
-            self.mlp = MoELayer(
-                args.hidden, 2 * args.hidden, args.experts, args.topk, aux_loss_coeff=1e-2
+            self.mlp = MoELayer(  # takes this rank's sequence chunk under sequence parallelism
+                args.hidden, 2 * args.hidden, args.experts, args.topk, aux_loss_coeff=1e-2,
+                sequence_parallel=sp,
             )
         else:
             self.mlp = ParallelMLP(args.hidden, 4 * args.hidden, sequence_parallel=sp)
@@ -107,9 +109,9 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(args.hidden)
         self.head = ColumnParallelLinear(args.hidden, VOCAB, bias=False, sequence_parallel=sp)
         if sp:  # replicated parameters that see this rank's sequence chunk: partial gradients
-            for p in self.parameters():  # (experts, allreduce=False, see every chunk of the group)
-                if not getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True):
-                    p.sequence_parallel = True
+            # (the layers' attributes say which: shards, experts and the MoE router / shared
+            # expert, whose gradients the layer already sums over tp, are left alone)
+            mark_sequence_parallel_parameters(self)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[s, b]`` ids -> ``[s(/tp), b, h]`` the final hidden states (this rank's chunk)."""

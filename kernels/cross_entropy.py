@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtp.kernels._common import next_power_of_2
+from mtp.kernels._common import interpreting, next_power_of_2
 
 #: fp32 values per row that each rank contributes to the all-gather: ``(m, s, c)``; the
 #: statistics buffer has two more rows of metadata (int32 bits).
@@ -127,18 +127,45 @@ def _row_stats(logits_ptr, row_off, V, SMOOTHING: tl.constexpr, NT: tl.constexpr
 
 
 @triton.jit
-def _grad_tile(x, cols, local_t, lse, factor, coef_target, coef_uniform, scale):
-    p = tl.exp(x - lse)
-    g = p * factor - coef_uniform
+def _grad_tile(x, cols, local_t, m_ref, a, coef_target, coef_uniform, scale):
+    # softmax * factor = exp(x - m_ref) * a (see _row_grad)
+    g = tl.exp(x - m_ref) * a - coef_uniform
     g = g - tl.where(cols == local_t, coef_target, 0.0)
     return g * scale
 
 
 @triton.jit
-def _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, local_t, lse, factor, coef_target,
+def _softmax_coefs(m, log_s, factor):
+    """``(m_ref, factor / s)`` of a row from its max ``m`` and ``log_s = log(sum exp(x -
+    m_ref))``: ``exp(-log_s)`` rather than a division, which makes sm_90a spill here."""
+    return tl.where(m == -float("inf"), 0.0, m), factor * tl.exp(-log_s)
+
+
+_BF16_RNE_BY_HAND = tl.constexpr(interpreting())
+
+
+@triton.jit
+def _round_to(g, out_ty: tl.constexpr):
+    """fp32 ``g`` in ``out_ty``, rounded to nearest even: the cast on the GPU
+    (``cvt.rn.bf16.f32``); under the interpreter, whose bf16 cast truncates (twice the error),
+    bf16 is rounded on the bits by hand (NaN stays NaN)."""
+    if _BF16_RNE_BY_HAND and out_ty == tl.bfloat16:
+        bits = g.to(tl.uint32, bitcast=True)
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(g == g, rounded, g.to(tl.bfloat16))
+    else:
+        return g.to(out_ty)
+
+
+@triton.jit
+def _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, local_t, m_ref, a, coef_target,
               coef_uniform, scale, SAME_LAYOUT: tl.constexpr, NT: tl.constexpr,
               VEC: tl.constexpr):
-    """Write ``scale * dloss/dx`` of one row (reads the row again)."""
+    """Write ``scale * dloss/dx`` of one row (reads the row again), rounded once at the store;
+    ``softmax * factor = exp(x - m_ref) * a``: ``(m_ref, a) = (lse, factor)`` in the
+    cross-entropy kernels, ``(max, factor / sum)`` (:func:`_softmax_coefs`, PyTorch's
+    precision at large logits) in the fused linear cross-entropy."""
     BLOCK: tl.constexpr = NT * VEC
     flat = _tile(NT, VEC)
     head, main_start, n_full, tail_start = _split(row_off, V, VEC, BLOCK)
@@ -150,13 +177,13 @@ def _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, local_t, lse, factor,
     for k in range(0, n_full):
         x = tl.load(logits_ptr + (main_start + k * BLOCK) + flat).to(tl.float32)
         cols = head + k * BLOCK + flat
-        g = _grad_tile(x, cols, local_t, lse, factor, coef_target, coef_uniform, scale)
-        tl.store(grad_ptr + (g_main + k * BLOCK) + flat, g.to(out_ty))
+        g = _grad_tile(x, cols, local_t, m_ref, a, coef_target, coef_uniform, scale)
+        tl.store(grad_ptr + (g_main + k * BLOCK) + flat, _round_to(g, out_ty))
     for k in range(0, tl.cdiv(head + V - tail_start, BLOCK)):
         cols, mask = _ragged_cols(k, head, tail_start, V, flat, BLOCK)
         x = tl.load(logits_ptr + row_off + cols, mask=mask, other=0.0).to(tl.float32)
-        g = _grad_tile(x, cols, local_t, lse, factor, coef_target, coef_uniform, scale)
-        tl.store(grad_ptr + g_row_off + cols, g.to(out_ty), mask=mask)
+        g = _grad_tile(x, cols, local_t, m_ref, a, coef_target, coef_uniform, scale)
+        tl.store(grad_ptr + g_row_off + cols, _round_to(g, out_ty), mask=mask)
 
 
 @triton.jit
@@ -237,13 +264,16 @@ def _ce_fused_kernel(
         valid = target != ignore_index
         M, S, c = _row_stats_and_target(logits_ptr, row_off, V, target, coef_target,
                                         coef_uniform, SMOOTHING, NT, VEC)  # fmt: skip
-        loss, lse = _finish_row(M, tl.log(S), c, valid, z_loss_weight)
+        log_s = tl.log(S)
+        loss, lse = _finish_row(M, log_s, c, valid, z_loss_weight)
         if REDUCE:
             partial += loss
         else:
             tl.store(loss_ptr + row, loss)
         if GRAD:
             g_row_off = _row_offset(row, g_n_inner, g_stride_outer, g_stride_inner)
+            # (lse, factor): _softmax_coefs's (max, factor / sum) spills 8 B on sm_90a in the
+            # label-smoothing variant of this kernel (at its 128 registers)
             _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, target, lse,
                       1.0 + 2.0 * z_loss_weight * lse, coef_target, coef_uniform,
                       tl.where(valid, scale, 0.0), SAME_LAYOUT, NT, VEC)
@@ -354,7 +384,8 @@ def _ce_finish_kernel(
             c += tl.load(at + 2)
         target = tl.load(target_ptr + row).to(tl.int64)
         valid = target != ignore_index
-        loss, lse = _finish_row(m, tl.log(s), c, valid, z_loss_weight)
+        log_s = tl.log(s)
+        loss, lse = _finish_row(m, log_s, c, valid, z_loss_weight)
         if REDUCE:
             partial += loss
         else:
@@ -362,6 +393,7 @@ def _ce_finish_kernel(
         if GRAD:
             row_off = _row_offset(row, n_inner, stride_outer, stride_inner)
             g_row_off = _row_offset(row, g_n_inner, g_stride_outer, g_stride_inner)
+            # (lse, factor), as in _ce_fused_kernel (_softmax_coefs spills 12 B on sm_90a here)
             _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V_local, target - vocab_start,
                       lse, 1.0 + 2.0 * z_loss_weight * lse, coef_target, coef_uniform,
                       tl.where(valid, scale, 0.0), SAME_LAYOUT, NT, VEC)

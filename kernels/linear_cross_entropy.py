@@ -11,8 +11,9 @@ one read plus one in-place write backward. The row machinery (16-byte vector loa
   ``c = coef_target * x[t] + coef_uniform * sum(x)`` (``t`` this rank's local target id, or -1
   when another rank owns it), the statistics the ranks all-gather.
 - ``_lce_grad_kernel``: overwrites ``x`` with ``scale * (softmax(x) * (1 + 2 z lse) - coef_uniform
-  - coef_target * onehot(t))`` from the saved ``(m, log s)`` of the row (``lse = m + log s``),
-  ``scale`` = the row's upstream gradient (0 for ignored rows).
+  - coef_target * onehot(t))`` from the saved ``(m, s)`` of the row (``softmax = exp(x - m) /
+  s`` as PyTorch computes it, ``lse = m + log s``), ``scale`` = the row's upstream gradient
+  (0 for ignored rows).
 
 ``coef_ptr`` is a device fp32 ``[2]`` = ``(1 - eps, eps / V)``: ``V``, the global vocab, is
 known on the device only (the sum of the ranks' shard sizes), so it is not a launch argument.
@@ -29,6 +30,7 @@ from mtp.kernels.cross_entropy import (
     LANES,
     NUM_WARPS,
     _row_grad,
+    _softmax_coefs,
     _store_row_stats,
     num_programs,
     vector_width,
@@ -52,12 +54,12 @@ def _lce_grad_kernel(logits_ptr, local_t_ptr, coef_ptr, rowstat_ptr, scale_ptr, 
     for row32 in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = row32 * tl.full([], 1, tl.int64)
         row_off = row * V_local
-        lse = tl.load(rowstat_ptr + 2 * row) + tl.load(rowstat_ptr + 2 * row + 1)
+        m, log_s = tl.load(rowstat_ptr + 2 * row), tl.log(tl.load(rowstat_ptr + 2 * row + 1))
+        m_ref, a = _softmax_coefs(m, log_s, 1.0 + 2.0 * z_loss_weight * (m + log_s))
         local_t = tl.load(local_t_ptr + row)  # -1 (never a column) when another rank owns it
         scale = tl.load(scale_ptr + row)
-        _row_grad(logits_ptr, logits_ptr, row_off, row_off, V_local, local_t, lse,
-                  1.0 + 2.0 * z_loss_weight * lse, coef_target, coef_uniform, scale, True, NT,
-                  VEC)
+        _row_grad(logits_ptr, logits_ptr, row_off, row_off, V_local, local_t, m_ref, a,
+                  coef_target, coef_uniform, scale, True, NT, VEC)
 
 
 def _check_chunk(x: torch.Tensor, local_t: torch.Tensor, coefs: torch.Tensor) -> None:
@@ -88,7 +90,7 @@ def chunk_grad_(x: torch.Tensor, local_t: torch.Tensor, coefs: torch.Tensor,
                 rowstat: torch.Tensor, scale: torch.Tensor, z_loss_weight: float) -> torch.Tensor:
     """Overwrite ``x`` ``[rows, V_local]`` with ``scale * d loss / d x`` (in ``x.dtype``); one launch.
 
-    ``rowstat``: fp32 ``[rows, 2]`` ``(m, log s)`` of the global row; ``scale``: fp32 ``[rows]``
+    ``rowstat``: fp32 ``[rows, 2]`` ``(m, s)`` of the global row; ``scale``: fp32 ``[rows]``
     (the upstream gradient, 0 for ignored rows). Returns ``x``.
     """
     _check_chunk(x, local_t, coefs)

@@ -32,6 +32,7 @@ from mtp.ops._backend import resolve_backend
 from mtp.ops.grouped_mlp import clamped_swiglu
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, torch_grouped_mm, grouped_gemm
 from mtp.moe._checks import check_bool
+from mtp.parallel.params import set_expert_parallel_attributes
 from mtp.utils import check_int
 
 __all__ = ["GroupedMLP"]
@@ -89,6 +90,23 @@ def fc1_shard_columns(
     return cols
 
 
+class _ZerosWithGrad(torch.autograd.Function):
+    """Zeros shaped like ``bias`` whose backward hands ``bias`` the gradient unchanged.
+
+    fc2's bias on expert-tensor-parallel ranks >= 1: the partial outputs are summed over the
+    group, so only rank 0 adds the bias, but the output gradient is the same on every rank (the
+    reduce-scatter's backward all-gathers it), so each rank's ``bias2`` receives the same complete
+    gradient as rank 0's and the replicated copies stay equal under the optimizer."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class GroupedMLP(nn.Module):
     """``L`` expert MLPs evaluated with grouped GEMMs (Megatron-Core ``GroupedMLP`` names).
 
@@ -109,7 +127,8 @@ class GroupedMLP(nn.Module):
         tp_size, tp_rank: expert tensor parallelism: this rank holds ``F / tp_size`` of each
             expert's intermediate features (``fc1`` column-parallel, ``fc2`` row-parallel, see
             :func:`fc1_shard_columns`) and returns partial outputs the caller sums over the
-            expert-tensor-parallel group; ``bias2`` is added by rank 0 only.
+            expert-tensor-parallel group; ``bias2`` is added by rank 0 only, but every rank
+            gets its (complete, equal) gradient, so the copies stay equal.
         backend: grouped GEMM backend (``"auto"``, ``"triton"``, ``"torch"``, ``"cutlass"``,
             ``"multistream"``, ``"sequential"``, ``"reference"``, see
             :func:`mtp.ops.grouped_gemm`); the activation kernel uses ``"triton"`` or
@@ -132,12 +151,18 @@ class GroupedMLP(nn.Module):
             an fp32 ``main_grad``: the forward then casts nothing).
         perform_initialization: initialise the weights (see :meth:`reset_parameters`); False
             leaves them uninitialised (for loading a checkpoint).
+        expert_offset: the index of this rank's first expert among all experts (set by
+            :class:`~mtp.moe.MoELayer`); None: ``ep_rank * num_local_experts`` from
+            ``mtp.parallel``'s expert-parallel group. The default of :meth:`load_hf_weights` and
+            :meth:`load_full_weights`.
 
     Parameters: ``weight1 [L, H, F1]`` and ``weight2 [L, F, H]`` (``[E, K, N]``, ``F1 = F`` or
     ``2F``, both divided by ``tp_size``), optional ``bias1``/``bias2``. Hugging Face expert
     weights load with :meth:`load_hf_weights` and come back with :meth:`hf_weights`. They
     carry ``allreduce = False`` (Megatron's marker for expert parameters: reduce their gradients
-    over the expert-data-parallel group, not the data-parallel group).
+    over the expert-data-parallel group, not the data-parallel group); with ``tp_size > 1``
+    ``weight1``, ``weight2`` and ``bias1`` are marked ``tensor_model_parallel`` (shards over the
+    expert-tensor-parallel group, see :mod:`mtp.parallel.params`).
     """
 
     def __init__(
@@ -159,6 +184,7 @@ class GroupedMLP(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         perform_initialization: bool = True,
+        expert_offset: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -169,6 +195,8 @@ class GroupedMLP(nn.Module):
         ):
             check_int(name, value, 1)
         check_int("tp_rank", tp_rank, 0)
+        if expert_offset is not None:
+            check_int("expert_offset", expert_offset, 0)
         if tp_rank >= tp_size:
             raise ValueError(f"tp_rank={tp_rank} must be < tp_size={tp_size}")
         if ffn_hidden_size % tp_size:
@@ -199,6 +227,7 @@ class GroupedMLP(nn.Module):
         )
         self.bias_activation_fusion = check_bool("bias_activation_fusion", bias_activation_fusion)
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.expert_offset = expert_offset
         full_fc1 = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size
         self.full_fc1_output_size = full_fc1
         fc1_out = full_fc1 // tp_size
@@ -213,10 +242,22 @@ class GroupedMLP(nn.Module):
         else:
             self.register_parameter("bias1", None)
             self.register_parameter("bias2", None)
-        for p in self.parameters():
-            p.allreduce = False
+        self._set_parallel_attributes()
         if perform_initialization:
             self.reset_parameters()
+
+    def _set_parallel_attributes(self) -> None:
+        """Expert parameters (``allreduce = False``); with ``tp_size > 1`` ``weight1``,
+        ``bias1`` (fc1's columns, the two SwiGLU halves sharded alike) and ``weight2`` (fc2's
+        rows) are expert-tensor-parallel shards, ``bias2`` is replicated over the group (see
+        :mod:`mtp.parallel.params`)."""
+        sharded = self.tp_size > 1
+        stride = 2 if self.activation == "swiglu" else 1
+        set_expert_parallel_attributes(self.weight1, is_parallel=sharded, dim=2, stride=stride)
+        set_expert_parallel_attributes(self.weight2, is_parallel=sharded, dim=1)
+        if self.add_bias:
+            set_expert_parallel_attributes(self.bias1, is_parallel=sharded, dim=1, stride=stride)
+            set_expert_parallel_attributes(self.bias2)
 
     def extra_repr(self) -> str:
         return (
@@ -272,11 +313,12 @@ class GroupedMLP(nn.Module):
         weight2: torch.Tensor,
         bias1: torch.Tensor | None = None,
         bias2: torch.Tensor | None = None,
-        expert_offset: int = 0,
+        expert_offset: int | None = None,
     ) -> None:
         """Copy this rank's experts ``[expert_offset, expert_offset + L)`` and its expert-TP
         shard out of full (all experts, unsharded) ``weight1 [E, H, F1]``, ``weight2 [E, F, H]``
-        (and biases ``[E, F1]``, ``[E, H]``) in mtp's layout."""
+        (and biases ``[E, F1]``, ``[E, H]``) in mtp's layout. ``expert_offset=None``: this
+        rank's (see :meth:`default_expert_offset`)."""
         local = self.num_local_experts
         want1 = (self.hidden_size, self.full_fc1_output_size)
         want2 = (self.ffn_hidden_size, self.hidden_size)
@@ -285,6 +327,8 @@ class GroupedMLP(nn.Module):
         if weight2.dim() != 3 or tuple(weight2.shape[1:]) != want2:
             raise ValueError(f"weight2 must be [E, {want2[0]}, {want2[1]}], got {weight2.shape}")
         total = weight1.shape[0]
+        if expert_offset is None:
+            expert_offset = self.default_expert_offset(total)
         if not 0 <= expert_offset <= total - local or weight2.shape[0] != total:
             raise ValueError(
                 f"expert_offset={expert_offset} with {local} local experts does not fit weights of "
@@ -300,9 +344,33 @@ class GroupedMLP(nn.Module):
             self.bias1.copy_(bias1[sel][:, cols.to(bias1.device)])
             self.bias2.copy_(bias2[sel])
 
-    def load_hf_weights(self, expert_offset: int = 0, **hf) -> None:
-        """Load Hugging Face expert weights (all experts; this rank keeps its slice), see
-        :func:`mtp.moe.hf_weights.hf_to_grouped` for the accepted names and layouts."""
+    def default_expert_offset(self, num_experts: int) -> int:
+        """This rank's first expert among ``num_experts``: ``expert_offset`` when set (by
+        :class:`~mtp.moe.MoELayer`), else ``ep_rank * num_local_experts`` when ``mtp.parallel``
+        is initialised with ``ep_size * num_local_experts == num_experts``, else 0 when this
+        layer holds every expert; otherwise ``ValueError`` (pass ``expert_offset``)."""
+        if self.expert_offset is not None:
+            return self.expert_offset
+        local = self.num_local_experts
+        from mtp import parallel
+
+        if parallel.model_parallel_is_initialized():
+            ep = parallel.get_expert_model_parallel_world_size()
+            if ep * local == num_experts:
+                return parallel.get_expert_model_parallel_rank() * local
+        if num_experts == local:
+            return 0
+        raise ValueError(
+            f"expert_offset: this layer holds {local} of {num_experts} experts and its "
+            "expert-parallel rank is not known (no MoELayer, mtp.parallel not initialised or "
+            "with another expert-parallel size); pass expert_offset=<index of its first expert>"
+        )
+
+    def load_hf_weights(self, expert_offset: int | None = None, **hf) -> None:
+        """Load Hugging Face expert weights (all experts; this rank keeps its slice: experts
+        ``[expert_offset, expert_offset + L)``, by default this rank's, see
+        :meth:`default_expert_offset`), see :func:`mtp.moe.hf_weights.hf_to_grouped` for the
+        accepted names and layouts."""
         from mtp.moe.hf_weights import hf_to_grouped
 
         weights = hf_to_grouped(activation=self.activation, **hf)
@@ -407,11 +475,17 @@ class GroupedMLP(nn.Module):
         scale = None if permuted_probs is None else permuted_probs.to(h.dtype).unsqueeze(-1)
         if scale is not None and not self.probs_after_fc2:
             h = h * scale
-        y = self._gemm(h, self.weight2, tokens_per_expert,
-                       self.bias2 if self.tp_rank == 0 else None)  # fmt: skip
+        y = self._gemm(h, self.weight2, tokens_per_expert, self._fc2_bias())
         if scale is not None and self.probs_after_fc2:
             y = y * scale
         return y
+
+    def _fc2_bias(self) -> torch.Tensor | None:
+        """``bias2`` on expert-tensor-parallel rank 0; zeros that pass the gradient to
+        ``bias2`` on the others (see :class:`_ZerosWithGrad`)."""
+        if self.bias2 is None or self.tp_rank == 0:
+            return self.bias2
+        return _ZerosWithGrad.apply(self.bias2)
 
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether this call runs :func:`mtp.ops.grouped_mlp` (see ``bias_activation_fusion``)."""
@@ -430,7 +504,7 @@ class GroupedMLP(nn.Module):
         y = ops.grouped_mlp(
             x, w1.to(x.dtype), w2.to(x.dtype), tokens_per_expert,
             None if after else permuted_probs, self.bias1,
-            self.bias2 if self.tp_rank == 0 else None,
+            self._fc2_bias(),
             activation=self.activation, activation_limit=self.activation_limit,
             activation_alpha=self.activation_alpha, gradient_accumulation_fusion=accumulate,
             backend="triton", validate=False,

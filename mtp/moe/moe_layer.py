@@ -327,6 +327,7 @@ class MoELayer(nn.Module):
             params_dtype=params_dtype,
             device=device,
             perform_initialization=False,
+            expert_offset=self.local_expert_indices[0],
         )
         if perform_initialization:
             self.experts.reset_parameters(self.local_expert_indices[0], num_experts)

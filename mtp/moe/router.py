@@ -64,6 +64,7 @@ from mtp.moe.routing import (  # noqa: F401 - re-exported (their historical home
     z_loss_func,
 )
 from mtp.moe._checks import check_bool, check_device, check_float_dtype, check_group
+from mtp.parallel.params import mark_tensor_parallel_grad_reduced
 from mtp.utils import check_int
 
 __all__ = [
@@ -157,8 +158,10 @@ class TopKRouter(nn.Module):
             or ``torch.float64``); None uses the input dtype.
         tp_group: the group over which the tokens of one sequence are split (sequence parallel
             inside a tensor-parallel group): the weight's gradient is summed over it in the
-            backward (each rank sees its own tokens), and the load-balancing statistics are
-            computed over all its tokens (Megatron's ``tp_cp_group``). None: no such group.
+            backward (each rank sees its own tokens; the parameters are marked
+            ``tensor_parallel_grad_reduced``, see :mod:`mtp.parallel.params`), and the
+            load-balancing statistics are computed over all its tokens (Megatron's
+            ``tp_cp_group``). None: no such group.
         aux_loss_group: where ``"global_aux_loss"`` sums its token counts (Megatron: tensor x
             data x context parallel); None: ``tp_group``.
         layer_number, num_layers: when given, the losses are recorded in the per-layer tracker
@@ -282,6 +285,9 @@ class TopKRouter(nn.Module):
             )
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
+        if self._tp_size() > 1:  # gating() sums their gradients over tp_group in the backward
+            for p in self.parameters():
+                mark_tensor_parallel_grad_reduced(p)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -35,58 +35,89 @@ _GROUP_SCORES = ("topk", "top2")
 # --------------------------------------------------------------------------------------------
 
 
-_LOSS_SCALE: list = [None]  # MoEAuxLossAutoScaler's scale (a module global: torch.compile reads it)
+#: Where ``MoEAuxLossAutoScaler.main_loss_backward_scale`` lives (a module global: torch.compile
+#: traces reads of it, which it cannot do for an attribute of an autograd.Function class).
+_LOSS_SCALE: list = [None]
 
 
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Identity on ``output`` whose backward also gives ``aux_loss`` the gradient ``scale``.
-
-    ``MoEAuxLossAutoScaler.apply(activation, aux_loss)`` returns ``activation``; when the main
-    loss is back-propagated through it, ``aux_loss`` receives ``main_loss_backward_scale``
-    (default 1) as its gradient, so the auxiliary loss is optimised as if it had been added to
-    the main loss. Same name and behaviour as Megatron-Core's; the default scale is made with
-    ``torch.ones_like`` on the device (no host-to-device copy).
-    """
-
-    main_loss_backward_scale: torch.Tensor | None = None
+class _AuxLossScale(torch.autograd.Function):
+    """The autograd function behind :class:`MoEAuxLossAutoScaler` (its ``apply``)."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        # The scale is read here (not in backward) so that torch.compile traces it as a graph
-        # input; it is a one-element tensor, so later set_loss_scale() calls still apply.
-        scale = _LOSS_SCALE[0]
-        grad_aux = torch.ones_like(aux_loss)
-        if scale is not None:
-            grad_aux = grad_aux * scale.to(device=aux_loss.device, dtype=aux_loss.dtype)
-        ctx.save_for_backward(grad_aux)
+        ctx.save_for_backward(aux_loss)
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        (grad_aux,) = ctx.saved_tensors
+        (aux_loss,) = ctx.saved_tensors
+        grad_aux = torch.ones_like(aux_loss)  # a fill on the device: no host-to-device copy
+        scale = _LOSS_SCALE[0]  # read now: MoEAuxLossAutoScaler.main_loss_backward_scale
+        if scale is not None:
+            grad_aux = grad_aux * scale.to(device=aux_loss.device, dtype=aux_loss.dtype)
         return grad_output, grad_aux
+
+
+class _AuxLossScaleMeta(type):
+    """``MoEAuxLossAutoScaler.main_loss_backward_scale`` reads and assigns ``_LOSS_SCALE``: one
+    state, whichever way user or Megatron-style code reaches it."""
+
+    @property
+    def main_loss_backward_scale(cls) -> torch.Tensor | None:
+        return _LOSS_SCALE[0]
+
+    @main_loss_backward_scale.setter
+    def main_loss_backward_scale(cls, value: torch.Tensor | None) -> None:
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(
+                "MoEAuxLossAutoScaler.main_loss_backward_scale must be a torch.Tensor or None, "
+                f"got {type(value).__name__}"
+            )
+        _LOSS_SCALE[0] = value
+
+
+class MoEAuxLossAutoScaler(metaclass=_AuxLossScaleMeta):
+    """Identity on ``output`` whose backward also gives ``aux_loss`` the gradient ``scale``.
+
+    ``MoEAuxLossAutoScaler.apply(activation, aux_loss)`` returns ``activation``; when the main
+    loss is back-propagated through it, ``aux_loss`` receives the class attribute
+    ``MoEAuxLossAutoScaler.main_loss_backward_scale`` (a one-element tensor; None means 1) as
+    its gradient, so the auxiliary loss is optimised as if it had been added to the main loss.
+    Megatron-Core's name and behaviour: the attribute is the state, read when the backward
+    runs, so assigning it (``MoEAuxLossAutoScaler.main_loss_backward_scale =
+    torch.tensor(0.125)``), :meth:`set_loss_scale` (after the forward, as Megatron's schedules
+    call it) and :meth:`reset_loss_scale` all apply from the next backward on. (``apply`` is
+    an ``autograd.Function``'s; the class itself only holds the state, so that torch.compile
+    can trace the backward's read of it.)
+    """
+
+    apply = _AuxLossScale.apply
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
-        """Set the gradient the auxiliary losses receive (match the main loss's scale).
+        """Set the gradient the auxiliary losses receive (match the main loss's scale, e.g.
+        ``loss_scale / num_micro_batches``).
 
         Args:
-            scale: a one-element tensor (kept; later calls copy into it, so a captured graph
-                that read it sees the new value).
+            scale: a one-element tensor: becomes ``main_loss_backward_scale`` the first time
+                (or after a reset); later calls copy into it (Megatron-Core's behaviour), so a
+                captured graph that read it sees the new value.
         """
         if not isinstance(scale, torch.Tensor):
             raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__}")
-        if _LOSS_SCALE[0] is None:
+        if scale.numel() != 1:
+            raise ValueError(f"scale must have one element, got shape {tuple(scale.shape)}")
+        current = _LOSS_SCALE[0]
+        if current is None:
             _LOSS_SCALE[0] = scale
         else:
-            _LOSS_SCALE[0].copy_(scale)
-        MoEAuxLossAutoScaler.main_loss_backward_scale = _LOSS_SCALE[0]
+            current.copy_(scale.reshape(current.shape))
 
     @staticmethod
     def reset_loss_scale() -> None:
-        """Back to the default gradient 1 for the auxiliary losses."""
+        """Back to the default gradient 1 for the auxiliary losses
+        (``main_loss_backward_scale = None``)."""
         _LOSS_SCALE[0] = None
-        MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def switch_load_balancing_loss_func(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp.moe.experts import ACTIVATIONS, activation_function
+from mtp.parallel.params import mark_tensor_parallel_grad_reduced
 from mtp.utils import check_int
 
 __all__ = ["SharedExpertMLP"]
@@ -66,6 +67,9 @@ class SharedExpertMLP(nn.Module):
         else:
             self.register_parameter("gate_weight", None)
         self.tp_group = tp_group
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            for p in self.parameters():  # _weights() sums their gradients over tp_group
+                mark_tensor_parallel_grad_reduced(p)
 
     def _weights(self):
         params = [

@@ -81,7 +81,7 @@ def reference_forward(
     if compute_grad:
         scale = 1.0 / n_valid if reduction == "mean" else torch.ones_like(n_valid)
         scale = torch.where(valid, scale, torch.zeros_like(scale))
-        p = torch.exp(x - lse[:, None])
+        p = torch.exp(x - m_ref[:, None]) * (1.0 / s)[:, None]  # as PyTorch, not exp(x - lse)
         g = p * (1.0 + 2.0 * z * lse)[:, None] - coef_uniform
         g.scatter_add_(1, local[:, None], torch.where(owns, -coef_target, 0.0)[:, None])
         grad = (g * scale[:, None]).to(logits.dtype).reshape(logits.shape)

@@ -117,14 +117,18 @@ def _combine(gathered, valid, z_loss_weight):
     log_s = torch.log(s)
     lse = m + log_s
     loss = (m - c) + log_s + z_loss_weight * lse * lse
-    return torch.where(valid, loss, torch.zeros_like(loss)), torch.stack([m, log_s], dim=-1)
+    return torch.where(valid, loss, torch.zeros_like(loss)), torch.stack([m, s], dim=-1)
 
 
 def _chunk_grad(x, rowstat, local_t, owns, dloss, valid, coef_target, coef_uniform, z):
-    """``dloss * d loss / d logits`` of a chunk, fp32 ``[rows, V/tp]``."""
-    m, log_s = rowstat.unbind(-1)
-    lse = m + log_s
-    g = torch.exp(x.to(_acc(x.dtype)) - lse[:, None]) * (1.0 + 2.0 * z * lse)[:, None] - coef_uniform
+    """``dloss * d loss / d logits`` of a chunk, fp32 ``[rows, V/tp]``; the softmax as PyTorch
+    computes it, ``exp(x - m) * (1 / s)`` (not ``exp(x - lse)``, whose rounded ``lse`` costs
+    precision at large logits)."""
+    m, s = rowstat.unbind(-1)
+    lse = m + torch.log(s)
+    m_ref = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    p = torch.exp(x.to(_acc(x.dtype)) - m_ref[:, None]) * (1.0 / s)[:, None]
+    g = p * (1.0 + 2.0 * z * lse)[:, None] - coef_uniform
     hit = torch.where(owns, -coef_target, torch.zeros_like(lse))
     g.scatter_add_(1, local_t[:, None], hit[:, None].to(g.dtype))
     scale = torch.where(valid, dloss.to(lse.dtype), torch.zeros_like(lse))

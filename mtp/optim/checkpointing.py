@@ -18,9 +18,10 @@ gathering them.)
 
 **Full** (:func:`get_full_state_dict` / :func:`load_full_state_dict`): the unsharded
 ``state_dict`` of the single-device model, with its original names, gathered from the
-tensor-parallel shards (``tensor_model_parallel``/``partition_dim``/``partition_stride``) and
-the expert-parallel ranks (expert tensors along dim 0); and the inverse, each rank keeping its
-shard. Pipeline stages each export their own parameters.
+tensor-parallel shards (``tensor_model_parallel``/``partition_dim``/``partition_stride``; expert
+shards over the expert-tensor-parallel group) and the expert-parallel ranks (expert tensors
+along dim 0); and the inverse, each rank keeping its shard. Pipeline stages each export their
+own parameters.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed import DistributedDataParallel, is_expert_param
+from mtp.parallel.params import is_expert_param, param_reduction
+
+from .distributed import DistributedDataParallel
 
 __all__ = ["get_full_state_dict", "load_checkpoint", "load_full_state_dict", "save_checkpoint"]
 
@@ -301,6 +304,8 @@ def _blocks(param, full_size: int) -> list[int]:
 
 
 def _gather_tp(param: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate the shards of ``param`` over ``group`` along its ``partition_dim`` (block
+    by block for a ``partition_stride``)."""
     world = dist.get_world_size(group)
     local = param.detach().contiguous()
     parts = [torch.empty_like(local) for _ in range(world)]
@@ -312,34 +317,52 @@ def _gather_tp(param: torch.Tensor, group) -> torch.Tensor:
     return torch.cat([torch.cat([s[k] for s in split], dim) for k in range(len(blocks))], dim)
 
 
-def _gather_ep(param: torch.Tensor, group) -> torch.Tensor:
-    local = param.detach().contiguous()
+def _gather_ep(tensor: torch.Tensor, group) -> torch.Tensor:
+    local = tensor.detach().contiguous()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     return torch.cat(parts, 0)
 
 
+def _tensor_parallel_group(ps, t: torch.Tensor):
+    """The group ``t`` is a tensor-parallel shard over (None: not a shard, or size 1)."""
+    if ps is None:
+        return None
+    r = param_reduction(t)
+    if not r.sharded:
+        return None
+    group = ps.get_process_group(r.tensor_parallel_group)
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def _expert_parallel_group(ps, t: torch.Tensor):
+    if ps is None or not is_expert_param(t):
+        return None
+    group = ps.get_expert_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
 def get_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The single-device ``state_dict`` (original names, full tensors, on the CPU) of a
-    tensor-/expert-parallel model. Call on every rank (all-gathers over the tensor- and
-    expert-parallel groups); ``rank0_only`` returns ``{}`` on the other ranks."""
+    tensor-/expert-parallel model. Call on every rank (all-gathers over the tensor-,
+    expert-tensor- and expert-parallel groups); ``rank0_only`` returns ``{}`` on the other
+    ranks. Shards are recognised by their attributes (:mod:`mtp.parallel.params`): a dense
+    shard is gathered over the tensor-parallel group, an expert shard over the
+    expert-tensor-parallel group, then expert tensors along dim 0 over the expert-parallel
+    group."""
     _wait_params(model)
     module = _unwrap(model)
     ps = _parallel()
-    tp_group = ps.get_tensor_model_parallel_group() if ps else None
-    ep_group = ps.get_expert_model_parallel_group() if ps else None
     tensors = module.state_dict(keep_vars=True)
-    has_experts = any(is_expert_param(t) for t in tensors.values())
-    if has_experts and ps and ps.get_expert_tensor_parallel_world_size() > 1:
-        raise ValueError("get_full_state_dict: expert tensor parallelism is not supported")
     out = {}
     for name, t in tensors.items():
-        if getattr(t, "tensor_model_parallel", False) and tp_group is not None:
-            full = _gather_tp(t, tp_group) if dist.get_world_size(tp_group) > 1 else t.detach()
-        elif is_expert_param(t) and ep_group is not None and dist.get_world_size(ep_group) > 1:
-            full = _gather_ep(t, ep_group)
-        else:
-            full = t.detach()
+        full = t.detach()
+        tp_group = _tensor_parallel_group(ps, t)
+        if tp_group is not None:
+            full = _gather_tp(t, tp_group)
+        ep_group = _expert_parallel_group(ps, t)
+        if ep_group is not None:
+            full = _gather_ep(full, ep_group)
         out[name] = _cpu(full)
     if rank0_only and _rank() != 0:
         return {}
@@ -348,18 +371,16 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[s
 
 def _local_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     ps = _parallel()
-    if getattr(param, "tensor_model_parallel", False) and ps is not None:
-        world = ps.get_tensor_model_parallel_world_size()
-        if world > 1:
-            from mtp.tensor_parallel.utils import shard
+    group = _tensor_parallel_group(ps, param)
+    if group is not None:
+        from mtp.tensor_parallel.utils import shard
 
-            dim = param.partition_dim
-            rank = ps.get_tensor_model_parallel_rank()
-            return shard(full, dim, _blocks(param, full.size(dim)), rank, world)
-    if is_expert_param(param) and ps is not None:
-        world = ps.get_expert_model_parallel_world_size()
-        if world > 1:
-            return full.chunk(world, 0)[ps.get_expert_model_parallel_rank()]
+        dim = param.partition_dim
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        full = shard(full, dim, _blocks(param, full.size(dim)), rank, world)
+    group = _expert_parallel_group(ps, param)
+    if group is not None:
+        full = full.chunk(dist.get_world_size(group), 0)[dist.get_rank(group)]
     return full
 
 

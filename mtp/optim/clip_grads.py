@@ -1,10 +1,12 @@
 """Gradient norm and clipping over a tensor-, pipeline-, expert- and data-parallel model.
 
-Each gradient element is counted once in the whole job:
+Each gradient element is counted once in the whole job (the parameter attributes of
+:mod:`mtp.parallel.params` say where it lives):
 
-- a tensor-parallel shard (``tensor_model_parallel = True``) on every rank of its group;
+- a tensor-parallel shard (``tensor_model_parallel = True``) on every rank of its group (the
+  expert-tensor-parallel group for an expert parameter);
 - a parameter replicated over the tensor-parallel group only on tensor-parallel rank 0
-  (Megatron's ``param_is_not_tensor_parallel_duplicate``); an expert parameter
+  (Megatron's ``param_is_not_tensor_parallel_duplicate``); a replicated expert parameter
   (``allreduce = False``) on expert-tensor-parallel rank 0;
 - replicated data-parallel gradients (after the all-reduce) only on data-parallel rank 0 (the
   expert-data-parallel rank for expert parameters); with the distributed optimizer each rank
@@ -26,7 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed import DistributedDataParallel, is_expert_param
+from mtp.parallel.params import check_param_attributes, param_is_not_tensor_parallel_duplicate
+
+from .distributed import DistributedDataParallel
 
 __all__ = ["clip_grad_norm", "get_grad_norm", "param_is_not_duplicate"]
 
@@ -54,12 +58,10 @@ def param_is_not_duplicate(param: torch.Tensor, *, sharded: bool = False) -> boo
     ranks = _ranks()
     if ranks is None:
         return True
-    expert = is_expert_param(param)
-    if not sharded and ranks["edp" if expert else "dp"] != 0:
+    r = check_param_attributes(param)
+    if not sharded and ranks[r.data_parallel_group] != 0:
         return False
-    if getattr(param, "tensor_model_parallel", False):
-        return True
-    return ranks["etp" if expert else "tp"] == 0
+    return param_is_not_tensor_parallel_duplicate(param, ranks["tp"], ranks["etp"])
 
 
 def _check_norm_type(norm_type) -> float:

@@ -29,6 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtp.parallel.params import (
+    check_param_attributes,
+    is_expert_param,
+    param_is_sequence_parallel,
+)
+
 from .grad_buffer import ParamAndGradBuffer
 
 __all__ = ["DistributedDataParallel", "is_expert_param"]
@@ -36,12 +42,6 @@ __all__ = ["DistributedDataParallel", "is_expert_param"]
 logger = logging.getLogger("mtp")
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def is_expert_param(param: torch.Tensor) -> bool:
-    """True for an expert parameter (Megatron's marker ``allreduce = False``, set by
-    :class:`mtp.moe.GroupedMLP`): its gradient is reduced over the expert-data-parallel group."""
-    return getattr(param, "allreduce", True) is False
 
 
 def _all_gather_flat(out, inp, group, async_op=False):
@@ -98,7 +98,9 @@ class DistributedDataParallel(nn.Module):
     counted once; frozen parameters (``requires_grad=False``) get no buffer; a parameter that
     gets no gradient in an iteration gets a zero gradient (its ``main_grad`` stays zero).
     Parameters with ``sequence_parallel = True`` have their gradient summed over the
-    tensor-parallel group by :meth:`finish_grad_sync`.
+    tensor-parallel group by :meth:`finish_grad_sync`. How each parameter is reduced is read
+    from its attributes (:mod:`mtp.parallel.params`); contradictory ones raise ``ValueError``
+    naming the parameter.
     """
 
     def __init__(
@@ -155,7 +157,7 @@ class DistributedDataParallel(nn.Module):
                     f"parameter {name!r} has dtype {p.dtype}; DistributedDataParallel needs "
                     f"floating-point trainable parameters (freeze it: requires_grad_(False))"
                 )
-            expert = is_expert_param(p)
+            expert = check_param_attributes(p, f"parameter {name!r}").expert
             if expert and expert_group is None and dist.is_initialized():
                 from mtp import parallel
 
@@ -266,14 +268,20 @@ class DistributedDataParallel(nn.Module):
                 if bucket.grad_work is None:
                     self._start_bucket(bucket)
 
-    def finish_grad_sync(self) -> None:
+    def finish_grad_sync(self, *, set_param_grads: bool = True) -> None:
         """Wait for every bucket's reduction (starting those that are not running).
 
         Afterwards ``main_grad`` holds the averaged gradient: everywhere (all-reduce), or in this
         rank's shard of every bucket (distributed optimizer). Without the distributed optimizer
-        ``param.grad`` is set to it too. Calling it twice is harmless.
+        and with ``set_param_grads`` (default) ``param.grad`` is set to it too, for a torch
+        optimizer: a view of ``main_grad`` when the dtypes agree, else a copy in the parameter's
+        dtype (2 more bytes per fp16/bf16 parameter with fp32 gradient buffers, held until
+        :meth:`zero_grad_buffer`; :class:`~mtp.optim.DistributedOptimizer` reads ``main_grad``
+        and passes ``set_param_grads=False``). Calling it twice is harmless.
         """
         if self._grads_synced:
+            if not set_param_grads:
+                self.release_param_grads()
             return
         self.start_grad_sync()
         for buf in self.buffers:
@@ -286,17 +294,36 @@ class DistributedDataParallel(nn.Module):
                     buf.grad_data[s.start : s.end].copy_(out)
                 bucket.grad_work = (None, None)
         self._allreduce_sequence_parallel_grads()
-        if not self.use_distributed_optimizer:
+        if set_param_grads and not self.use_distributed_optimizer:
             for buf in self.buffers:
                 for p in buf.params:
                     g = p.main_grad
                     p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
         self._grads_synced = True
 
+    def release_param_grads(self) -> None:
+        """Drop the ``param.grad`` copies :meth:`finish_grad_sync` made (parameters whose
+        dtype differs from their gradient buffer's); views of ``main_grad`` stay."""
+        for buf in self.buffers:
+            if buf.grad_dtype == buf.param_dtype:
+                continue
+            for p in buf.params:
+                p.grad = None
+
+    def param_grad_copy_bytes(self) -> int:
+        """Bytes held by ``param.grad`` tensors that are not views of a gradient buffer (the
+        copies :meth:`finish_grad_sync` makes for a torch optimizer, see there)."""
+        total = 0
+        for buf in self.buffers:
+            if buf.grad_dtype == buf.param_dtype:
+                continue
+            for p in buf.params:
+                if p.grad is not None:
+                    total += p.grad.numel() * p.grad.element_size()
+        return total
+
     def _allreduce_sequence_parallel_grads(self) -> None:
-        sp = [
-            p for buf in self.buffers for p in buf.params if getattr(p, "sequence_parallel", False)
-        ]
+        sp = [p for buf in self.buffers for p in buf.params if param_is_sequence_parallel(p)]
         if not sp:
             return
         from mtp import parallel

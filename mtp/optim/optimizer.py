@@ -295,7 +295,7 @@ class DistributedOptimizer:
         """
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure")
-        self.model.finish_grad_sync()
+        self.model.finish_grad_sync(set_param_grads=False)  # main_grad is what it reads
         self._copy_model_grads_to_main_grads()
         if self.grad_scaler is not None and self._unscale_and_check():
             return False, None, None
@@ -375,7 +375,10 @@ class DistributedOptimizer:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by this rank: model parameters, gradient buffers, fp32 main parameters
         (separate copies only), fp32 main gradients (separate copies only), optimizer state
-        (per-element tensors only; 0-d ``step`` counters are not counted)."""
+        (per-element tensors only; 0-d ``step`` counters are not counted), and ``param.grad``
+        copies in the parameter dtype when some are held (``"grad_copies"``: after a
+        ``model.finish_grad_sync()`` called by hand, until :meth:`step` or :meth:`zero_grad`
+        drops them)."""
 
         def nbytes(t):
             return t.numel() * t.element_size()
@@ -404,6 +407,7 @@ class DistributedOptimizer:
             "main_params": mains,
             "main_grads": main_grads,
             "optimizer_state": state,
+            "grad_copies": self.model.param_grad_copy_bytes(),
         }
 
     def bytes_per_parameter(self) -> float:

@@ -9,6 +9,9 @@
   ranks that disagree fail fast and clearly (``MTP_CHECK_COLLECTIVES=1`` checks every
   collective), and an error inside a collective region aborts the group instead of leaving
   its peers waiting.
+- :mod:`mtp.parallel.params`: the parameter attributes that say how each gradient is reduced
+  (tensor-parallel, expert, expert-tensor-parallel, sequence-parallel, already reduced), read by
+  DDP, clipping, the optimizer, checkpoints and sequence-parallel marking alike.
 
 The rank generator and the errors import without torch; the torch-dependent modules (process
 groups, mappings, RNG, agreement checks) load on first use of one of their names, so that
@@ -22,7 +25,7 @@ from .rank_generator import *  # noqa: F401,F403
 from .rank_generator import __all__ as _rank_all
 
 # Modules whose names this package re-exports, loaded together on first use.
-_LAZY_MODULES = ("parallel_state", "mappings", "random", "agreement")
+_LAZY_MODULES = ("parallel_state", "mappings", "random", "agreement", "params")
 _AGREEMENT_NAMES = ("check_collectives_enabled", "set_check_collectives")
 _loaded = False
 

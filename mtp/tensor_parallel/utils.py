@@ -11,6 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mtp.parallel.mappings import all_reduce_, resolve_tensor_parallel_group
+from mtp.parallel.params import (
+    param_is_sequence_parallel,
+    param_is_tensor_parallel,
+    param_reduction,
+    set_tensor_model_parallel_attributes,
+)
 
 __all__ = [
     "VocabUtility",
@@ -110,36 +116,30 @@ def shard(
     return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone()
 
 
-def set_tensor_model_parallel_attributes(
-    param: torch.Tensor, is_parallel: bool, dim: int, stride: Stride = 1
-) -> None:
-    """Mark ``param`` as a shard (Megatron-Core's ``tensor_model_parallel``, ``partition_dim``,
-    ``partition_stride`` attributes)."""
-    param.tensor_model_parallel = is_parallel
-    param.partition_dim = dim
-    param.partition_stride = stride
-
-
-def param_is_tensor_parallel(param: torch.Tensor) -> bool:
-    """True for a tensor-parallel shard (different on every rank of the group)."""
-    return bool(getattr(param, "tensor_model_parallel", False))
-
-
 def mark_sequence_parallel_parameters(params: Iterable[torch.Tensor] | nn.Module) -> int:
-    """Set ``sequence_parallel = True`` on every replicated (not sharded) parameter.
+    """Set ``sequence_parallel = True`` on every replicated parameter whose gradient is still
+    partial over the tensor-parallel group.
 
     Use it for the parameters that act on sequence shards under sequence parallelism
     (LayerNorm weights and biases, biases added after a reduce-scatter); their gradients are
-    then summed over the group by :func:`allreduce_sequence_parallel_grads`. Returns how many
-    parameters were marked.
+    then summed over the group by :func:`allreduce_sequence_parallel_grads` (or
+    ``DistributedDataParallel.finish_grad_sync``). Left alone, as
+    :mod:`mtp.parallel.params` describes them: tensor-parallel shards, expert parameters
+    (``allreduce = False``: complete over the expert groups), parameters whose gradient the
+    layer already sums over the group (``tensor_parallel_grad_reduced``: a
+    :class:`~mtp.moe.MoELayer`'s router and shared expert) and parameters explicitly marked
+    ``sequence_parallel = False``. Returns how many parameters were marked.
     """
     if isinstance(params, nn.Module):
         params = params.parameters()
     count = 0
     for p in params:
-        if not param_is_tensor_parallel(p):
-            p.sequence_parallel = True
-            count += 1
+        r = param_reduction(p)
+        explicit_no = getattr(p, "sequence_parallel", None) is False
+        if r.sharded or r.expert or r.grad_reduced or explicit_no:
+            continue
+        p.sequence_parallel = True
+        count += 1
     return count
 
 
@@ -156,9 +156,7 @@ def allreduce_sequence_parallel_grads(
     """
     group = resolve_tensor_parallel_group(group)
     params = module.parameters() if isinstance(module, nn.Module) else module
-    grads = [
-        p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None
-    ]
+    grads = [p.grad for p in params if param_is_sequence_parallel(p) and p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return len(grads)
     by_dtype: dict[tuple, list[torch.Tensor]] = {}
