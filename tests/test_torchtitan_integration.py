@@ -55,7 +55,7 @@ def _run(module, x, counts, dy):
 
 
 def _err(a, b):
-    return float((a.double() - b.double()).abs().max())
+    return float((a.detach().double() - b.detach().double()).abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,10 +80,13 @@ def test_grouped_experts_override_equals_stock(dtype):
     ref_y.backward(dy.double())
     ref = [ref_y] + [t.grad for t in leaves]
     eps = torch.finfo(dtype).eps
+    routed = int(counts.sum())  # stock grouped_mm leaves the rows past the routed ones unwritten
+    got[:2], want[:2], ref[:2] = ([t[:routed] for t in ts[:2]] for ts in (got, want, ref))
     for name, a, b, r in zip(("y", "dx", "dw1", "dw2", "dw3"), got, want, ref):
         scale = float(r.detach().abs().max())
         assert _err(a, r) <= max(2 * _err(b, r), 8 * eps * scale), (name, _err(a, r), _err(b, r))
-    assert float(got[0][14:].abs().max()) == 0.0  # rows past the routed ones
+    with torch.no_grad():  # rows past the routed ones: zeros
+        assert float(ours(x, counts)[routed:].abs().max()) == 0.0
     assert ops.names.count("mtp::grouped_gemm_out") == 2 and "mtp::bias_swiglu" in ops.names
     # no weight copy: no aten op produced a tensor of a weight's shape in the forward
     assert "aten::_to_copy" not in ops.names or dtype != torch.float32

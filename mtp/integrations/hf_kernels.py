@@ -33,16 +33,12 @@ from torch.autograd.function import once_differentiable
 from mtp.ops.bias_act import bias_swiglu
 from mtp.ops.linear_cross_entropy import linear_cross_entropy
 from mtp.parallel.mappings import gather_from_sequence_parallel_region
+from mtp.utils import qualified_name
 
 __all__ = ["apply_kernels", "apply_kernels_to_model", "gate_up_swiglu"]
 
 _STATE = "_mtp_kernels"
 _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
-
-
-def _qualname(obj) -> str:
-    cls = obj if isinstance(obj, type) else type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,7 +185,7 @@ def _aux_loss(model, router_logits, attention_mask):
     func = getattr(module, "load_balancing_loss_func", None)
     if func is None:
         raise NotImplementedError(
-            f"output_router_logits: {_qualname(model)} has no load_balancing_loss_func in "
+            f"output_router_logits: {qualified_name(model)} has no load_balancing_loss_func in "
             f"{module.__name__}; call the model with output_router_logits=False"
         )
     experts = getattr(model, "num_experts", None) or model.config.num_experts
@@ -399,7 +395,7 @@ def apply_kernels(
     if not isinstance(getattr(model, "lm_head", None), nn.Module) or not hasattr(model, "model"):
         raise TypeError(
             f"apply_kernels: model must be a transformers *ForCausalLM (with .model and "
-            f".lm_head), got {_qualname(model)}"
+            f".lm_head), got {qualified_name(model)}"
         )
     if hasattr(model, _STATE):
         raise ValueError("apply_kernels: the kernels are already applied to this model")
@@ -408,7 +404,7 @@ def apply_kernels(
     if ep > 1 and not moe:
         raise ValueError(
             f"apply_kernels: ep={ep} needs a mixture-of-experts model ({sorted(MOE_BLOCKS)} "
-            f"blocks); {_qualname(model)} has none"
+            f"blocks); {qualified_name(model)} has none"
         )
     if tp > 1:
         if moe and ep not in (1, tp):

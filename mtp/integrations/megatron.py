@@ -30,13 +30,9 @@ from megatron.core.transformer.moe import experts as _megatron_experts
 
 from mtp.moe.experts import GroupedMLP as _MtpGroupedMLP
 from mtp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mtp.utils import qualified_name
 
 __all__ = ["GroupedMLP", "fused_vocab_parallel_cross_entropy"]
-
-
-def _qualname(obj) -> str:
-    cls = obj if isinstance(obj, type) else type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _activation(config) -> str:
@@ -178,7 +174,7 @@ def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor,
     if tp_group is not None and not isinstance(tp_group, torch.distributed.ProcessGroup):
         raise TypeError(
             "tp_group must be a torch.distributed.ProcessGroup or None, got "
-            f"{_qualname(tp_group)}"
+            f"{qualified_name(tp_group)}"
         )
     if tp_group is None:
         tp_group = _megatron_tp_group()

@@ -29,6 +29,7 @@ from torchtitan.models.common.moe import GroupedExperts as _TitanGroupedExperts
 from mtp.ops._backend import resolve_backend
 from mtp.ops.bias_act import bias_swiglu
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, grouped_gemm, torch_grouped_mm
+from mtp.utils import qualified_name
 
 __all__ = ["GroupedExperts", "apply_to_model", "grouped_swiglu_experts"]
 
@@ -127,8 +128,7 @@ def apply_to_model(model: nn.Module) -> int:
     class) to :class:`GroupedExperts` in place (its parameters and hooks are kept). Returns how
     many modules were switched."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__module__}."
-                        f"{type(model).__qualname__}")  # fmt: skip
+        raise TypeError(f"model must be a torch.nn.Module, got {qualified_name(model)}")
     count = 0
     for module in model.modules():
         if type(module) is _TitanGroupedExperts:

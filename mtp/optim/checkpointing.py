@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtp.utils import qualified_name
+
 from .distributed import DistributedDataParallel, is_expert_param
 
 __all__ = ["get_full_state_dict", "load_checkpoint", "load_full_state_dict", "save_checkpoint"]
@@ -43,7 +45,7 @@ def _unwrap(model) -> nn.Module:
     if isinstance(model, DistributedDataParallel):
         return model.module
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"model must be a torch.nn.Module, got {qualified_name(model)}")
     return model
 
 

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtp.utils import qualified_name
+
 from .grad_buffer import ParamAndGradBuffer
 
 __all__ = ["DistributedDataParallel", "is_expert_param"]
@@ -115,7 +117,7 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+            raise TypeError(f"module must be a torch.nn.Module, got {qualified_name(module)}")
         if isinstance(module, DistributedDataParallel):
             raise TypeError("module is already wrapped in mtp.optim.DistributedDataParallel")
         self.module = module
