@@ -88,7 +88,8 @@ def _worker(rank, world):
         result[name] = (_err(got[i], ref64[i]), _err(ref32[i], ref64[i]))
     w1g, w2g = ours.weight1.grad.view(E, H, -1), ours.weight2.grad.view(E, -1, H)
     result["dw"] = (
-        max(max(_err(w1g[i], e.linear_fc1.weight.grad.t()), _err(w2g[i], e.linear_fc2.weight.grad.t()))
+        max(max(_err(w1g[i], e.linear_fc1.weight.grad.t()),
+                _err(w2g[i], e.linear_fc2.weight.grad.t()))
             for i, e in enumerate(seq64.local_experts)),
         max(max(_err(a.linear_fc1.weight.grad, b.linear_fc1.weight.grad),
                 _err(a.linear_fc2.weight.grad, b.linear_fc2.weight.grad))
@@ -139,6 +140,7 @@ def test_megatron_grouped_mlp_equals_sequential_mlp():
     assert ours and ours == seq, (ours, seq)
     assert r["reads_megatron_group"]
     assert r["ce_True"] <= 1e-5 and r["ce_False"] <= 1e-5, r
-    assert "torch.distributed.ProcessGroup" in r["ce_bad_group"] and "builtins.str" in r["ce_bad_group"]
+    assert "torch.distributed.ProcessGroup" in r["ce_bad_group"]
+    assert "builtins.str" in r["ce_bad_group"]
     assert "add_bias_linear" in r["error_add_bias_linear"]
     assert "torch.nn.functional.relu" in r["error_activation_func"]

@@ -102,9 +102,29 @@ class Trainer(transformers.Trainer):
                 f"mtp.integrations.hf.Trainer: train_sampling_strategy={strategy!r} is not "
                 "supported with several ranks; use 'random' or 'sequential'"
             )
+        self._check_expert_groups(parallel)
         self._dp_group = parallel.get_data_parallel_group(with_context_parallel=True)
         self._dp_rank = dist.get_rank(self._dp_group)
         self._dp_size = dist.get_world_size(self._dp_group)
+
+    def _check_expert_groups(self, parallel) -> None:
+        """The experts' gradients are reduced and counted in the norm by ``mtp.parallel``'s
+        expert groups: they must be the group the model's experts are split over, with no
+        expert tensor parallelism (else the grad norm would skip the experts of some ranks)."""
+        info = getattr(self.model, _INFO, None)
+        group = None if info is None else info.get("ep_group")
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        ranks = dist.get_process_group_ranks(group)
+        theirs = dist.get_process_group_ranks(parallel.get_expert_model_parallel_group())
+        if ranks != theirs or parallel.get_expert_tensor_parallel_world_size() != 1:
+            raise ValueError(
+                f"mtp.integrations.hf.Trainer: the model's experts are split over ranks {ranks} "
+                f"but mtp.parallel's expert-parallel group is {theirs} with expert tensor "
+                f"parallel size {parallel.get_expert_tensor_parallel_world_size()}; call "
+                f"mtp.parallel.initialize_model_parallel(..., expert_model_parallel_size="
+                f"{len(ranks)}, expert_tensor_parallel_size=1) before building the model"
+            )
 
     # -- parallel sizes and data -------------------------------------------------------------
 

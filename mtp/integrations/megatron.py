@@ -78,8 +78,8 @@ class GroupedMLP(MegatronModule):
 
     Parameters ``weight1 [H, L * F1]`` and ``weight2 [L * F, H]`` (Megatron-Core
     ``GroupedMLP``'s, whose memory it reads as ``[L, H, F1]`` / ``[L, F, H]``; ``F1 = 2F`` for
-    SwiGLU, gate columns first); the grouped kernels read the same views, no copy. ``forward(x [M, H],
-    tokens_per_expert [L], permuted_probs [M]) -> (y [M, H], None)``.
+    SwiGLU, gate columns first); the grouped kernels read the same views, no copy.
+    ``forward(x [M, H], tokens_per_expert [L], permuted_probs [M]) -> (y [M, H], None)``.
     """
 
     def __init__(self, num_local_experts: int, config, pg_collection=None) -> None:
@@ -157,8 +157,9 @@ def _megatron_tp_group():
     return None
 
 
-def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor,
-                                       target: torch.Tensor, tp_group=None) -> torch.Tensor:  # fmt: skip
+def fused_vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group=None
+) -> torch.Tensor:
     """Megatron-Core's ``fused_vocab_parallel_cross_entropy`` on mtp's fused kernel.
 
     Args:
