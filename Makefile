@@ -29,6 +29,13 @@ CUDA_EXT_DEPS := 'nvidia-cutlass==4.2.*' 'pybind11>=2.12' ninja nvidia-cuda-cuob
 
 .PHONY: venv test test-slow test-gpu clean cuda-ext gpu-bundle gpu-check test-triton-min
 
+# Peers of mtp.integrations tested here (tests/test_megatron_integration.py,
+# tests/test_torchtitan_integration.py): they pin a CUDA torch of their own, so --no-deps keeps
+# the CPU torch; PEER_NEEDS are the pure-Python modules that importing torchtitan's MoE needs
+# (its other requirements: data loading, logging, are not imported by the tests).
+PEER_NODEPS := 'megatron-core==0.16.1' 'torchtitan==0.3.0' 'spmd-types==0.3.1'
+PEER_NEEDS := 'tyro==1.0.17' 'einops==0.8.2'
+
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py pyproject.toml
@@ -44,6 +51,8 @@ else
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install triton numpy
 	$(PIP) install -e ".[test]"
+	$(PIP) install --no-deps $(PEER_NODEPS)
+	$(PIP) install $(PEER_NEEDS)
 endif
 	touch $@
 

@@ -83,8 +83,11 @@ setup(
         "numpy",
     ],
     extras_require={
+        # The peers the integrations are tested against, pinned (mtp.integrations); megatron-core
+        # and torchtitan pin torch themselves, so the Makefile installs them with --no-deps.
         "test": [
-            "pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "transformers>=4.51", "matplotlib>=3.5"
+            "pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "transformers==5.24.0",
+            "accelerate==1.15.0", "matplotlib>=3.5",
         ],
         "hf": ["transformers>=4.51", "safetensors"],
         "bench": ["matplotlib>=3.5", "tqdm>=4", "pytest-benchmark>=4"],

@@ -217,3 +217,11 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def qualified_name(obj: object) -> str:
+    """``module.QualName`` of ``obj``'s class (of ``obj`` itself when it is a class), for error
+    messages: ``torch.nn.modules.linear.Linear``, not ``Linear``, so that classes of the same
+    name from different libraries (mtp's and Megatron-Core's ``ColumnParallelLinear``) differ."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"

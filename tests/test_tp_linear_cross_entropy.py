@@ -94,3 +94,19 @@ def test_module_backends_agree_and_bad_backend_fails():
     """tp = 1: the Triton loss kernels (interpreter) and the PyTorch maths both equal the
     float64 head + F.cross_entropy within fp32 rounding; an unknown backend is a ValueError."""
     assert run_distributed(_backends_worker, 1, timeout=120) == [True]
+
+
+def test_from_column_parallel_names_classes_by_module():
+    """Megatron-Core has a ColumnParallelLinear too: the error tells the two apart."""
+    import types
+
+    from mtp.tensor_parallel import VocabParallelLinearCrossEntropy
+
+    other = types.new_class("ColumnParallelLinear", (torch.nn.Module,))
+    other.__module__ = "megatron.core.tensor_parallel.layers"
+    with pytest.raises(TypeError) as info:
+        VocabParallelLinearCrossEntropy.from_column_parallel(other())
+    assert str(info.value) == (
+        "head must be a mtp.tensor_parallel.ColumnParallelLinear, got "
+        "megatron.core.tensor_parallel.layers.ColumnParallelLinear"
+    )

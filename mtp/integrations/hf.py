@@ -42,8 +42,25 @@ from mtp.tensor_parallel.layers import VocabParallelEmbedding
 from mtp.tensor_parallel.parallelize import parallelize
 from mtp.tensor_parallel.utils import group_rank_and_size, mark_sequence_parallel_parameters
 
+from .hf_kernels import apply_kernels
 
-__all__ = ["SUPPORTED_FAMILIES", "hf_state_dict", "load_hf_state_dict", "parallelize_hf"]
+
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "Trainer",
+    "apply_kernels",
+    "hf_state_dict",
+    "load_hf_state_dict",
+    "parallelize_hf",
+]
+
+
+def __getattr__(name: str):
+    if name == "Trainer":  # imports transformers.Trainer (and accelerate) on first use only
+        from .hf_trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
@@ -215,6 +232,31 @@ def _mla_params(model: nn.Module):
             yield from module.parameters(recurse=False)
 
 
+def _refuse_ddp_over_tp_peers(model: nn.Module, args) -> None:
+    """Forward pre-hook of a parallelized model: fail when ``torch.nn.parallel
+    .DistributedDataParallel`` runs it over a group holding tensor-parallel peers (what a plain
+    ``transformers.Trainer`` / ``accelerate`` does under torchrun: its first broadcast
+    overwrote the other ranks' shards, and it would average shards of different weights and
+    feed each tensor-parallel rank different data). Costs no collective."""
+    ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+    group = getattr(model, _INFO)["group"]
+    if ddp is None or group is None or dist.get_world_size(group) == 1:
+        return
+    if ddp.module is not model and not any(m is model for m in ddp.module.modules()):
+        return
+    ddp_ranks = set(dist.get_process_group_ranks(ddp.process_group or dist.group.WORLD))
+    peers = ddp_ranks & set(dist.get_process_group_ranks(group))
+    if len(peers) > 1:
+        raise RuntimeError(
+            "this model was tensor-parallelized by mtp (parallelize_hf / apply_kernels) but is run "
+            "by torch.nn.parallel.DistributedDataParallel over a group that holds its "
+            f"tensor-parallel peers (ranks {sorted(peers)}): the weight shards were overwritten "
+            "by rank 0's and every rank would get different data. Use "
+            "mtp.integrations.hf.Trainer instead of transformers.Trainer (it data-parallelizes "
+            "over the data-parallel group only), or mtp.optim.DistributedDataParallel"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # parallelize_hf
 # --------------------------------------------------------------------------------------------
@@ -300,11 +342,20 @@ def parallelize_hf(
             p for p in model.parameters() if getattr(p, "sequence_parallel", None) is None
         )
     info = {"group": group, "family": family, "conv1d": set(conv1d), "renames": renames}
-    info["num_experts"] = getattr(config, "num_local_experts", None) or getattr(
-        config, "num_experts", 0
-    )
+    info["num_experts"] = _num_experts(config)
+    info["ep_group"] = group if moe else None
     setattr(model, _INFO, info)
+    model.register_forward_pre_hook(_refuse_ddp_over_tp_peers, with_kwargs=False)
     return model
+
+
+def _num_experts(config) -> int:
+    return (
+        getattr(config, "num_local_experts", None)
+        or getattr(config, "num_experts", None)
+        or getattr(config, "n_routed_experts", None)
+        or 0
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,11 +408,28 @@ def _transform(t: torch.Tensor, transform) -> torch.Tensor:
     return t
 
 
+def _spec_group(model: nn.Module, spec):
+    """The group a tensor with split ``spec`` is split over: the expert-parallel group for
+    experts, else the tensor-parallel group (None: not split, one rank)."""
+    info = _info(model)
+    if spec is not None and spec[2] == "experts":
+        return info.get("ep_group", info["group"])
+    return info["group"]
+
+
+def _rank_world(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 def _full_tensor(t: torch.Tensor, spec, group) -> torch.Tensor:
     if spec is None:
         return t.detach().clone()
     dim, blocks, transform = spec
-    world = dist.get_world_size(group)
+    world = _rank_world(group)[1]
+    if world == 1:
+        return _transform(t.detach(), transform).contiguous().clone()
     stacked = gather_along(t.detach().unsqueeze(0), 0, group)  # [world, *local]
     sizes = [b // world for b in blocks]
     per_rank = [s.split(sizes, dim) for s in stacked.unbind(0)]
@@ -374,7 +442,6 @@ def hf_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.T
     (GPT-2's ``Conv1D`` weights transposed back), equal to ``model.state_dict()`` of the
     unparallelised model. Collective: call it on every rank of the group; every rank gets all
     tensors. ``grads=True`` returns the parameters' gradients instead (None grads skipped)."""
-    group = _info(model)["group"]
     out: dict[str, torch.Tensor] = {}
     memo: dict[int, torch.Tensor] = {}
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -387,7 +454,7 @@ def hf_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.T
             tensor = value
         if id(value) not in memo:
             spec = _split_spec(model, name) if name in params else None
-            memo[id(value)] = _full_tensor(tensor, spec, group)
+            memo[id(value)] = _full_tensor(tensor, spec, _spec_group(model, spec))
         key = _hf_name(model, name)
         if isinstance(key, tuple):  # shared expert fc1 -> gate_proj, up_proj
             for k, part in zip(key, memo[id(value)].chunk(len(key), 0)):
@@ -448,8 +515,6 @@ def load_hf_state_dict(model: nn.Module, source, *, strict: bool = True) -> list
     Returns:
         The names of the parameters that were not found (empty when ``strict``).
     """
-    group = _info(model)["group"]
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     getters, shapes = _open_source(source)
     missing = []
     renamed_buffers = [
@@ -464,6 +529,7 @@ def load_hf_state_dict(model: nn.Module, source, *, strict: bool = True) -> list
                 missing.extend(absent)
                 continue
             spec = _split_spec(model, name)
+            rank, world = _rank_world(_spec_group(model, spec))
             value = torch.cat([_read_shard(getters[k], shapes[k], spec, rank, world) for k in keys])
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(

@@ -143,10 +143,19 @@ def _copy_weights(new: HFMoEBlock, block, name: str, renames: dict) -> None:
         renames[f"{name}.shared_experts.gate_weight"] = (hf_gate, "shared")
 
 
-def swap_moe_blocks(model: nn.Module, group, *, sequence_parallel: bool) -> dict:
+def swap_moe_blocks(
+    model: nn.Module, group, *, sequence_parallel: bool, split_tokens: bool | None = None
+) -> dict:
     """Replace every HF sparse MoE block (:data:`MOE_BLOCKS`) in place; returns ``{mtp
     tensor name: (HF name, kind)}`` for the state-dict translation (kinds: see
-    ``_copy_weights``; an ``"fc1"`` entry's HF name is a ``(gate, up)`` pair)."""
+    ``_copy_weights``; an ``"fc1"`` entry's HF name is a ``(gate, up)`` pair).
+
+    ``group``: the expert-parallel group (None: one process holds every expert).
+    ``split_tokens``: the ranks of ``group`` hold the same tokens (it is the tensor-parallel
+    group) and each routes a share; default: ``group is not None and not sequence_parallel``.
+    False with a group: the ranks hold different tokens (experts over data-parallel ranks)."""
+    if split_tokens is None:
+        split_tokens = group is not None and not sequence_parallel
     config = model.config
     renames: dict[str, tuple] = {}
     names = [n for n, m in model.named_modules() if n and type(m).__name__ in MOE_BLOCKS]
@@ -164,8 +173,8 @@ def swap_moe_blocks(model: nn.Module, group, *, sequence_parallel: bool) -> dict
             params_dtype=w.dtype,
             device=w.device,
             perform_initialization=False,
-            tp_group=group,
-            split_tokens=not sequence_parallel,
+            tp_group=group if split_tokens or sequence_parallel else None,
+            split_tokens=split_tokens,
             **_routing_kwargs(block, config),
         )
         _copy_weights(new, block, name, renames)

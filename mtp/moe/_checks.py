@@ -7,6 +7,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from mtp.utils import qualified_name
+
 __all__ = ["check_bool", "check_device", "check_float_dtype", "check_group", "check_positive"]
 
 
@@ -36,7 +38,7 @@ def check_float_dtype(name: str, value, allow_none: bool = False) -> torch.dtype
 def check_group(name: str, value) -> None:
     if value is not None and not isinstance(value, dist.ProcessGroup):
         raise TypeError(
-            f"{name} must be a torch.distributed.ProcessGroup or None, got {type(value).__name__}"
+            f"{name} must be a torch.distributed.ProcessGroup or None, got {qualified_name(value)}"
         )
 
 

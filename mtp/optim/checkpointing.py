@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtp.parallel.params import is_expert_param, param_reduction
+from mtp.utils import qualified_name
 
 from .distributed import DistributedDataParallel
 
@@ -46,7 +47,7 @@ def _unwrap(model) -> nn.Module:
     if isinstance(model, DistributedDataParallel):
         return model.module
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"model must be a torch.nn.Module, got {qualified_name(model)}")
     return model
 
 

@@ -34,6 +34,7 @@ from mtp.parallel.params import (
     is_expert_param,
     param_is_sequence_parallel,
 )
+from mtp.utils import qualified_name
 
 from .grad_buffer import ParamAndGradBuffer
 
@@ -117,7 +118,7 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+            raise TypeError(f"module must be a torch.nn.Module, got {qualified_name(module)}")
         if isinstance(module, DistributedDataParallel):
             raise TypeError("module is already wrapped in mtp.optim.DistributedDataParallel")
         self.module = module

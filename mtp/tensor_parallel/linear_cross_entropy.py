@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtp.ops.linear_cross_entropy import linear_cross_entropy
+from mtp.utils import qualified_name
 
 from .layers import ColumnParallelLinear
 from .utils import InitMethod
@@ -92,7 +93,10 @@ class VocabParallelLinearCrossEntropy(nn.Module):
         with ``sequence_parallel`` its ``seq_dim`` must be 0.
         """
         if not isinstance(head, ColumnParallelLinear):
-            raise TypeError(f"head must be a ColumnParallelLinear, got {type(head).__name__}")
+            raise TypeError(
+                "head must be a mtp.tensor_parallel.ColumnParallelLinear, got "
+                f"{qualified_name(head)}"
+            )
         if head.gather_output or head.skip_bias_add or len(head._blocks) != 1:
             raise ValueError(
                 "head must have gather_output=False, skip_bias_add=False and stride=1 to be "
