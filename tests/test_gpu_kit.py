@@ -409,7 +409,7 @@ def test_live_failures_plugin_writes_failing_ids_as_they_happen(tmp_path):
     env = _clean_env(MTP_FAILURES_FILE=str(failures))
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT / "tools")])
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_live_failures",
-                           "-p", "no:cacheprovider", str(tmp_path / "test_x.py")],
+                           "-p", "no:cacheprovider", "-n", "2", str(tmp_path / "test_x.py")],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 1, proc.stdout[-2000:]
     lines = failures.read_text().splitlines()

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import os
 
+_worker = False
+
+
+def pytest_configure(config) -> None:
+    """An xdist worker (``config.workerinput``) writes nothing: its controller sees every
+    report and writes each failure once."""
+    global _worker
+    _worker = hasattr(config, "workerinput")
+
 
 def pytest_runtest_logreport(report) -> None:
     path = os.environ.get("MTP_FAILURES_FILE")
-    # xdist: the controller sees every worker's reports; a worker writing too would double them
-    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or not report.failed or _worker:
         return
     message = str(getattr(report, "longrepr", "") or "").strip().splitlines()
     last = message[-1][:200] if message else ""
