@@ -591,3 +591,38 @@ def test_smoke_imports_everything_and_runs_one_call_per_family(tmp_path):
                         "grouped_gemm", "moe_layer"}  # fmt: skip
     assert all(c["ok"] for c in data["calls"]), [c for c in data["calls"] if not c["ok"]]
     assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+def test_bundle_builds_the_cuda_module_for_the_gpu_python(tmp_path, monkeypatch):
+    """`make gpu-bundle` builds csrc/ with a CPython 3.12 (the GPU machines') for sm_90a and
+    sm_100a and carries the module in .gpu/ext/ (the lease then runs no nvcc); the manifest
+    lists it with its architectures. The nvcc build itself is stood in for here."""
+    calls = []
+
+    def fake_run(cmd, check=False, env=None, cwd=None, **kw):
+        calls.append((cmd, env))
+        build_dir = Path(cmd[cmd.index("--build-dir") + 1])
+        build_dir.mkdir(parents=True, exist_ok=True)
+        (build_dir / "_cuda_gemm.cpython-312-x86_64-linux-gnu.so").write_bytes(b"\x7fELF fake")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(gpu_bundle.subprocess, "run", fake_run)
+    monkeypatch.setattr(gpu_bundle, "ROOT", tmp_path)
+    so = gpu_bundle.build_extension(tmp_path / "gpu", Path("/opt/py312/bin/python"))
+    (cmd, env), = calls
+    assert cmd[0] == "/opt/py312/bin/python" and cmd[1].endswith("csrc/build_ext.py")
+    assert env["MTP_CUDA_ARCH_LIST"] == "9.0a;10.0a"
+    assert so == tmp_path / "gpu" / "ext" / "_cuda_gemm.cpython-312-x86_64-linux-gnu.so"
+    assert so.read_bytes() == b"\x7fELF fake"
+    assert gpu_bundle.EXT_FOLDER == "ext" and gpu_check.EXT_FOLDER == "ext"
+
+
+def test_find_python_prefers_gpu_python_then_pyenv(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_PYTHON", "/somewhere/python3.12")
+    assert gpu_bundle.find_python() == Path("/somewhere/python3.12")
+    monkeypatch.delenv("GPU_PYTHON")
+    exe = tmp_path / "versions" / "3.12.1" / "bin" / "python3.12"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("")
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
+    assert gpu_bundle.find_python() == exe
