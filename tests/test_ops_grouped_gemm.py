@@ -219,6 +219,40 @@ def test_auto_and_env_choose_the_backend(monkeypatch, device):
     assert len(launches) == (1 if device.type == "cuda" else 0)
 
 
+@pytest.mark.parametrize("act", ["swiglu", "gelu", "clamped_swiglu"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "reference"])
+def test_activation_epilogue_matches_float64(backend, act, device):
+    """``grouped_gemm(..., bias=, activation=, probs=)``: ``act(x @ w[e] + b[e]) * p`` and the
+    gradients of x, w, b and p against float64 (trans_b, an empty expert, a zero tail)."""
+    sizes, M, K, N = [0, 23, 1, 0, 13], 45, 37, 30
+    x, w, counts, _ = make_inputs(sizes, M, K, N, torch.float32, True, device, seed=11)
+    g = torch.Generator().manual_seed(12)
+    b = torch.randn(len(sizes), N, generator=g).to(device).requires_grad_()
+    p = torch.rand(M, generator=g).to(device).requires_grad_()
+    y = ops.grouped_gemm(x, w, counts, trans_b=True, backend=backend, bias=b, activation=act,
+                         probs=p, activation_limit=1.5)  # fmt: skip
+    dy = torch.randn(y.shape, generator=g).to(device)
+    y.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b, p)]
+    rows = torch.cat([torch.full((m,), e, device=device) for e, m in enumerate(sizes)])
+    h = torch.einsum("mk,mnk->mn", leaves[0][:37], leaves[1][rows]) + leaves[2][rows]
+    h = torch.cat([h, h.new_zeros(M - 37, N)])
+    if act == "swiglu":
+        a, up = h.chunk(2, -1)
+        ref = torch.nn.functional.silu(a) * up
+    elif act == "gelu":
+        ref = torch.nn.functional.gelu(h)
+    else:
+        gate, up = h[:, 0::2].clamp(max=1.5), h[:, 1::2].clamp(-1.5, 1.5)
+        ref = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    ref = ref * leaves[3][:, None]
+    ref.backward(dy.double())
+    assert_close(y, ref, msg=f"{backend} y")
+    assert torch.equal(y[37:], torch.zeros_like(y[37:])), "rows past the routed ones"
+    for name, got, want in zip("xwbp", (x, w, b, p), leaves):
+        assert_close(got.grad, want.grad, msg=f"{backend} d{name}")
+
+
 # --------------------------------------------------------------------------------------------
 # The kernels with the GPU tile configs, and the persistent variant
 # --------------------------------------------------------------------------------------------

@@ -177,6 +177,7 @@ def _forced() -> dict:
         return {k: v for fields in _OVERRIDES for k, v in fields.items()}
 
 
+@functools.cache
 def supports_warp_specialize() -> bool:
     """Whether this Triton's ``tl.range`` takes ``warp_specialize`` and ``flatten`` (3.4+)."""
     params = inspect.signature(tl.range.__init__).parameters
@@ -342,6 +343,13 @@ def make_config(
     # TMA only where the operands allow it; forced (override, MTP_TRITON_TMA=1) under the
     # interpreter too (descriptors run there); by default on sm_90+ only.
     use_tma = tma_ok and (arch >= 9 if want is None else want)
+    extra = tuple(sorted((k, v) for k, v in forced.items() if k != "kernel"))
+    return _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra):
+    """:func:`make_config` once the kernel family is known (cached: a call's host time)."""
     if gemm == "wgrad":
         cfg = _tma_wgrad(arch, M, N, K, E, sms) if use_tma else _pointer_wgrad(arch, dtype, K, N)
     elif gemm != "forward":
@@ -360,11 +368,10 @@ def make_config(
     elif gemm == "forward":
         gated = 2 if activation in ("swiglu", "clamped_swiglu") else 1
         stage = (cfg.block_m + gated * cfg.block_n) * cfg.block_k
-        resident = _resident(sms, cfg, torch.empty((), dtype=dtype).element_size(), stage)
+        resident = _resident(sms, cfg, dtype.itemsize, stage)
         # The worst-case grid holds up to E * cdiv(N, BN) programs without work; each holds an
         # SM's shared memory while it starts and exits. When they are more than one wave,
         # stride over the tiles from one wave of programs instead.
         persistent = sms > 0 and E * triton.cdiv(N, cfg.block_n) > resident
         cfg = dataclasses.replace(cfg, persistent=persistent, programs=resident)
-    extra = {k: v for k, v in forced.items() if k != "kernel"}
-    return dataclasses.replace(cfg, **extra) if extra else cfg
+    return dataclasses.replace(cfg, **dict(extra)) if extra else cfg
