@@ -25,10 +25,11 @@ backends (``sequential``, ``multistream``, ``reference``) copy them to the host 
 (one sync), the single-launch backends read them on the device. Calls use ``validate=False``,
 as :class:`mtp.moe.GroupedMLP` does.
 
-On sm_90+ the ``triton`` backend takes the TMA kernels (:mod:`mtp.kernels.grouped_gemm_tma`);
-the ``triton-ptr`` provider (GPU only) times the pointer kernels on the same case
-(``MTP_TRITON_TMA=0`` set around each call, a few host µs), to compare the two paths and tune
-the TMA config table.
+On sm_90+ the ``triton`` backend takes the TMA kernels
+(:mod:`mtp.kernels.grouped_gemm_details.tma`); the ``triton-ptr`` provider (GPU only) times the
+pointer kernels on the same case (inside :func:`mtp.ops.grouped_gemm_config.override` with
+``kernel="pointer"``, forward and backward), to compare the two paths and tune the TMA config
+table.
 
 Peers when installed: Transformer Engine's ``GroupedLinear`` (multi-stream cuBLAS, host
 ``m_splits``) and the ``grouped_gemm`` package's ``gmm`` (CUTLASS, host batch sizes; the one
@@ -46,8 +47,6 @@ forward ``M*K*s + E*K*N*s + M*N*s + 8*E``; the backward adds
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from mtp.ops.grouped_gemm import (
@@ -56,6 +55,7 @@ from mtp.ops.grouped_gemm import (
     grouped_gemm_reference,
     torch_grouped_mm,
 )
+from mtp.ops.grouped_gemm_config import override
 
 from .core import FLOAT64, Case, Provider, Run, import_peer, needs_cuda, peer_attr, randn, seeded
 
@@ -203,19 +203,12 @@ def _te_layer(w: torch.Tensor):
 
 
 def _tma_off(fn):
-    """``fn`` with the TMA kernels off (``MTP_TRITON_TMA=0``) for the call, forward and backward
-    (read by the grouped GEMM launchers only), restored afterwards."""
+    """``fn`` on the pointer kernels (the grouped GEMM config's scoped override), forward and
+    backward."""
 
     def call():
-        old = os.environ.get("MTP_TRITON_TMA")
-        os.environ["MTP_TRITON_TMA"] = "0"
-        try:
+        with override(kernel="pointer"):
             return fn()
-        finally:
-            if old is None:
-                os.environ.pop("MTP_TRITON_TMA", None)
-            else:
-                os.environ["MTP_TRITON_TMA"] = old
 
     return call
 

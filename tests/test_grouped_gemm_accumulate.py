@@ -1,4 +1,5 @@
-"""Gradient-accumulation fusion of the grouped GEMM (mtp.ops.grouped_gemm_accumulate_wgrad): the
+"""Gradient-accumulation fusion of the grouped GEMM (``grouped_gemm(...,
+gradient_accumulation_fusion=True)``, alias mtp.ops.grouped_gemm_accumulate_wgrad): the
 weight gradient added to an fp32 ``main_grad`` in the wgrad kernels' epilogue (plain, TMA and
 split-K under the interpreter), against float64; the op over several micro-batches and
 backends; GroupedMLP with the option under DistributedDataParallel (gloo, dp=2) against the
@@ -13,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 from mtp import ops
-from mtp.kernels import grouped_gemm as kernels
-from mtp.kernels import grouped_gemm_tma as tma
+from mtp.kernels.grouped_gemm_details import launch, pointer
+from mtp.kernels.grouped_gemm_details import tma as tk
+from mtp.ops.grouped_gemm_config import make_config
 from mtp.moe import GroupedMLP
 from mtp.testing import compile_for_targets, run_distributed
-from test_grouped_gemm_tma import SIZES, K, M, N, _expected_wgrad  # ragged, empty experts
+from test_grouped_gemm_tma import SIZES, K, M, N, _expected_wgrad, tma_config  # ragged, empty
 
 
 def _data(dtype, seed=0):
@@ -41,17 +43,18 @@ def _rel(a, b):
 def test_kernel_epilogue_adds_in_fp32(path):
     a, dy, _, init = _data(torch.bfloat16)
     main = init.clone()
+    pointer_cfg = make_config(0, a.dtype, M, N, K, len(SIZES), gemm="wgrad")
     if path == "plain":
-        kernels.grouped_wgrad(a, dy, torch.tensor(SIZES), main, tma=False, accumulate=True)
+        launch.wgrad(a, dy, torch.tensor(SIZES), main, pointer_cfg, accumulate=True)
     else:
-        cfg = tma.TmaWgradConfig(16, 16, 16, group_p=2, split=3 if "split" in path else 1)
-        kernels.grouped_wgrad(a, dy, torch.tensor(SIZES), main, config=cfg, tma=True,
-                              accumulate=True)  # fmt: skip
+        cfg = tma_config(16, 16, 16, group_m=2, num_stages=3, warp_specialize=True,
+                         split=3 if "split" in path else 1)  # fmt: skip
+        launch.wgrad(a, dy, torch.tensor(SIZES), main, cfg, accumulate=True)
     want = init.double() + _wgrad64(a, dy)
     assert _rel(main, want) < 2e-6, _rel(main, want)  # fp32 accumulation, no bf16 rounding
     # the unfused way (bf16 wgrad, then added) loses ~3 significant digits more
-    unfused = init + kernels.grouped_wgrad(a, dy, torch.tensor(SIZES),
-                                           torch.empty_like(init, dtype=torch.bfloat16)).float()
+    unfused = init + launch.wgrad(a, dy, torch.tensor(SIZES),
+                                  torch.empty_like(init, dtype=torch.bfloat16), pointer_cfg).float()
     assert _rel(unfused, want) > 10 * _rel(main, want)
     for e, m in enumerate(SIZES):
         if m == 0:
@@ -180,7 +183,7 @@ def test_accumulate_variants_compile_without_spills(which):
             "BLOCK_R": 64, "BLOCK_E": 64, "GROUP_P": 8, "UPCAST_DOT": False,
             "DOT_PRECISION": "ieee", "ACCUMULATE": True,
         }
-        kernel, warps = kernels.grouped_wgrad_kernel, 8
+        kernel, warps = pointer.grouped_wgrad_kernel, 8
     else:
         signature = {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "rows_ptr": "*i32",
@@ -191,7 +194,7 @@ def test_accumulate_variants_compile_without_spills(which):
             "BLOCK_P": 128, "BLOCK_Q": 128, "BLOCK_R": 64, "GROUP_P": 8, "SPLIT": 1,
             "WARP_SPECIALIZE": False, "UPCAST_DOT": False, "ACCUMULATE": True,
         }
-        kernel, warps = tma.grouped_wgrad_tma_kernel, 8
+        kernel, warps = tk.grouped_wgrad_tma_kernel, 8
     divisible = [k for k in signature if k.startswith("stride")] + ["P", "Q"]
     builds = compile_for_targets(kernel, signature, constexprs, num_warps=warps, num_stages=3,
                                  divisible_by_16=divisible)  # fmt: skip

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mtp import ops
-from mtp.kernels import grouped_gemm as kernels
+from mtp.kernels.grouped_gemm_details import launch
+from mtp.ops.grouped_gemm_config import make_config
 from mtp.moe import GroupedMLP
 from mtp.testing.traffic import count_traffic
 from test_grouped_gemm_tma import FAMILIES, SIZES, K, M, N
@@ -67,8 +68,8 @@ def test_output_and_gradients_match_float64(backend, trans_b, dtype):
 def test_tma_kernel_bias_epilogue():
     x, w, bias, _ = _inputs(torch.bfloat16, False, seed=4)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
-    kernels.grouped_gemm(x, w, torch.tensor(SIZES, dtype=torch.int32), out,
-                         config=FAMILIES["large"], tma=True, bias=bias)  # fmt: skip
+    launch.forward(x, w, torch.tensor(SIZES, dtype=torch.int32), out, FAMILIES["large"],
+                   bias=bias)  # fmt: skip
     ref = _reference(x.double(), w.double(), bias.double(), False)
     assert _rel(out, ref) < 1e-2 and torch.equal(out[sum(SIZES):], torch.zeros_like(out[61:]))
 
@@ -98,16 +99,18 @@ def test_bad_bias_names_the_argument():
     with pytest.raises(TypeError, match="bias"):
         ops.grouped_gemm(x, w, counts, bias=bias.long())
     with pytest.raises(ValueError, match="bias"):
-        kernels.grouped_gemm(x, w, counts, torch.empty(M, N), bias=bias.t())
+        launch.forward(x, w, counts, torch.empty(M, N),
+                       make_config(0, x.dtype, M, N, K, len(SIZES)), bias=bias.t())  # fmt: skip
 
 
 def test_opcheck_with_bias():
     x, w, bias, _ = _inputs(torch.float32, False)
     counts = torch.tensor(SIZES)
-    torch.library.opcheck(torch.ops.mtp.grouped_gemm.default,
-                          (x, w, counts, False, "reference", bias))  # fmt: skip
     torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,
                           (x, w, counts, torch.empty(M, N), False, "reference", bias))  # fmt: skip
+    torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,  # bias before an activation
+                          (x, w, counts, torch.empty(M, N), False, "reference", bias,
+                           torch.empty(M, N), None, "gelu"))  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

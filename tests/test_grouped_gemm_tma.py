@@ -1,5 +1,6 @@
-"""The TMA grouped GEMM (mtp.kernels.grouped_gemm_tma): float64 checks under the interpreter
-(descriptors run there), the per-arch config table, and sm_90a / sm_100a SASS built ahead of time.
+"""The TMA grouped GEMM (mtp.kernels.grouped_gemm_details.tma): float64 checks under the
+interpreter (descriptors run there), the per-arch config table of
+mtp.ops.grouped_gemm_config, and sm_90a / sm_100a SASS built ahead of time.
 
 Interpreter tiles are tiny (16 / 32) so that the small shapes below still span several row tiles
 per expert, partial tiles in K and N, and the persistent loop's stride (4 programs).
@@ -7,6 +8,7 @@ per expert, partial tiles in K and N, and the persistent loop's stride (4 progra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -17,17 +19,37 @@ import pytest
 import torch
 
 from mtp import ops
-from mtp.kernels import grouped_gemm as kernels
-from mtp.kernels import grouped_gemm_tma as tma
+from mtp.kernels.grouped_gemm_details import launch, tiles
+from mtp.kernels.grouped_gemm_details import tma as tk
+from mtp.ops import grouped_gemm_config as gc
+from mtp.ops._grouped_gemm_backends import triton_forward, triton_wgrad
 from mtp.testing import _find_ptxas, assert_close, compile_for_targets
 
 # Skewed, empty experts (first, middle and last), one expert over several row tiles; K and N are
 # multiples of 8 (TMA's 16-byte strides) but not of the 16-wide tiles. 61 routed of 70 rows.
 SIZES = [0, 37, 3, 0, 21, 0]
 M, K, N = 70, 40, 24
+
+
+def tma_config(block_m, block_n, block_k, **kw):
+    """A TMA config at interpreter scale (4 persistent programs)."""
+    kw = {"num_stages": 4, "persistent": True, "programs": 4, **kw}
+    return gc.GroupedGemmConfig("tma", block_m, block_n, block_k, **kw)
+
+
+def fwd_cfg(arch, M, N, K, E, bias=False):
+    """make_config's choice for TMA-aligned bf16 operands on ``arch`` (132 SMs)."""
+    return gc.make_config(arch, torch.bfloat16, M, N, K, E, bias=bias, tma_ok=True, sms=132)
+
+
+def wgrad_cfg(arch, M, P, Q, E, sms):
+    """make_config's TMA weight gradient ``c[e] = a_e^T b_e`` (``[P, Q]``) on ``arch``."""
+    return gc.make_config(arch, torch.bfloat16, M, Q, P, E, gemm="wgrad", tma_ok=True, sms=sms)
+
+
 FAMILIES = {  # one per regime of the table, at interpreter scale
-    "small": tma.TmaGemmConfig(16, 16, 16, group_m=2, warp_specialize=False, flatten=False),
-    "large": tma.TmaGemmConfig(32, 32, 16, warp_specialize=True, flatten=True),
+    "small": tma_config(16, 16, 16, group_m=2, warp_specialize=False, flatten=False),
+    "large": tma_config(32, 32, 16, warp_specialize=True, flatten=True),
 }
 
 
@@ -69,7 +91,7 @@ def test_forward_matches_float64(family, trans_b, dtype):
     a, w, counts, _ = _data(dtype, trans_b)
     b = _w_kn(w, trans_b)
     out = torch.full((M, N), float("nan"), dtype=dtype)
-    kernels.grouped_gemm(a, b, counts, out, config=FAMILIES[family], tma=True)
+    launch.forward(a, b, counts, out, FAMILIES[family])
     assert_close(out, _expected_forward(a, b, SIZES), msg=family)
     routed = sum(SIZES)
     assert torch.equal(out[routed:], torch.zeros_like(out[routed:])), "rows past the routed ones"
@@ -84,7 +106,7 @@ def test_forward_many_small_experts():
     a = torch.randn(m, 16, generator=g).to(torch.bfloat16)
     b = torch.randn(40, 16, 16, generator=g).to(torch.bfloat16)
     out = torch.full((m, 16), float("nan"), dtype=torch.bfloat16)
-    kernels.grouped_gemm(a, b, torch.tensor(sizes), out, config=FAMILIES["small"], tma=True)
+    launch.forward(a, b, torch.tensor(sizes), out, FAMILIES["small"])
     assert_close(out, _expected_forward(a, b, sizes))
     assert torch.equal(out[sum(sizes):], torch.zeros_like(out[sum(sizes):]))
 
@@ -96,68 +118,83 @@ def test_wgrad_matches_float64_with_split(split, dtype):
     # experts, and splits that leave some programs without rows.
     a, _, counts, dy = _data(dtype, False, seed=1)
     out = torch.full((len(SIZES), K, N), float("nan"), dtype=dtype)
-    cfg = tma.TmaWgradConfig(16, 16, 16, group_p=2, split=split)
-    kernels.grouped_wgrad(a, dy, counts, out, config=cfg, tma=True)
+    cfg = tma_config(16, 16, 16, group_m=2, num_stages=3, split=split,
+                     warp_specialize=gc.supports_warp_specialize())
+    launch.wgrad(a, dy, counts, out, cfg)
     assert_close(out, _expected_wgrad(a, dy, SIZES), msg=f"split={split}")
     for e, m in enumerate(SIZES):
         if m == 0:
             assert torch.equal(out[e], torch.zeros_like(out[e])), f"dW[{e}] of an empty expert"
 
 
+@pytest.mark.parametrize("how", ["env", "override"])
 @pytest.mark.parametrize("trans_b", [False, True], ids=["w_KN", "w_NK"])
-def test_op_forward_backward_through_tma(monkeypatch, trans_b):
-    """ops.grouped_gemm with MTP_TRITON_TMA=1: forward, dX and dW all take the TMA kernels."""
-    monkeypatch.setenv("MTP_TRITON_TMA", "1")
+def test_op_forward_backward_through_tma(monkeypatch, trans_b, how):
+    """ops.grouped_gemm with MTP_TRITON_TMA=1, or inside override(kernel="tma"): forward, dX
+    and dW all take the TMA kernels."""
     calls = []
-    for name in ("launch_forward", "launch_wgrad"):
-        original = getattr(tma, name)
-        monkeypatch.setattr(tma, name, lambda *a, _o=original, _n=name, **k: (
+    for name in ("grouped_gemm_tma_kernel", "grouped_wgrad_tma_kernel"):
+        kernel = getattr(tk, name)
+        monkeypatch.setattr(kernel, "run", lambda *a, _o=kernel.run, _n=name, **k: (
             calls.append(_n), _o(*a, **k))[1])
     a, w, counts, dy = _data(torch.bfloat16, trans_b, seed=2)
     a.requires_grad_()
     w.requires_grad_()
-    y = ops.grouped_gemm(a, w, counts, trans_b=trans_b, backend="triton")
+    if how == "env":
+        monkeypatch.setenv("MTP_TRITON_TMA", "1")
+        y = ops.grouped_gemm(a, w, counts, trans_b=trans_b, backend="triton")
+    else:
+        monkeypatch.setenv("MTP_TRITON_TMA", "0")  # the override wins over the setting
+        with gc.override(kernel="tma"):
+            y = ops.grouped_gemm(a, w, counts, trans_b=trans_b, backend="triton")
     b = _w_kn(w.detach(), trans_b)
     assert_close(y, _expected_forward(a.detach(), b, SIZES))
-    y.backward(dy)
+    if how == "env":
+        y.backward(dy)
+    else:
+        with gc.override(kernel="tma"):
+            y.backward(dy)
     dx = _expected_forward(dy, b.transpose(1, 2), SIZES)
     dw = _expected_wgrad(a.detach(), dy, SIZES)
     assert_close(a.grad, dx, msg="dx")
     assert_close(w.grad, dw.transpose(1, 2) if trans_b else dw, msg="dw")
-    assert calls.count("launch_forward") == 2 and calls.count("launch_wgrad") == 1, calls
+    assert calls.count("grouped_gemm_tma_kernel") == 2, calls
+    assert calls.count("grouped_wgrad_tma_kernel") == 1, calls
 
 
 def test_tma_true_rejects_ineligible_operands():
     a, w, counts, _ = _data(torch.float32, False)
     out = torch.empty(M, N)
     with pytest.raises(ValueError, match="tma=True needs fp16/bf16"):
-        kernels.grouped_gemm(a, w, counts, out, tma=True)
+        launch.forward(a, w, counts, out, FAMILIES["small"])
     a16 = torch.randn(M, K + 1, dtype=torch.bfloat16)[:, :K]  # 82-byte row stride
     with pytest.raises(ValueError, match="16-byte"):
-        kernels.grouped_gemm(a16, w.bfloat16(), counts, out.bfloat16(), tma=True)
-    # Default: the pointer kernels take them, still correct.
-    out16 = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
-    kernels.grouped_gemm(a16, w.bfloat16(), counts, out16)
-    assert_close(out16, _expected_forward(a16, w.bfloat16(), SIZES))
+        launch.forward(a16, w.bfloat16(), counts, out.bfloat16(), FAMILIES["small"])
+    # Default, and asking for TMA: the pointer kernels take them, still correct.
+    for force in (False, True):
+        out16 = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+        with gc.override(kernel="tma") if force else contextlib.nullcontext():
+            triton_forward(a16, w.bfloat16(), counts, False, out16)
+        assert_close(out16, _expected_forward(a16, w.bfloat16(), SIZES))
 
 
 def test_config_table_by_regime_and_split():
     # Regime by average rows per expert.
-    assert tma.tma_forward_config(9, 8 * 64, 4096, 4096, 8).block_m == 64
-    medium = tma.tma_forward_config(9, 8 * 512, 4096, 4096, 8)
+    assert fwd_cfg(9, 8 * 64, 4096, 4096, 8).block_m == 64
+    medium = fwd_cfg(9, 8 * 512, 4096, 4096, 8)
     assert (medium.block_m, medium.block_n) == (128, 128)
-    large = tma.tma_forward_config(9, 8 * 4096, 14336, 4096, 8)
+    large = fwd_cfg(9, 8 * 4096, 14336, 4096, 8)
     assert (large.block_m, large.block_n) == (128, 256) and not large.warp_specialize
-    assert tma.tma_forward_config(9, 8 * 64, 4096, 4096, 8).warp_specialize == (
-        tma.supports_warp_specialize())  # 4-warp tiles: Hopper's pass specialises them
-    bw = tma.tma_forward_config(10, 8 * 4096, 14336, 4096, 8)
-    assert bw.warp_specialize == tma.supports_warp_specialize()
-    assert tma.tma_forward_config(9, 100, 24, 40, 8).block_n == 32  # narrow N shrinks the tile
+    assert fwd_cfg(9, 8 * 64, 4096, 4096, 8).warp_specialize == (
+        gc.supports_warp_specialize())  # 4-warp tiles: Hopper's pass specialises them
+    bw = fwd_cfg(10, 8 * 4096, 14336, 4096, 8)
+    assert bw.warp_specialize == gc.supports_warp_specialize()
+    assert fwd_cfg(9, 100, 24, 40, 8).block_n == 32  # narrow N shrinks the tile
     # Split-K for wgrad only while the output tiles leave SMs idle and experts have rows.
-    assert tma.tma_wgrad_config(9, 8 * 4096, 2048, 2048, 8, 132).split == 1  # 2048 tiles
-    few = tma.tma_wgrad_config(9, 4 * 8192, 512, 256, 4, 132)  # 4 * 8 tiles
+    assert wgrad_cfg(9, 8 * 4096, 2048, 2048, 8, 132).split == 1  # 2048 tiles
+    few = wgrad_cfg(9, 4 * 8192, 512, 256, 4, 132)  # 4 * 8 tiles
     assert few.split == 4
-    assert tma.tma_wgrad_config(9, 4 * 300, 512, 256, 4, 132).split == 1  # too few rows
+    assert wgrad_cfg(9, 4 * 300, 512, 256, 4, 132).split == 1  # too few rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,7 +221,7 @@ def _sass(build) -> tuple[str, str]:
     return info.stdout + info.stderr, sass
 
 
-def _forward_build(cc: int, cfg: tma.TmaGemmConfig, trans_b: bool, bias: bool = False):
+def _forward_build(cc: int, cfg: gc.GroupedGemmConfig, trans_b: bool, bias: bool = False):
     signature = {
         "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16",
         "map_ptr": "*i32",
@@ -199,12 +236,12 @@ def _forward_build(cc: int, cfg: tma.TmaGemmConfig, trans_b: bool, bias: bool = 
     }
     divisible = [k for k in signature if k.startswith("stride")] + ["N", "K"]
     return compile_for_targets(
-        tma.grouped_gemm_tma_kernel, signature, constexprs, targets=(cc,),
+        tk.grouped_gemm_tma_kernel, signature, constexprs, targets=(cc,),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, divisible_by_16=divisible,
     )[cc]
 
 
-def _wgrad_build(cc: int, cfg: tma.TmaWgradConfig):
+def _wgrad_build(cc: int, cfg: gc.GroupedGemmConfig):
     signature = {
         "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32" if cfg.split > 1 else "*bf16",
         "rows_ptr": "*i32", "M": "i32", "P": "i32", "Q": "i32", "E": "i32",
@@ -212,13 +249,13 @@ def _wgrad_build(cc: int, cfg: tma.TmaWgradConfig):
         "stride_cs": "i32",
     }
     constexprs = {
-        "BLOCK_P": cfg.block_p, "BLOCK_Q": cfg.block_q, "BLOCK_R": cfg.block_r,
-        "GROUP_P": cfg.group_p, "SPLIT": cfg.split, "WARP_SPECIALIZE": cfg.warp_specialize,
+        "BLOCK_P": cfg.block_m, "BLOCK_Q": cfg.block_n, "BLOCK_R": cfg.block_k,
+        "GROUP_P": cfg.group_m, "SPLIT": cfg.split, "WARP_SPECIALIZE": cfg.warp_specialize,
         "UPCAST_DOT": False, "ACCUMULATE": False,
     }
     divisible = [k for k in signature if k.startswith("stride")] + ["P", "Q"]
     return compile_for_targets(
-        tma.grouped_wgrad_tma_kernel, signature, constexprs, targets=(cc,),
+        tk.grouped_wgrad_tma_kernel, signature, constexprs, targets=(cc,),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, divisible_by_16=divisible,
     )[cc]
 
@@ -239,15 +276,17 @@ def _check(build, cc: int, warp_specialized: bool) -> None:
 @pytest.mark.parametrize("cc", [90, 100])
 @pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias_epilogue"])
 def test_aot_forward_large_groups(cc, bias):
-    cfg = tma.tma_forward_config(cc // 10, 8 * 4096, 14336, 4096, 8)  # Mixtral fc1
-    assert cfg.warp_specialize == (cc == 100 and tma.supports_warp_specialize())
-    cfg = dataclasses.replace(cfg, warp_specialize=tma.forward_warp_specialize(cfg, bias))
+    cfg = fwd_cfg(cc // 10, 8 * 4096, 14336, 4096, 8)  # Mixtral fc1
+    assert cfg.warp_specialize == (cc == 100 and gc.supports_warp_specialize())
+    # a bias epilogue on these 128 x 256 tiles would spill in the epilogue warps: not specialised
+    cfg = fwd_cfg(cc // 10, 8 * 4096, 14336, 4096, 8, bias=bias)
+    assert not (bias and cfg.warp_specialize), cfg
     _check(_forward_build(cc, cfg, trans_b=False, bias=bias), cc, cfg.warp_specialize)
 
 
 def test_aot_forward_small_groups_warp_specialized_on_hopper():
-    cfg = tma.tma_forward_config(9, 128 * 64, 768, 2048, 128)  # Qwen3-30B-A3B decode-like
-    assert cfg.block_m == 64 and cfg.warp_specialize == tma.supports_warp_specialize()
+    cfg = fwd_cfg(9, 128 * 64, 768, 2048, 128)  # Qwen3-30B-A3B decode-like
+    assert cfg.block_m == 64 and cfg.warp_specialize == gc.supports_warp_specialize()
     _check(_forward_build(90, cfg, trans_b=True), 90, cfg.warp_specialize)
 
 
@@ -255,15 +294,15 @@ def test_hopper_tables_avoid_the_half_tile_warp_specialization():
     """Found on an H200 (triton 3.6): a warp-specialised loop over 128-row tiles with 4 warps
     stores only half of each tile. The sm_90a tables give such tiles 8 warps (forward) or no
     warp specialisation (weight gradient); 64-row tiles with 4 warps were right."""
-    for (arch, _), cfg in tma.FORWARD_TABLE.items():
+    for (arch, _), cfg in gc.FORWARD_TABLE.items():
         if arch == 9 and cfg.warp_specialize and cfg.block_m >= 128:
             assert cfg.num_warps >= 8, cfg
-    assert not tma.WGRAD_TABLE[9].warp_specialize or tma.WGRAD_TABLE[9].num_warps >= 8
-    assert tma.tma_wgrad_config(9, 4 * 8192, 512, 256, 4, 132).warp_specialize is False
+    assert not gc.WGRAD_TABLE[9].warp_specialize or gc.WGRAD_TABLE[9].num_warps >= 8
+    assert wgrad_cfg(9, 4 * 8192, 512, 256, 4, 132).warp_specialize is False
 
 
 def test_aot_forward_medium_groups_eight_warps_on_hopper():
-    cfg = tma.tma_forward_config(9, 128 * 256, 768, 2048, 128)  # Qwen3-30B-A3B at 4096 tokens
+    cfg = fwd_cfg(9, 128 * 256, 768, 2048, 128)  # Qwen3-30B-A3B at 4096 tokens
     assert (cfg.block_m, cfg.num_warps) == (128, 8)
     # TMA + wgmma, no spills; whether the 8-warp loop is split into producer / consumer warps
     # is the compiler's choice (triton 3.9 here emits no setmaxnreg for it), so not asserted.
@@ -272,21 +311,21 @@ def test_aot_forward_medium_groups_eight_warps_on_hopper():
 
 @pytest.mark.parametrize("cc", [90, 100])
 def test_aot_wgrad_split(cc):
-    cfg = tma.tma_wgrad_config(cc // 10, 4 * 8192, 512, 256, 4, 132)
+    cfg = wgrad_cfg(cc // 10, 4 * 8192, 512, 256, 4, 132)
     assert cfg.split > 1
-    _check(_wgrad_build(cc, cfg), cc, cfg.warp_specialize and tma.supports_warp_specialize())
+    _check(_wgrad_build(cc, cfg), cc, cfg.warp_specialize and gc.supports_warp_specialize())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cc", [90, 100])
 def test_aot_every_forward_variant(cc):
     for M in (8 * 64, 8 * 512, 8 * 4096):
-        cfg = tma.tma_forward_config(cc // 10, M, 4096, 4096, 8)
+        cfg = fwd_cfg(cc // 10, M, 4096, 4096, 8)
         for trans_b in (False, True):  # 8-warp loops: specialised at the compiler's choice
             _check(_forward_build(cc, cfg, trans_b), cc,
                    cfg.warp_specialize and cfg.num_warps == 4)
-    cfg = dataclasses.replace(tma.WGRAD_TABLE[cc // 10], split=1)
-    _check(_wgrad_build(cc, cfg), cc, cfg.warp_specialize and tma.supports_warp_specialize())
+    cfg = dataclasses.replace(gc.WGRAD_TABLE[cc // 10], split=1)
+    _check(_wgrad_build(cc, cfg), cc, cfg.warp_specialize and gc.supports_warp_specialize())
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,7 +355,8 @@ def test_gpu_default_configs_match_float64(E, rows, trans_b):
     b = _w_kn(w, trans_b)
     counts = torch.tensor(sizes, device="cuda")
     out = torch.full((m, Nd), float("nan"), dtype=torch.bfloat16, device="cuda")
-    kernels.grouped_gemm(a, b, counts, out, tma=True)
+    with gc.override(kernel="tma"):
+        triton_forward(a, b, counts, False, out)
     assert_close(out, _expected_forward(a.cpu(), b.cpu(), sizes).cuda())
     assert torch.equal(out[sum(sizes):], torch.zeros_like(out[sum(sizes):]))
 
@@ -331,14 +371,16 @@ def test_gpu_wgrad_split_matches_float64():
     dy = torch.randn(m, Q, generator=g).to("cuda", torch.bfloat16)
     counts = torch.tensor(sizes, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = tma.tma_wgrad_config(torch.cuda.get_device_capability()[0], m, P, Q, len(sizes), sms)
+    cfg = wgrad_cfg(torch.cuda.get_device_capability()[0], m, P, Q, len(sizes), sms)
     assert cfg.split > 1
     out = torch.full((len(sizes), P, Q), float("nan"), dtype=torch.bfloat16, device="cuda")
-    kernels.grouped_wgrad(a, dy, counts, out, tma=True)
+    with gc.override(kernel="tma"):
+        triton_wgrad(a, dy, counts, out)
     assert_close(out, _expected_wgrad(a.cpu(), dy.cpu(), sizes).cuda())
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     again = torch.full_like(out, float("nan"))
-    kernels.grouped_wgrad(a, dy, counts, again, tma=True)
+    with gc.override(kernel="tma"):
+        triton_wgrad(a, dy, counts, again)
     assert torch.equal(out, again), "split-K must be deterministic"
 
 
@@ -348,11 +390,12 @@ def test_gpu_tma_graph_replay_with_new_routing():
     a, w, counts, _ = _data(torch.bfloat16, False)
     a, w, counts = a.cuda(), w.cuda(), counts.cuda()
     out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
-    kernels.grouped_gemm(a, w, counts, out, tma=True)  # compile outside the capture
+    with gc.override(kernel="tma"):
+        triton_forward(a, w, counts, False, out)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernels.grouped_gemm(a, w, counts, out, tma=True)
+    with torch.cuda.graph(graph), gc.override(kernel="tma"):
+        triton_forward(a, w, counts, False, out)
     for new in ([0, 40, 2, 7, 0, 0], [70, 0, 0, 0, 0, 0], [0] * 6):
         counts.copy_(torch.tensor(new))
         out.fill_(float("nan"))
@@ -363,9 +406,9 @@ def test_gpu_tma_graph_replay_with_new_routing():
 
 @pytest.mark.parametrize("E", [256, 4096])
 def test_aot_tile_map_no_spills(E):
-    block_t = max(2, min(32, 4096 // E))  # as launch_forward picks it
+    block_t = max(2, min(32, 4096 // E))  # as the launcher's tile map picks it
     build = compile_for_targets(
-        tma.tile_map_kernel,
+        tiles.tile_map_kernel,
         {"counts_ptr": "*i64", "map_ptr": "*i32", "M": "i32", "E": "i32", "row_tiles": "i32"},
         {"BLOCK_M": 64, "BLOCK_E": E, "BLOCK_T": block_t}, targets=(90,),
     )[90]
@@ -378,12 +421,12 @@ def test_aot_expert_rows_and_split_reduce_no_spills(E):
     """The two small helper launches of the TMA wgrad, for both targets (the minimum-Triton
     check in CI compiles every kernel an AOT test reaches)."""
     rows = compile_for_targets(
-        tma.expert_rows_kernel,
+        tiles.expert_rows_kernel,
         {"counts_ptr": "*i64", "rows_ptr": "*i32", "M": "i32", "E": "i32"},
         {"BLOCK_E": E},
     )
     reduce = compile_for_targets(
-        tma.split_reduce_kernel,
+        tk.split_reduce_kernel,
         {"ws_ptr": "*fp32", "c_ptr": "*bf16", "numel": "i32", "PQ": "i32", "Q": "i32",
          "stride_ce": "i32", "stride_cp": "i32", "stride_cq": "i32"},
         {"SPLIT": 4, "BLOCK": 1024, "ACCUMULATE": True},

@@ -14,7 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from mtp import ops
-from mtp.kernels import grouped_gemm_act as kact
+from mtp.kernels.grouped_gemm_details import launch, pointer
+from mtp.kernels.grouped_gemm_details import tma as ktma
+from mtp.kernels.grouped_gemm_details.epilogue import ACTIVATIONS
+from mtp.ops.grouped_gemm_config import make_config, override
 from mtp.moe import GroupedMLP
 from mtp.testing import compile_for_targets, count_host_syncs
 from mtp.testing.traffic import count_traffic
@@ -128,12 +131,13 @@ def test_kernels_write_every_element_and_zero_the_tail():
     E, W = len(SIZES), 2 * FF
     x, w1 = torch.randn(M, H), torch.randn(E, H, W)
     h, y = torch.full((M, W), float("nan")), torch.full((M, FF), float("nan"))
-    kact.grouped_gemm_act(x, w1, torch.tensor(SIZES), h, y, "swiglu", probs=torch.rand(M))
+    cfg = make_config(0, x.dtype, M, FF, H, E, activation="swiglu")
+    launch.forward_act(x, w1, torch.tensor(SIZES), h, y, cfg, "swiglu", probs=torch.rand(M))
     assert not h.isnan().any() and not y.isnan().any()
     assert not h[sum(SIZES):].any() and not y[sum(SIZES):].any()
     dh = torch.full((M, W), float("nan"))
-    part = kact.grouped_gemm_dact(torch.randn(M, H), torch.randn(E, FF, H).transpose(1, 2),
-                                  torch.tensor(SIZES), h, dh, "swiglu", probs=torch.rand(M))
+    part = launch.dgrad_act(torch.randn(M, H), torch.randn(E, FF, H).transpose(1, 2),
+                            torch.tensor(SIZES), h, dh, cfg, "swiglu", probs=torch.rand(M))
     assert not dh.isnan().any() and not part.isnan().any()
     assert not dh[sum(SIZES):].any() and not part[:, sum(SIZES):].any()
 
@@ -248,6 +252,8 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="bias2"):
         ops.grouped_mlp(t["x"], t["w1"], t["w2"], counts, bias2=torch.zeros(len(SIZES), H + 1))
     with pytest.raises(ValueError, match="tokens_per_expert|sum"):
+        ops.grouped_mlp(t["x"], t["w1"], t["w2"], torch.tensor([M, 1, 0, 0]), validate="sync")
+    with pytest.raises(RuntimeError, match="tokens_per_expert"):  # default: a device-side check
         ops.grouped_mlp(t["x"], t["w1"], t["w2"], torch.tensor([M, 1, 0, 0]))
 
 
@@ -266,7 +272,7 @@ def _tensor_args(forward: bool) -> dict[str, str]:
 
 
 def _build(kernel_name: str, act: str, M_rows: int):
-    cfg = kact.gpu_act_config(torch.bfloat16, M_rows, 4096, 4096, 8, act)
+    cfg = make_config(9, torch.bfloat16, M_rows, 4096, 4096, 8, activation=act)
     forward = kernel_name == "act"
     signature = _tensor_args(forward)
     signature.update({"counts_ptr": "*i32", "M": "i32", "F": "i32", "K": "i32", "E": "i32"})
@@ -277,13 +283,13 @@ def _build(kernel_name: str, act: str, M_rows: int):
     constexprs = {
         ("stride_ak" if forward else "stride_gk"): 1, ("stride_bn" if forward else "stride_bk"): 1,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "BLOCK_E": 8,
-        "GROUP_M": cfg.group_m, "PERSISTENT": True, "ACT": kact.ACTIVATIONS[act],
+        "GROUP_M": cfg.group_m, "PERSISTENT": True, "ACT": ACTIVATIONS[act],
         "HAS_PROB": True, "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
         "LIMIT": 7.0, "ALPHA": 1.702,
     }
     if forward:
         constexprs["HAS_BIAS"] = True
-    kernel = kact.grouped_gemm_act_kernel if forward else kact.grouped_gemm_dact_kernel
+    kernel = pointer.grouped_gemm_act_kernel if forward else pointer.grouped_gemm_dact_kernel
     return compile_for_targets(kernel, signature, constexprs, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages,
                                divisible_by_16=strides + ["F", "K"])  # fmt: skip
@@ -355,17 +361,16 @@ def test_gpu_fused_matches_float64_bf16(act, rows_per_expert):
         assert _rel(leaf.grad, r.grad) < 3e-2
 
 
-# --- TMA kernels (kernels/grouped_gemm_act_tma.py) -----------------------------------------------
+# --- TMA kernels (kernels/grouped_gemm_details/tma.py) -----------------------------------------------
 
 
 @pytest.mark.parametrize("act, dtype, bias, with_probs", [
     ("swiglu", torch.bfloat16, True, True), ("gelu", torch.float16, False, True),
 ], ids=str)  # fmt: skip
-def test_tma_kernels_match_float64(monkeypatch, act, dtype, bias, with_probs):
-    """Descriptors run under the interpreter: the TMA path (MTP_TRITON_TMA=1) against float64,
-    and the launches are the TMA kernels."""
-    monkeypatch.setenv("MTP_TRITON_TMA", "1")
-    with count_traffic() as t:
+def test_tma_kernels_match_float64(act, dtype, bias, with_probs):
+    """Descriptors run under the interpreter: the TMA path (override(kernel="tma")) against
+    float64, and the launches are the TMA kernels."""
+    with count_traffic() as t, override(kernel="tma"):
         test_output_and_gradients_match_float64(act, dtype, bias, with_probs, "triton")
     names = {launch.name for launch in t.launches}
     assert {"grouped_gemm_act_tma_kernel", "grouped_gemm_dact_tma_kernel"} <= names, names
@@ -373,9 +378,8 @@ def test_tma_kernels_match_float64(monkeypatch, act, dtype, bias, with_probs):
 
 
 def _tma_build(cc: int, forward: bool, act: str, rows: int):
-    from mtp.kernels import grouped_gemm_act_tma as ktma
-
-    cfg = kact.gpu_act_config(torch.bfloat16, rows, 4096, 4096, 8, act)
+    cfg = make_config(9, torch.bfloat16, rows, 4096, 4096, 8, activation=act, tma_ok=True)
+    assert cfg.kernel == "tma", cfg
     signature = _tensor_args(forward)
     strides = (["stride_am", "stride_be", "stride_bk", "stride_hm", "stride_ym"] if forward
                else ["stride_gm", "stride_be", "stride_bn", "stride_hm", "stride_dm"])  # fmt: skip
@@ -383,7 +387,7 @@ def _tma_build(cc: int, forward: bool, act: str, rows: int):
     signature.update({s: "i32" for s in strides})
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                   "GROUP_M": cfg.group_m, "FLATTEN": True, "UPCAST_DOT": False,
-                  "ACT": kact.ACTIVATIONS[act], "HAS_PROB": True}  # fmt: skip
+                  "ACT": ACTIVATIONS[act], "HAS_PROB": True}  # fmt: skip
     if forward:
         constexprs["HAS_BIAS"] = True
     kernel = ktma.grouped_gemm_act_tma_kernel if forward else ktma.grouped_gemm_dact_tma_kernel

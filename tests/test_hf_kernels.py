@@ -104,7 +104,7 @@ def test_apply_kernels_tp1_equals_hf(family, monkeypatch):
     # GEMMs forward, their data gradients and weight gradients backward
     assert ops.counts.get("mtp::bias_swiglu", 0) == dense_mlps + blocks, ops.counts
     assert ops.counts.get("mtp::bias_act_backward", 0) == dense_mlps + blocks, ops.counts
-    assert ops.counts.get("mtp::grouped_gemm", 0) == 4 * blocks, ops.counts
+    assert ops.counts.get("mtp::grouped_gemm_out", 0) == 4 * blocks, ops.counts
     assert ops.counts.get("mtp::grouped_gemm_wgrad", 0) == 2 * blocks, ops.counts
     if moe:
         assert len(o.router_logits) == blocks and o.aux_loss is not None

@@ -7,6 +7,7 @@ Outputs start poisoned (``MTP_POISON_OUTPUTS=1``): an element a backend forgets 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -14,15 +15,27 @@ import pytest
 import torch
 
 from mtp import ops
-from mtp.kernels import grouped_gemm as kernels
+from mtp.kernels.grouped_gemm_details import launch, pointer
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
+from mtp.ops.grouped_gemm_config import make_config, override
 from mtp.testing import (
     GraphSafetyError,
     assert_close,
     assert_graph_safe,
     compile_for_targets,
+    count_host_syncs,
     tolerance,
 )
+
+
+def forward_config(dtype, M, N, K, E):
+    """The pointer kernel's sm_90 tiles (what make_config picks for non-TMA operands)."""
+    return make_config(9, dtype, M, N, K, E)
+
+
+def wgrad_config(dtype, K, N):
+    """The pointer weight gradient's sm_90 tiles for a ``[K, N]`` output per expert."""
+    return make_config(9, dtype, 0, N, K, 1, gemm="wgrad")
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -197,13 +210,47 @@ def test_auto_and_env_choose_the_backend(monkeypatch, device):
     """``auto``: the Triton kernel on CUDA, the reference on CPU; ``MTP_BACKEND`` steers it."""
     x, w, counts, _ = make_inputs([3, 4], 9, 8, 8, torch.float32, False, device)
     monkeypatch.delenv("MTP_BACKEND", raising=False)
-    launches = _count_runs(monkeypatch, kernels.grouped_gemm_kernel)
+    launches = _count_runs(monkeypatch, pointer.grouped_gemm_kernel)
     y = ops.grouped_gemm(x, w, counts)
     assert len(launches) == (1 if device.type == "cuda" else 0)
     assert_close(y, expected_forward(x, w, [3, 4], False))
     monkeypatch.setenv("MTP_BACKEND", "sequential")
     assert _count_mm(lambda: ops.grouped_gemm(x, w, counts)) == 2
     assert len(launches) == (1 if device.type == "cuda" else 0)
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu", "clamped_swiglu"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "reference"])
+def test_activation_epilogue_matches_float64(backend, act, device):
+    """``grouped_gemm(..., bias=, activation=, probs=)``: ``act(x @ w[e] + b[e]) * p`` and the
+    gradients of x, w, b and p against float64 (trans_b, an empty expert, a zero tail)."""
+    sizes, M, K, N = [0, 23, 1, 0, 13], 45, 37, 30
+    x, w, counts, _ = make_inputs(sizes, M, K, N, torch.float32, True, device, seed=11)
+    g = torch.Generator().manual_seed(12)
+    b = torch.randn(len(sizes), N, generator=g).to(device).requires_grad_()
+    p = torch.rand(M, generator=g).to(device).requires_grad_()
+    y = ops.grouped_gemm(x, w, counts, trans_b=True, backend=backend, bias=b, activation=act,
+                         probs=p, activation_limit=1.5)  # fmt: skip
+    dy = torch.randn(y.shape, generator=g).to(device)
+    y.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b, p)]
+    rows = torch.cat([torch.full((m,), e, device=device) for e, m in enumerate(sizes)])
+    h = torch.einsum("mk,mnk->mn", leaves[0][:37], leaves[1][rows]) + leaves[2][rows]
+    h = torch.cat([h, h.new_zeros(M - 37, N)])
+    if act == "swiglu":
+        a, up = h.chunk(2, -1)
+        ref = torch.nn.functional.silu(a) * up
+    elif act == "gelu":
+        ref = torch.nn.functional.gelu(h)
+    else:
+        gate, up = h[:, 0::2].clamp(max=1.5), h[:, 1::2].clamp(-1.5, 1.5)
+        ref = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    ref = ref * leaves[3][:, None]
+    ref.backward(dy.double())
+    assert_close(y, ref, msg=f"{backend} y")
+    assert torch.equal(y[37:], torch.zeros_like(y[37:])), "rows past the routed ones"
+    for name, got, want in zip("xwbp", (x, w, b, p), leaves):
+        assert_close(got.grad, want.grad, msg=f"{backend} d{name}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,17 +264,17 @@ def test_kernels_with_gpu_configs_and_persistent(dtype, device):
     sizes, M, K, N = [70, 0, 3, 130], 220, 72, 136
     x, w, counts, dy = make_inputs(sizes, M, K, N, dtype, False, device, seed=5)
     x, w = x.detach(), w.detach()
-    cfg = kernels.forward_config(dtype, M, N, K, len(sizes))
+    cfg = forward_config(dtype, M, N, K, len(sizes))
     for persistent in (False, True):
         out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-        kernels.grouped_gemm(x, w, counts, out, config=cfg, persistent=persistent)
+        launch.forward(x, w, counts, out, dataclasses.replace(cfg, persistent=persistent))
         assert_close(out, expected_forward(x, w, sizes, False), msg=f"persistent={persistent}")
-    big = kernels.forward_config(dtype, 1 << 20, N, K, 4)
+    big = forward_config(dtype, 1 << 20, N, K, 4)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-    kernels.grouped_gemm(x, w, counts, out, config=big, persistent=True)
+    launch.forward(x, w, counts, out, dataclasses.replace(big, persistent=True))
     assert_close(out, expected_forward(x, w, sizes, False), msg=str(big))
     dw = torch.full((len(sizes), K, N), float("nan"), dtype=dtype, device=device)
-    kernels.grouped_wgrad(x, dy, counts, dw, config=kernels.wgrad_config(dtype, K, N))
+    launch.wgrad(x, dy, counts, dw, wgrad_config(dtype, K, N))
     assert_close(dw, expected_grads(x, w, sizes, False, dy)[1])
 
 
@@ -242,7 +289,7 @@ def test_worst_case_tile_bound():
         sizes = torch.diff(cuts, prepend=torch.tensor([0])).tolist()
         routed = sum(sizes)
         used = sum(-(-m // bm) for m in sizes) + -(-(M - routed) // bm)
-        assert used <= kernels.num_row_tiles_bound(M, E, bm)
+        assert used <= launch.num_row_tiles_bound(M, E, bm)
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,8 +320,8 @@ def _count_mm(fn) -> int:
 def test_triton_is_one_launch_whatever_E(E, monkeypatch, device):
     sizes = [3 + (e % 3) for e in range(E)]
     x, w, counts, dy = make_inputs(sizes, sum(sizes) + 2, 16, 16, torch.float32, False, device)
-    fwd = _count_runs(monkeypatch, kernels.grouped_gemm_kernel)
-    wgrad = _count_runs(monkeypatch, kernels.grouped_wgrad_kernel)
+    fwd = _count_runs(monkeypatch, pointer.grouped_gemm_kernel)
+    wgrad = _count_runs(monkeypatch, pointer.grouped_wgrad_kernel)
     y = None
 
     def forward():
@@ -330,15 +377,20 @@ def test_loop_backends_are_not_graph_safe(device):
 
 def test_opcheck_custom_ops():
     x, w, counts, dy = make_inputs([3, 0, 5], 10, 8, 6, torch.float32, False, "cpu")
-    torch.library.opcheck(torch.ops.mtp.grouped_gemm.default, (x, w, counts, False, "reference"))
-    torch.library.opcheck(
-        torch.ops.mtp.grouped_gemm_wgrad.default, (x.detach(), dy, counts, "reference")
-    )
+    x, w = x.detach(), w.detach()
     out = torch.empty(10, 6)
-    torch.library.opcheck(
+    torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,
+                          (x, w, counts, out, False, "reference"))  # fmt: skip
+    torch.library.opcheck(  # the activation epilogue: h and the activation's output
         torch.ops.mtp.grouped_gemm_out.default,
-        (x.detach(), w.detach(), counts, out, False, "reference"),
-    )
+        (x, w, counts, torch.empty(10, 3), False, "reference", None, torch.empty(10, 6),
+         torch.rand(10), "swiglu"),
+    )  # fmt: skip
+    for accumulate in (False, True):
+        torch.library.opcheck(
+            torch.ops.mtp.grouped_gemm_wgrad.default,
+            (x, dy, counts, torch.zeros(3, 8, 6), "reference", accumulate),
+        )
 
 
 @pytest.mark.slow
@@ -399,15 +451,44 @@ def test_data_dependent_count_checks(backend, device):
     x = torch.randn(10, 8, device=device)
     w = torch.randn(3, 8, 6, device=device)
     with pytest.raises(ValueError, match="tokens_per_expert sums to 11 rows but x has only 10"):
-        ops.grouped_gemm(x, w, torch.tensor([3, 4, 4], device=device), backend=backend)
+        ops.grouped_gemm(x, w, torch.tensor([3, 4, 4], device=device), backend=backend,
+                         validate="sync")  # fmt: skip
     with pytest.raises(ValueError, match="must be non-negative, got a count of -1"):
-        ops.grouped_gemm(x, w, torch.tensor([3, -1, 4], device=device), backend=backend)
+        ops.grouped_gemm(x, w, torch.tensor([3, -1, 4], device=device), backend=backend,
+                         validate="sync")  # fmt: skip
+    if device.type == "cpu":  # default: on the device (a device-side assert on CUDA; at once here)
+        for bad in ([3, 4, 4], [3, -1, 4]):
+            with pytest.raises(RuntimeError, match="tokens_per_expert must be non-negative and "
+                                                   "sum to at most x.shape.0. = 10 rows"):
+                ops.grouped_gemm(x, w, torch.tensor(bad), backend=backend)
     if backend == "triton":
         # validate=False: no host read; the kernel still never touches rows past M.
         y = ops.grouped_gemm(x, w, torch.tensor([3, 4, 9], device=device), backend=backend,
                              validate=False)
         assert_close(y[:7], expected_forward(x, w, [3, 4], False)[:7])
         assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_default_arguments_never_sync(backend, device):
+    """The project's rule: 0 host syncs with default arguments (the counts' check runs on the
+    device), forward and backward, with and without the epilogues; the MLP entry too."""
+    x, w, counts, dy = make_inputs(SIZES, 45, 36, 30, torch.float32, False, device)
+    bias = torch.randn(len(SIZES), 30, device=device, requires_grad=True)
+    probs = torch.rand(45, device=device, requires_grad=True)
+    for kw in ({}, {"bias": bias}, {"bias": bias, "activation": "swiglu", "probs": probs}):
+        with count_host_syncs() as fwd:
+            y = ops.grouped_gemm(x, w, counts, backend=backend, **kw)
+        with count_host_syncs() as bwd:
+            y.backward(torch.ones_like(y))
+        assert fwd.count == 0 and bwd.count == 0, (kw.keys(), fwd, bwd)
+    if backend == "triton":
+        w2 = torch.randn(len(SIZES), 15, 36, device=device, requires_grad=True)
+        with count_host_syncs() as fwd:
+            y = ops.grouped_mlp(x, w, w2, counts, probs, bias, backend="triton")
+        with count_host_syncs() as bwd:
+            y.backward(torch.ones_like(y))
+        assert fwd.count == 0 and bwd.count == 0, (fwd, bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,7 +564,7 @@ def test_cutlass_errors(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def _forward_build(dtype_name: str, cfg: kernels.GemmConfig, trans_b=False, persistent=False,
+def _forward_build(dtype_name: str, cfg, trans_b=False, persistent=False,
                    bias=False):
     signature = {
         "a_ptr": f"*{dtype_name}", "b_ptr": f"*{dtype_name}", "c_ptr": f"*{dtype_name}",
@@ -499,13 +580,13 @@ def _forward_build(dtype_name: str, cfg: kernels.GemmConfig, trans_b=False, pers
     }
     strides = [k for k in signature if k.startswith("stride")]
     return compile_for_targets(
-        kernels.grouped_gemm_kernel, signature, constexprs,
+        pointer.grouped_gemm_kernel, signature, constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         divisible_by_16=strides + ["N", "K"],  # as a launch on 4096-wide aligned operands
     )
 
 
-def _wgrad_build(dtype_name: str, cfg: kernels.WgradConfig):
+def _wgrad_build(dtype_name: str, cfg):
     signature = {
         "a_ptr": f"*{dtype_name}", "b_ptr": f"*{dtype_name}", "c_ptr": f"*{dtype_name}",
         "counts_ptr": "*i32", "M": "i32", "P": "i32", "Q": "i32", "E": "i32",
@@ -513,13 +594,13 @@ def _wgrad_build(dtype_name: str, cfg: kernels.WgradConfig):
     }
     constexprs = {
         "stride_ap": 1, "stride_bq": 1, "stride_cq": 1,
-        "BLOCK_P": cfg.block_p, "BLOCK_Q": cfg.block_q, "BLOCK_R": cfg.block_r,
-        "BLOCK_E": 64, "GROUP_P": cfg.group_p, "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
+        "BLOCK_P": cfg.block_m, "BLOCK_Q": cfg.block_n, "BLOCK_R": cfg.block_k,
+        "BLOCK_E": 64, "GROUP_P": cfg.group_m, "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
         "ACCUMULATE": False,
     }
     strides = [k for k in signature if k.startswith("stride")]
     return compile_for_targets(
-        kernels.grouped_wgrad_kernel, signature, constexprs,
+        pointer.grouped_wgrad_kernel, signature, constexprs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         divisible_by_16=strides + ["P", "Q"],
     )
@@ -542,10 +623,10 @@ def _check_tensor_core_builds(builds) -> None:
 def test_aot_compiles_with_tensor_cores(which):
     if which.startswith("forward"):
         M = 100 if "small" in which else 1 << 20
-        cfg = kernels.forward_config(torch.bfloat16, M, 4096, 4096, 8)
+        cfg = forward_config(torch.bfloat16, M, 4096, 4096, 8)
         builds = _forward_build("bf16", cfg, bias=which.endswith("bias"))
     else:
-        builds = _wgrad_build("bf16", kernels.wgrad_config(torch.bfloat16, 4096, 4096))
+        builds = _wgrad_build("bf16", wgrad_config(torch.bfloat16, 4096, 4096))
     _check_tensor_core_builds(builds)
 
 
@@ -553,14 +634,14 @@ def test_aot_compiles_with_tensor_cores(which):
 @pytest.mark.parametrize("dtype_name, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_aot_compiles_every_variant(dtype_name, dtype):
     for M in (100, 1 << 20):
-        cfg = kernels.forward_config(dtype, M, 4096, 4096, 8)
+        cfg = forward_config(dtype, M, 4096, 4096, 8)
         for trans_b in (False, True):
             for persistent in (False, True):
                 _check_tensor_core_builds(_forward_build(dtype_name, cfg, trans_b, persistent))
-    _check_tensor_core_builds(_wgrad_build(dtype_name, kernels.wgrad_config(dtype, 4096, 4096)))
+    _check_tensor_core_builds(_wgrad_build(dtype_name, wgrad_config(dtype, 4096, 4096)))
     for builds in (
-        _forward_build("fp32", kernels.forward_config(torch.float32, 100, 4096, 4096, 8)),
-        _wgrad_build("fp32", kernels.wgrad_config(torch.float32, 4096, 4096)),
+        _forward_build("fp32", forward_config(torch.float32, 100, 4096, 4096, 8)),
+        _wgrad_build("fp32", wgrad_config(torch.float32, 4096, 4096)),
     ):
         assert all(b.fits_shared_memory for b in builds.values())
 
@@ -589,7 +670,8 @@ def test_gpu_host_counts_and_persistent():
         y = ops.grouped_gemm(x, w, counts.cpu(), backend=backend)
         assert_close(y, expected_forward(x, w, sizes, False), msg=backend)
     out = torch.full((500, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    kernels.grouped_gemm(x.detach(), w.detach(), counts, out, persistent=True)
+    with override(persistent=True):
+        ops.grouped_gemm(x.detach(), w.detach(), counts, backend="triton", out=out)
     assert_close(out, expected_forward(x, w, sizes, False))
 
 

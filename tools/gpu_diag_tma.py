@@ -49,14 +49,15 @@ def main() -> int:
     import torch
     from triton.testing import do_bench
 
-    from mtp.kernels import grouped_gemm as K
-    from mtp.kernels import grouped_gemm_tma as T
+    from mtp.kernels.grouped_gemm_details import launch as L
+    from mtp.ops.grouped_gemm_config import device_arch, make_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     rows = []
     dev = torch.device("cuda")
+    arch, sms = device_arch(dev)
     torch.manual_seed(0)
     shapes = {  # name: (counts, K, N)
         "mixed": ([0, 700, 3, 0, 1290, 64, 1, 0], 264, 200),
@@ -79,19 +80,19 @@ def main() -> int:
         for e, m in enumerate(sizes):
             ref[start:start + m] = x[start:start + m].float() @ w[e].float()
             start += m
-        base = T.forward_default(dev, M, N, Kd, E)
+        base = make_config(arch, torch.bfloat16, M, N, Kd, E, tma_ok=True, sms=sms)
         for vname, make in fwd_variants.items():
             cfg = make(base)
             row = dict(kernel="fwd", shape=name, variant=vname, config=dataclasses.asdict(cfg))
             try:
                 out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                K.grouped_gemm(x, w, counts, out, config=cfg, tma=True)
+                L.forward(x, w, counts, out, cfg)
                 torch.cuda.synchronize()
                 row["nan"] = int(torch.isnan(out).sum())
                 row["rel_err"] = rel(out, ref)
                 if row["rel_err"] < 2e-2:
-                    row["ms"] = do_bench(lambda: K.grouped_gemm(x, w, counts, out, config=cfg,
-                                                                tma=True), warmup=5, rep=20)
+                    row["ms"] = do_bench(lambda: L.forward(x, w, counts, out, cfg), warmup=5,
+                                         rep=20)
             except Exception as exc:  # noqa: BLE001
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
@@ -99,12 +100,12 @@ def main() -> int:
         # pointer kernel for comparison
         try:
             out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-            K.grouped_gemm(x, w, counts, out, tma=False)
+            ptr = make_config(arch, torch.bfloat16, M, N, Kd, E, sms=sms)
+            L.forward(x, w, counts, out, ptr)
             torch.cuda.synchronize()
             row = dict(kernel="fwd", shape=name, variant="pointer", rel_err=rel(out, ref),
                        nan=int(torch.isnan(out).sum()))
-            row["ms"] = do_bench(lambda: K.grouped_gemm(x, w, counts, out, tma=False),
-                                 warmup=5, rep=20)
+            row["ms"] = do_bench(lambda: L.forward(x, w, counts, out, ptr), warmup=5, rep=20)
         except Exception as exc:  # noqa: BLE001
             row = dict(kernel="fwd", shape=name, variant="pointer", error=str(exc)[:200])
         rows.append(row)
@@ -116,7 +117,8 @@ def main() -> int:
         for e, m in enumerate(sizes):
             dref[e] = x[start:start + m].float().T @ dy[start:start + m].float()
             start += m
-        wbase = T.wgrad_default(dev, M, Kd, N, E)
+        wbase = make_config(arch, torch.bfloat16, M, N, Kd, E, gemm="wgrad", tma_ok=True,
+                            sms=sms)
         wvariants = {
             "table": wbase,
             "no_ws": dataclasses.replace(wbase, warp_specialize=False),
@@ -126,13 +128,13 @@ def main() -> int:
             row = dict(kernel="wgrad", shape=name, variant=vname, config=dataclasses.asdict(cfg))
             try:
                 out = torch.full((E, Kd, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                K.grouped_wgrad(x, dy, counts, out, config=cfg, tma=True)
+                L.wgrad(x, dy, counts, out, cfg)
                 torch.cuda.synchronize()
                 row["nan"] = int(torch.isnan(out).sum())
                 row["rel_err"] = rel(out, dref)
                 if row["rel_err"] < 2e-2:
-                    row["ms"] = do_bench(lambda: K.grouped_wgrad(x, dy, counts, out, config=cfg,
-                                                                 tma=True), warmup=5, rep=20)
+                    row["ms"] = do_bench(lambda: L.wgrad(x, dy, counts, out, cfg), warmup=5,
+                                         rep=20)
             except Exception as exc:  # noqa: BLE001
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)

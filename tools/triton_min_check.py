@@ -17,9 +17,9 @@ How tests are found, automatically:
   the rest are deselected. Collection errors (a kernel module that fails to import under 3.6)
   fail the run.
 
-At the end the plugin lists which ``@triton.jit`` kernels of ``kernels/*.py`` were compiled and
-which none of the tests compiles (those are not checked; ``MTP_MIN_TRITON_STRICT=1`` makes that
-an error). Usage::
+At the end the plugin lists which ``@triton.jit`` kernels of ``kernels/`` (subpackages included)
+were compiled and which none of the tests compiles (those are not checked;
+``MTP_MIN_TRITON_STRICT=1`` makes that an error). Usage::
 
     python tools/triton_min_check.py            # creates .venv-min on first use (~2 min)
     python tools/triton_min_check.py --list     # show the selected files and exit
@@ -93,10 +93,10 @@ def aot_test_files(tests: Path = TESTS) -> list[Path]:
 
 
 def jit_kernels(kernels: Path = KERNELS) -> dict[str, set[str]]:
-    """``{"module.function": names it calls}`` for every function in kernels/*.py decorated
-    with (triton.)jit."""
+    """``{"module.function": names it calls}`` for every function in kernels/ (its subpackages
+    included, e.g. ``grouped_gemm_details/``) decorated with (triton.)jit."""
     found = {}
-    for path in sorted(kernels.glob("*.py")):
+    for path in sorted(kernels.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any(
                 "jit" in ast.unparse(d) for d in node.decorator_list

@@ -28,7 +28,12 @@ from torchtitan.models.common.moe import GroupedExperts as _TitanGroupedExperts
 
 from mtp.ops._backend import resolve_backend
 from mtp.ops.bias_act import bias_swiglu
-from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, grouped_gemm, torch_grouped_mm
+from mtp.ops.grouped_gemm import (
+    GROUPED_GEMM_BACKENDS,
+    grouped_gemm,
+    grouped_gemm_wgrad,
+    torch_grouped_mm,
+)
 from mtp.utils import qualified_name
 
 __all__ = ["GroupedExperts", "apply_to_model", "grouped_swiglu_experts"]
@@ -64,12 +69,12 @@ class _GateUp(torch.autograd.Function):
         need = ctx.needs_input_grad
         dx = dw1 = dw3 = None
         if need[0]:
-            dx = torch.ops.mtp.grouped_gemm(dg, w1, counts, False, backend)
-            dx = dx + torch.ops.mtp.grouped_gemm(du, w3, counts, False, backend)
+            dx = grouped_gemm(dg, w1, counts, backend=backend, validate=False)
+            dx = dx + grouped_gemm(du, w3, counts, backend=backend, validate=False)
         if need[1]:
-            dw1 = torch.ops.mtp.grouped_gemm_wgrad(dg, x, counts, backend)
+            dw1 = grouped_gemm_wgrad(dg, x, counts, backend=backend)
         if need[2]:
-            dw3 = torch.ops.mtp.grouped_gemm_wgrad(du, x, counts, backend)
+            dw3 = grouped_gemm_wgrad(du, x, counts, backend=backend)
         return dx, dw1, dw3, None, None
 
 

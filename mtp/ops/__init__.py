@@ -10,6 +10,9 @@ from .bias_act import bias_gelu, bias_swiglu  # noqa: E402,F401
 from .cross_entropy import vocab_parallel_cross_entropy  # noqa: E402,F401
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402,F401
 from .moe_permute import permute, unpermute  # noqa: E402,F401
-from .grouped_gemm import grouped_gemm, grouped_gemm_reference  # noqa: E402,F401
-from .grouped_gemm_accumulate import grouped_gemm_accumulate_wgrad  # noqa: E402,F401
+from .grouped_gemm import (  # noqa: E402,F401
+    grouped_gemm,
+    grouped_gemm_accumulate_wgrad,
+    grouped_gemm_reference,
+)
 from .grouped_mlp import grouped_mlp  # noqa: E402,F401

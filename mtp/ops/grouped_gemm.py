@@ -1,446 +1,83 @@
-"""Grouped GEMM for MoE experts: ``y[rows of e] = x[rows of e] @ w[e]`` with ragged groups.
+"""Grouped GEMM for MoE experts, one entry point: ``y[rows of e] = epilogue(x[rows of e] @ w[e])``
+with ragged groups (``docs/grouped_gemm.md`` walks the whole path).
 
-Public API
-- :func:`grouped_gemm` (``torch.ops.mtp.grouped_gemm`` underneath): forward and backward
-  (``dx`` by the transposed grouped GEMM, ``dw[e] = x_e^T dy_e`` by a grouped weight-gradient
-  GEMM with a ragged reduction dimension), fp32/fp16/bf16 with fp32 accumulation.
-- :func:`grouped_gemm_reference`: the plain-PyTorch per-expert loop (same signature, fp32 math,
-  differentiable by autograd).
-- :data:`GROUPED_GEMM_BACKENDS`: the backend table (one entry per backend).
+The path of a call, top to bottom:
 
-Backends (``backend=``, or ``MTP_BACKEND`` when ``"auto"``):
+1. :func:`grouped_gemm` (here): argument checks, the ``validate`` rule, the backend choice
+   (``backend=``, ``MTP_BACKEND`` when ``"auto"``; see :mod:`mtp.ops._grouped_gemm_backends`
+   for the table) and the epilogue options: ``bias``, ``activation`` (GeLU, SwiGLU, clamped
+   SwiGLU) with routing ``probs``, ``gradient_accumulation_fusion`` (the weight gradient added
+   to ``w.main_grad``), and ``out=`` (a fixed output buffer for CUDA graphs).
+2. Autograd (here): one :class:`torch.autograd.Function` for every option, over the custom ops.
+3. Custom ops (here, each with its fake, the only registrations of the grouped GEMM):
+   ``mtp::grouped_gemm_out`` (every forward and data gradient, epilogues included),
+   ``mtp::grouped_gemm_wgrad`` (weight gradients, accumulating or not, and the bias
+   gradient's per-expert sums), ``mtp::grouped_gemm_dact`` (the data gradient of the GEMM after
+   an activation with the activation's backward in its epilogue: :func:`mtp.ops.grouped_mlp`).
+4. The backend; for ``triton`` the config of :func:`mtp.ops.grouped_gemm_config.make_config`
+   (TMA or pointer kernels, tiles, grid) and the launchers and kernels of
+   :mod:`mtp.kernels.grouped_gemm_details`.
 
-=============== ========================================================== ==================
-name            what runs                                                  host syncs
-=============== ========================================================== ==================
-``triton``      one GEMM launch (+ tile map on sm_90+), counts on device   none
-``cutlass``     the CUTLASS extension (``mtp.ops._cutlass``, sm_90/sm_100) none
-``torch``       ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` none for bf16 [1]_
-``multistream`` one ``torch.mm`` per expert over 4 CUDA streams (TE style) one (sizes)
-``sequential``  one ``torch.mm`` per expert on the current stream          one (sizes)
-``reference``   per-expert loop in fp32 math (plain PyTorch)               one (sizes)
-=============== ========================================================== ==================
-
-.. [1] PyTorch's grouped_mm runs its CUTLASS kernel for bf16 on sm_90/sm_100; for other dtypes
-   and GPUs it falls back to a loop that reads the offsets on the host. Rows it leaves
-   unwritten (past ``sum(tokens_per_expert)``) are zeroed here, and rows or weights whose
-   strides are not 16-byte aligned are copied to aligned buffers first.
-
-``auto`` is ``triton`` on CUDA and ``reference`` on CPU. The loop backends read
-``tokens_per_expert`` on the host once per call (the backward reuses the host copy).
+``auto`` is ``triton`` on CUDA and ``reference`` on CPU. Backends that read the counts on the
+host (``sequential``, ``multistream``, ``reference``) copy them once per call; the backward
+reuses the copy.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import logging
-import threading
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from mtp.kernels import grouped_gemm as _kernels
-from mtp.kernels import grouped_mm_fill as _fill
-from mtp.kernels._common import interpreting
 from mtp.ops._backend import resolve_backend
-from mtp.ops.grouped_gemm_bias import add_expert_bias_, expert_bias_grad
-from mtp.utils import check_tensor, data_checks_enabled, empty, is_fake
+from mtp.ops._grouped_gemm_backends import (
+    GROUPED_GEMM_BACKENDS,
+    GroupedGemmBackend,
+    _reference_forward,
+    activation_reference,
+    add_expert_bias_,
+    clamped_swiglu,
+    expert_bias_sums,
+    torch_grouped_mm,
+    triton_dgrad_act,
+    triton_forward_act,
+)
+from mtp.ops._grouped_gemm_checks import (
+    FLOAT_DTYPES,
+    check_count_values,
+    check_inputs,
+    check_main_grad,
+    n_of,
+)
+from mtp.utils import check_tensor, empty, validation_mode
 
 __all__ = [
+    "ACTIVATIONS",
     "GROUPED_GEMM_BACKENDS",
     "GroupedGemmBackend",
+    "clamped_swiglu",
     "grouped_gemm",
+    "grouped_gemm_accumulate_wgrad",
     "grouped_gemm_reference",
+    "grouped_gemm_wgrad",
+    "torch_grouped_mm",
 ]
 
-logger = logging.getLogger("mtp")
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_COUNT_DTYPES = (torch.int32, torch.int64)
-_NUM_STREAMS = 4  # Transformer Engine's default number of GEMM streams
+#: Activations of the epilogue (``"gelu"``: exact erf GeLU; the gated ones read ``2F`` columns).
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "clamped_swiglu")
+GATED = ("swiglu", "clamped_swiglu")
 
 
-# --------------------------------------------------------------------------------------------
-# Shared helpers of the backends
-# --------------------------------------------------------------------------------------------
-
-
-def _out_or_new(out: torch.Tensor | None, shape, like: torch.Tensor) -> torch.Tensor:
-    return out if out is not None else empty(shape, dtype=like.dtype, device=like.device)
-
-
-def _host_sizes(counts: torch.Tensor) -> list[int]:
-    """Token counts as Python ints (a host sync when ``counts`` lives on the GPU)."""
-    return [max(int(c), 0) for c in counts.tolist()]
-
-
-def _weight(w: torch.Tensor, e: int, trans_b: bool) -> torch.Tensor:
-    """``w[e]`` as the ``[K, N]`` right operand."""
-    return w[e].t() if trans_b else w[e]
+def activation_width(n: int, activation: str | None) -> int:
+    """Columns of the result: ``N``, or ``N / 2`` after a gated activation."""
+    return n // 2 if activation in GATED else n
 
 
 # --------------------------------------------------------------------------------------------
-# Loop backends: reference, sequential, multistream
+# Custom ops: the device work, opaque to torch.compile (fakes below each)
 # --------------------------------------------------------------------------------------------
 
 
-def _math_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _reference_forward(x, w, counts, trans_b, out):
-    """Per-expert loop in fp32 (or wider) math; differentiable when ``out`` is None."""
-    M, N = x.shape[0], w.shape[1] if trans_b else w.shape[2]
-    acc = _math_dtype(x.dtype)
-    chunks, row = [], 0
-    for e, m in enumerate(_host_sizes(counts)):
-        m = min(m, M - row)
-        if m > 0:
-            y_e = x[row : row + m].to(acc) @ _weight(w, e, trans_b).to(acc)
-            chunks.append(y_e.to(x.dtype))
-            row += m
-    chunks.append(x.new_zeros(M - row, N))
-    y = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
-    if out is None:
-        return y
-    return out.copy_(y)
-
-
-def _reference_wgrad(a, b, counts, out):
-    """``out[e] = a_e^T b_e`` per expert in fp32 (or wider) math."""
-    out = _out_or_new(out, (counts.shape[0], a.shape[1], b.shape[1]), a)
-    acc = _math_dtype(a.dtype)
-    row = 0
-    for e, m in enumerate(_host_sizes(counts)):
-        out[e].copy_(a[row : row + m].to(acc).t() @ b[row : row + m].to(acc))
-        row += m
-    return out
-
-
-class _StreamPool:
-    """Side streams per CUDA device, created once (creating streams per call is slow)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._streams: dict[int, list[torch.cuda.Stream]] = {}
-
-    def get(self, device: torch.device) -> list[torch.cuda.Stream]:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        with self._lock:
-            if index not in self._streams:
-                self._streams[index] = [
-                    torch.cuda.Stream(device=index) for _ in range(_NUM_STREAMS)
-                ]
-            return self._streams[index]
-
-
-_STREAM_POOL = _StreamPool()
-
-
-class _RoundRobin:
-    """Run per-expert GEMMs round-robin on side streams that join the current stream.
-
-    Entering: every side stream waits for the work queued so far on the current stream (the
-    inputs are ready). Leaving: the current stream waits for every side stream used, and the
-    tensors touched there are ``record_stream``-ed so the caching allocator does not hand their
-    memory to someone else while a side stream may still use it.
-    """
-
-    def __init__(self, device: torch.device, tensors: list[torch.Tensor]) -> None:
-        self.enabled = device.type == "cuda"
-        self.tensors = tensors
-        self.used: list[torch.cuda.Stream] = []
-        if self.enabled:
-            self.current = torch.cuda.current_stream(device)
-            self.streams = _STREAM_POOL.get(device)
-
-    def run(self, i: int, fn: Callable[[], Any]) -> None:
-        if not self.enabled:
-            fn()
-            return
-        stream = self.streams[i % len(self.streams)]
-        if stream not in self.used:
-            stream.wait_stream(self.current)
-            self.used.append(stream)
-        with torch.cuda.stream(stream):
-            fn()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for stream in self.used:
-            self.current.wait_stream(stream)
-            for t in self.tensors:
-                t.record_stream(stream)
-
-
-def _loop_forward(x, w, counts, trans_b, out, *, streams: bool):
-    M, N = x.shape[0], w.shape[1] if trans_b else w.shape[2]
-    out = _out_or_new(out, (M, N), x)
-    row = 0
-    with _RoundRobin(x.device, [x, w, out] if streams else []) as pool:
-        for e, m in enumerate(_host_sizes(counts)):
-            m = min(m, M - row)
-            if m == 0:
-                continue
-            rows = slice(row, row + m)
-            w_e = _weight(w, e, trans_b)
-            pool.run(e, lambda rows=rows, w_e=w_e: torch.mm(x[rows], w_e, out=out[rows]))
-            row += m
-        if row < M:
-            out[row:].zero_()
-    return out
-
-
-def _loop_wgrad(a, b, counts, out, *, streams: bool):
-    out = _out_or_new(out, (counts.shape[0], a.shape[1], b.shape[1]), a)
-    row = 0
-    with _RoundRobin(a.device, [a, b, out] if streams else []) as pool:
-        for e, m in enumerate(_host_sizes(counts)):
-            if m == 0:
-                out[e].zero_()
-                continue
-            rows = slice(row, row + m)
-            pool.run(e, lambda rows=rows, e=e: torch.mm(a[rows].t(), b[rows], out=out[e]))
-            row += m
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Triton
-# --------------------------------------------------------------------------------------------
-
-
-def _triton_forward(x, w, counts, trans_b, out, bias=None):
-    out = _out_or_new(out, (x.shape[0], w.shape[1] if trans_b else w.shape[2]), x)
-    return _kernels.grouped_gemm(x, w.transpose(1, 2) if trans_b else w, counts, out,
-                                 bias=None if bias is None else bias.contiguous())
-
-
-def _triton_wgrad(a, b, counts, out):
-    out = _out_or_new(out, (counts.shape[0], a.shape[1], b.shape[1]), a)
-    return _kernels.grouped_wgrad(a, b, counts, out)
-
-
-# --------------------------------------------------------------------------------------------
-# torch.nn.functional.grouped_mm (PyTorch's own grouped GEMM)
-# --------------------------------------------------------------------------------------------
-
-
-def torch_grouped_mm() -> Callable[..., torch.Tensor] | None:
-    """PyTorch's grouped matmul (``F.grouped_mm``, else ``torch._grouped_mm``), or None."""
-    fn = getattr(torch.nn.functional, "grouped_mm", None)
-    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
-
-
-def _check_torch(x: torch.Tensor, w: torch.Tensor) -> None:
-    if torch_grouped_mm() is None:
-        raise ValueError(
-            f"grouped_gemm: backend='torch' needs torch.nn.functional.grouped_mm or "
-            f"torch._grouped_mm (PyTorch >= 2.8); this is PyTorch {torch.__version__}. "
-            "Use backend='triton' or 'sequential'."
-        )
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when grouped_mm accepts its layout (16-byte aligned base and leading
-    stride, one unit stride in the last two dims), else a row-major copy with padded rows."""
-    align = 16 // t.element_size()
-    rows_stride, cols_stride = t.stride()[-2:]
-    ok_layout = (cols_stride == 1 and rows_stride % align == 0) or (
-        rows_stride == 1 and cols_stride % align == 0
-    )
-    if ok_layout and t.data_ptr() % 16 == 0:
-        return t
-    logger.debug("grouped_gemm(backend='torch'): copying a %s operand to a 16-byte aligned "
-                 "layout (strides %s)", tuple(t.shape), t.stride())
-    cols = t.shape[-1]
-    padded = -(-cols // align) * align
-    buf = torch.empty((*t.shape[:-1], padded), dtype=t.dtype, device=t.device)[..., :cols]
-    return buf.copy_(t)
-
-
-def _zero_unwritten(out: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor) -> None:
-    """Exact zeros where grouped_mm wrote nothing: the rows past ``offs[-1]`` of a forward
-    output ``[M, N]``, or the empty groups of a weight gradient ``[E, P, Q]``. With Triton
-    (CUDA, or the interpreter) only those elements are stored; otherwise a masked fill."""
-    kernels = out.is_cuda or interpreting()
-    if out.dim() == 2:
-        if kernels and out.stride(1) == 1:
-            _fill.zero_tail_rows(out, offs)
-        else:
-            rows = torch.arange(out.shape[0], device=out.device)[:, None]
-            out.masked_fill_(rows >= offs[-1:].to(torch.int64), 0)
-    elif kernels and out[0].is_contiguous():
-        _fill.zero_empty_groups(out, counts)
-    else:
-        out.masked_fill_((counts <= 0)[:, None, None], 0)
-
-
-def _torch_forward(x, w, counts, trans_b, out):
-    M, K = x.shape
-    E, N = w.shape[0], w.shape[1] if trans_b else w.shape[2]
-    if min(M, N, K, E) == 0:
-        return _out_or_new(out, (M, N), x).zero_()
-    offs = torch.cumsum(counts.clamp_min(0), 0, dtype=torch.int32)
-    b = w.transpose(1, 2) if trans_b else w
-    y = torch_grouped_mm()(_aligned(x), _aligned(b), offs=offs)
-    _zero_unwritten(y, counts, offs)  # grouped_mm leaves the tail rows uninitialised
-    if out is None and y.is_contiguous():
-        return y
-    return _out_or_new(out, (M, N), x).copy_(y)
-
-
-def _torch_wgrad(a, b, counts, out):
-    E, P, Q = counts.shape[0], a.shape[1], b.shape[1]
-    if min(E, P, Q) == 0 or a.shape[0] == 0:
-        return _out_or_new(out, (E, P, Q), a).zero_()
-    offs = torch.cumsum(counts.clamp_min(0), 0, dtype=torch.int32)
-    dw = torch_grouped_mm()(_aligned(a).t(), _aligned(b), offs=offs)
-    _zero_unwritten(dw, counts, offs)  # empty groups: exact zeros
-    if out is None and dw.is_contiguous():
-        return dw
-    return _out_or_new(out, (E, P, Q), a).copy_(dw)
-
-
-# --------------------------------------------------------------------------------------------
-# CUTLASS (the extension in csrc/, imported lazily)
-# --------------------------------------------------------------------------------------------
-
-_CUTLASS_MODULE = "mtp.ops._cutlass"
-
-
-def _cutlass() -> Any:
-    """The CUTLASS extension module, or ValueError saying why it cannot be used."""
-    try:
-        module = importlib.import_module(_CUTLASS_MODULE)
-    except ImportError as exc:
-        raise ValueError(
-            "grouped_gemm: backend='cutlass' needs the CUTLASS extension, which is not built "
-            f"({_CUTLASS_MODULE}: {exc}). Build it on a machine with nvcc: `make cuda-ext` (or "
-            "`MTP_BUILD_CUDA=1 pip install --no-build-isolation -e .` with nvidia-cutlass, "
-            "pybind11 and ninja installed); or use backend='triton'."
-        ) from exc
-    ok, reason = module.is_available()
-    if not ok:
-        raise ValueError(
-            f"grouped_gemm: backend='cutlass' is not available here: {reason}. It needs the "
-            "extension built for sm_90a/sm_100a and an sm_90 (H-series) or sm_100 (B-series) "
-            "GPU; use backend='triton' otherwise."
-        )
-    return module
-
-
-def _check_cutlass(x: torch.Tensor, w: torch.Tensor) -> None:
-    _cutlass()  # the extension checks devices, layouts and alignment itself
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(
-            f"grouped_gemm: backend='cutlass' supports float16 and bfloat16 inputs, got "
-            f"{str(x.dtype).replace('torch.', '')}; use backend='triton' for float32"
-        )
-
-
-def _cutlass_forward(x, w, counts, trans_b, out):
-    out = _out_or_new(out, (x.shape[0], w.shape[1] if trans_b else w.shape[2]), x)
-    # the op validated the counts already (one data check per call, not two)
-    _cutlass().grouped_gemm(x, w, counts, trans_b, out, validate=False)
-    return out
-
-
-def _cutlass_wgrad(a, b, counts, out):
-    out = _out_or_new(out, (counts.shape[0], a.shape[1], b.shape[1]), a)
-    _cutlass().grouped_gemm_wgrad(a, b, counts, out, validate=False)
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# The backend table
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupedGemmBackend:
-    """One grouped-GEMM backend.
-
-    Attributes:
-        forward: ``(x[M, K], w, counts[E], trans_b, out | None) -> y[M, N]``; ``w`` is
-            ``[E, K, N]`` (``[E, N, K]`` with ``trans_b``); writes every element of ``out``
-            (zeros past ``sum(counts)``) or allocates the result.
-        wgrad: ``(a[M, P], b[M, Q], counts[E], out | None) -> c[E, P, Q]`` with
-            ``c[e] = a_e^T b_e``, exact zeros for empty experts.
-        device_counts: True when ``counts`` must be on the inputs' device (single-launch
-            backends); False when the backend reads them on the host (they are copied there
-            once, before the call).
-        check: raises ``ValueError``/``TypeError`` when the backend cannot run these inputs here.
-    """
-
-    forward: Callable[..., torch.Tensor]
-    wgrad: Callable[..., torch.Tensor]
-    device_counts: bool
-    check: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-
-
-GROUPED_GEMM_BACKENDS: dict[str, GroupedGemmBackend] = {
-    "triton": GroupedGemmBackend(_triton_forward, _triton_wgrad, device_counts=True),
-    "cutlass": GroupedGemmBackend(
-        _cutlass_forward, _cutlass_wgrad, device_counts=True, check=_check_cutlass
-    ),
-    "torch": GroupedGemmBackend(
-        _torch_forward, _torch_wgrad, device_counts=True, check=_check_torch
-    ),
-    "multistream": GroupedGemmBackend(
-        lambda x, w, c, t, o: _loop_forward(x, w, c, t, o, streams=True),
-        lambda a, b, c, o: _loop_wgrad(a, b, c, o, streams=True),
-        device_counts=False,
-    ),
-    "sequential": GroupedGemmBackend(
-        lambda x, w, c, t, o: _loop_forward(x, w, c, t, o, streams=False),
-        lambda a, b, c, o: _loop_wgrad(a, b, c, o, streams=False),
-        device_counts=False,
-    ),
-    "reference": GroupedGemmBackend(_reference_forward, _reference_wgrad, device_counts=False),
-}
-
-
-# --------------------------------------------------------------------------------------------
-# Custom ops
-# --------------------------------------------------------------------------------------------
-
-
-def _n_of(w: torch.Tensor, trans_b: bool) -> int:
-    return w.shape[1] if trans_b else w.shape[2]
-
-
-def _forward(backend, x, w, counts, trans_b, out, bias):
-    """The backend's forward plus ``bias[e]`` on expert ``e``'s rows (Triton: in the epilogue)."""
-    if backend == "triton":
-        return _triton_forward(x, w, counts, trans_b, out, bias)
-    y = GROUPED_GEMM_BACKENDS[backend].forward(x, w, counts, trans_b, out)
-    return y if bias is None else add_expert_bias_(y, bias, counts)
-
-
-@torch.library.custom_op("mtp::grouped_gemm", mutates_args=())
-def _grouped_gemm_op(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    trans_b: bool,
-    backend: str,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return _forward(backend, x, w, tokens_per_expert, trans_b, None, bias)
-
-
-@_grouped_gemm_op.register_fake
-def _(x, w, tokens_per_expert, trans_b, backend, bias=None):
-    return x.new_empty(x.shape[0], _n_of(w, trans_b))
-
-
-@torch.library.custom_op("mtp::grouped_gemm_out", mutates_args=("out",))
-def _grouped_gemm_out_op(
+@torch.library.custom_op("mtp::grouped_gemm_out", mutates_args=("out", "h"))
+def _forward_op(
     x: torch.Tensor,
     w: torch.Tensor,
     tokens_per_expert: torch.Tensor,
@@ -448,75 +85,181 @@ def _grouped_gemm_out_op(
     trans_b: bool,
     backend: str,
     bias: torch.Tensor | None = None,
+    h: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
+    activation: str = "none",
+    limit: float = 7.0,
+    alpha: float = 1.702,
 ) -> None:
-    _forward(backend, x, w, tokens_per_expert, trans_b, out, bias)
+    """``out = x @ w[e] (+ bias[e])`` per expert; with an ``activation``: ``h`` gets that
+    pre-activation and ``out = act(h) * probs``. Zeros past ``sum(tokens_per_expert)``."""
+    impl = GROUPED_GEMM_BACKENDS[backend]
+    counts = tokens_per_expert
+    if activation == "none":
+        if impl.fused_epilogues:
+            impl.forward(x, w, counts, trans_b, out, bias)
+            return
+        impl.forward(x, w, counts, trans_b, out)
+        if bias is not None:
+            add_expert_bias_(out, bias, counts)
+        return
+    contiguous = [None if t is None else t.contiguous() for t in (bias, probs)]
+    if impl.fused_epilogues:
+        triton_forward_act(x, w, counts, trans_b, h, out, activation, *contiguous, limit, alpha)
+        return
+    impl.forward(x, w, counts, trans_b, h)
+    if bias is not None:
+        add_expert_bias_(h, bias, counts)
+    out.copy_(activation_reference(h, activation, probs, limit, alpha))
 
 
-@_grouped_gemm_out_op.register_fake
-def _(x, w, tokens_per_expert, out, trans_b, backend, bias=None):
+@_forward_op.register_fake
+def _(x, w, tokens_per_expert, out, trans_b, backend, bias=None, h=None, probs=None,
+      activation="none", limit=7.0, alpha=1.702):  # fmt: skip
     return None
 
 
-@torch.library.custom_op("mtp::grouped_gemm_wgrad", mutates_args=())
-def _grouped_wgrad_op(
-    a: torch.Tensor, b: torch.Tensor, tokens_per_expert: torch.Tensor, backend: str
-) -> torch.Tensor:
-    """``c[e] = a_e^T b_e``: ``[E, P, Q]`` for ``a[M, P]``, ``b[M, Q]``."""
-    return GROUPED_GEMM_BACKENDS[backend].wgrad(a, b, tokens_per_expert, None)
+@torch.library.custom_op("mtp::grouped_gemm_wgrad", mutates_args=("out",))
+def _wgrad_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    out: torch.Tensor,
+    backend: str,
+    accumulate: bool = False,
+) -> None:
+    """``out[e] = a_e^T b_e`` (``[E, P, Q]`` for ``a [M, P]``, ``b [M, Q]``); ``accumulate``:
+    ``out[e] += ...`` (in the epilogue, fp32, where the backend fuses it)."""
+    impl = GROUPED_GEMM_BACKENDS[backend]
+    if not accumulate:
+        impl.wgrad(a, b, tokens_per_expert, out)
+    elif impl.fused_epilogues:
+        impl.wgrad(a, b, tokens_per_expert, out, True)
+    else:
+        out.add_(impl.wgrad(a, b, tokens_per_expert, None))
 
 
-@_grouped_wgrad_op.register_fake
-def _(a, b, tokens_per_expert, backend):
-    return a.new_empty(tokens_per_expert.shape[0], a.shape[1], b.shape[1])
+@_wgrad_op.register_fake
+def _(a, b, tokens_per_expert, out, backend, accumulate=False):
+    return None
 
 
-def _backward(ctx, dy: torch.Tensor, bias_index: int):
-    x, w, counts = ctx.saved_tensors
-    dy = dy.contiguous()
-    dx = dw = db = None
-    if ctx.bias_dtype is not None and ctx.needs_input_grad[bias_index]:
-        db = expert_bias_grad(dy, counts, ctx.backend).to(ctx.bias_dtype)
-    if ctx.needs_input_grad[0]:
-        # dx = dy @ w[e]^T: the same grouped GEMM with the weight read the other way round.
-        dx = torch.ops.mtp.grouped_gemm(dy, w, counts, not ctx.trans_b, ctx.backend)
-    if ctx.needs_input_grad[1]:
-        # dw[e] = x_e^T dy_e ([K, N]); with trans_b the weight is [N, K]: dy_e^T x_e.
-        a, b = (dy, x) if ctx.trans_b else (x, dy)
-        dw = torch.ops.mtp.grouped_gemm_wgrad(a, b, counts, ctx.backend)
-    return dx, dw, db
+@torch.library.custom_op("mtp::grouped_gemm_dact", mutates_args=())
+def _dact_op(
+    dy: torch.Tensor,
+    w: torch.Tensor,
+    counts: torch.Tensor,
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    activation: str,
+    limit: float,
+    alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dh, dprobs)``: ``dh = (dy @ w[e]^T) * probs * act'(h)`` (``w [E, F, K]``: the weight of
+    the GEMM after the activation) and ``dL/dprobs`` (fp32; empty without ``probs``)."""
+    dh = empty(h.shape, dtype=h.dtype, device=h.device)
+    part = triton_dgrad_act(dy, w, counts, h, dh, activation, probs, limit, alpha)
+    if part is None:
+        return dh, dy.new_empty((0,), dtype=torch.float32)
+    return dh, part.sum(0)  # fixed order over the column tiles: deterministic
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, w, tokens_per_expert, trans_b, backend, bias = inputs
-    ctx.save_for_backward(x, w, tokens_per_expert)
-    ctx.trans_b, ctx.backend = trans_b, backend
-    ctx.bias_dtype = None if bias is None else bias.dtype
+@_dact_op.register_fake
+def _(dy, w, counts, h, probs, activation, limit, alpha):
+    n = 0 if probs is None else dy.shape[0]
+    return h.new_empty(h.shape), dy.new_empty((n,), dtype=torch.float32)
 
 
-def _op_backward(ctx, dy):
-    dx, dw, db = _backward(ctx, dy, 5)
-    return dx, dw, None, None, None, db
+# --------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------
 
 
-_grouped_gemm_op.register_autograd(_op_backward, setup_context=_setup_context)
+def _forward(x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha):
+    """``(y, h)``: the forward into ``out`` (or a new buffer); ``h`` the pre-activation."""
+    n = n_of(w, trans_b)
+    y = out if out is not None else empty((x.shape[0], activation_width(n, act)),
+                                          dtype=x.dtype, device=x.device)  # fmt: skip
+    h = None if act is None else empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    torch.ops.mtp.grouped_gemm_out(x, w, counts, y, trans_b, backend, bias, h, probs,
+                                   act or "none", limit, alpha)  # fmt: skip
+    return y, h
 
 
-class _GroupedGemmInto(torch.autograd.Function):
-    """Autograd for ``grouped_gemm(..., out=buffer)``: the buffer is written and returned."""
+def bias_grad(dy: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
+    """fp32 ``[E, N]``: the sum of ``dy``'s rows of each expert. Fused backends: their weight
+    gradient with a column of ones as the left operand (``1_e^T dy_e``: one launch, fp32
+    accumulation, exact zeros for empty experts, no copy of ``dy``); otherwise a segment sum."""
+    E, (M, N) = counts.shape[0], dy.shape
+    if not GROUPED_GEMM_BACKENDS[backend].fused_epilogues:
+        return expert_bias_sums(dy, counts)
+    ones = torch.ones((1, 1), dtype=dy.dtype, device=dy.device).expand(M, 1)
+    out = torch.empty((E, 1, N), dtype=torch.float32, device=dy.device)
+    torch.ops.mtp.grouped_gemm_wgrad(ones, dy, counts, out, backend)
+    return out.view(E, N)
+
+
+def weight_grad(w, a, b, counts, backend: str, accumulate: bool) -> torch.Tensor | None:
+    """``dW[e] = a_e^T b_e``. With ``accumulate``: added to ``w.main_grad`` instead, and the
+    gradient autograd returns is a placeholder when ``w`` has Megatron's
+    ``grad_added_to_main_grad`` flag (set here; the data-parallel hook drops it), else None."""
+    if not accumulate:
+        dw = empty((counts.shape[0], a.shape[1], b.shape[1]), dtype=a.dtype, device=a.device)
+        torch.ops.mtp.grouped_gemm_wgrad(a, b, counts, dw, backend)
+        return dw
+    torch.ops.mtp.grouped_gemm_wgrad(a, b, counts, w.main_grad, backend, True)
+    if hasattr(w, "grad_added_to_main_grad"):  # a DDP hook waits for a gradient
+        w.grad_added_to_main_grad = True
+        return torch.empty_like(w)  # never read: the hook sees the flag and drops it
+    return None
+
+
+def _activation_backward(h, dy, probs, act, limit, alpha, need_probs: bool):
+    """``(dL/dh, dL/dprobs)`` of ``y = act(h) * probs`` by a PyTorch pass (the standalone
+    activation epilogue; :func:`mtp.ops.grouped_mlp` fuses it into the next GEMM instead)."""
+    with torch.enable_grad():
+        hh = h.detach().requires_grad_()
+        pp = None if probs is None else probs.detach().requires_grad_(need_probs)
+        y = activation_reference(hh, act, pp, limit, alpha)
+        inputs = [hh, pp] if need_probs else [hh]
+        grads = torch.autograd.grad(y, inputs, dy)
+    return grads[0], (grads[1] if need_probs else None)
+
+
+class _GroupedGemm(torch.autograd.Function):
+    """Every option of :func:`grouped_gemm`: forward through ``mtp::grouped_gemm_out``, backward
+    through the same op (data gradient) and ``mtp::grouped_gemm_wgrad`` (weight and bias)."""
 
     @staticmethod
-    def forward(ctx, x, w, tokens_per_expert, out, trans_b, backend, bias):
-        torch.ops.mtp.grouped_gemm_out(x, w, tokens_per_expert, out, trans_b, backend, bias)
-        ctx.mark_dirty(out)
-        ctx.save_for_backward(x, w, tokens_per_expert)
-        ctx.trans_b, ctx.backend = trans_b, backend
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return out
+    def forward(ctx, x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha,
+                accumulate):  # fmt: skip
+        y, h = _forward(x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha)
+        if out is not None:
+            ctx.mark_dirty(out)
+        ctx.save_for_backward(x, w, counts, h, probs)
+        ctx.call = (trans_b, backend, act, limit, alpha, accumulate)
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (bias, probs))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dw, db = _backward(ctx, dy, 6)
-        return dx, dw, None, None, None, None, db
+        x, w, counts, h, probs = ctx.saved_tensors
+        trans_b, backend, act, limit, alpha, accumulate = ctx.call
+        need = ctx.needs_input_grad
+        dy = dy.contiguous()
+        dx = dw = db = dp = None
+        if act is not None:  # dy is dL/d(act(h) * probs): make it dL/dh
+            dy, dp = _activation_backward(h, dy, probs, act, limit, alpha, need[5])
+            dp = None if dp is None else dp.to(ctx.dtypes[1])
+        if need[4]:
+            db = bias_grad(dy, counts, backend).to(ctx.dtypes[0])
+        if need[0]:  # dx = dy @ w[e]^T: the same grouped GEMM with the weight read the other way
+            dx, _ = _forward(dy, w, counts, None, None, None, not trans_b, backend, None,
+                             limit, alpha)
+        if need[1]:  # dw[e] = x_e^T dy_e ([K, N]); with trans_b the weight is [N, K]: dy_e^T x_e
+            a, b = (dy, x) if trans_b else (x, dy)
+            dw = weight_grad(w, a, b, counts, backend, accumulate)
+        return dx, dw, None, None, db, dp, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,155 +267,24 @@ class _GroupedGemmInto(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def _check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=_FLOAT_DTYPES) -> None:
-    check_tensor("x", x, ndim=2, dtypes=dtypes)
-    check_tensor("w", w, ndim=3, dtypes=(x.dtype,), device=x.device)
-    check_tensor("tokens_per_expert", tokens_per_expert, ndim=1, dtypes=_COUNT_DTYPES)
-    if not isinstance(trans_b, bool):
-        raise TypeError(f"trans_b must be a bool, got {type(trans_b).__name__}")
-    if tokens_per_expert.device not in (x.device, torch.device("cpu")):
-        raise ValueError(
-            f"tokens_per_expert must be on {x.device} (like x) or on the CPU, got "
-            f"{tokens_per_expert.device}"
-        )
-    E = w.shape[0]
-    if tokens_per_expert.shape[0] != E:
-        raise ValueError(
-            f"w has {E} experts (w.shape[0]) but tokens_per_expert has "
-            f"{tokens_per_expert.shape[0]} entries; they must match"
-        )
-    k_dim = 2 if trans_b else 1
-    if w.shape[k_dim] != x.shape[1]:
-        layout = "[E, N, K] (trans_b=True)" if trans_b else "[E, K, N] (trans_b=False)"
-        raise ValueError(
-            f"w of shape {tuple(w.shape)} read as {layout} has K={w.shape[k_dim]}, but x of "
-            f"shape {tuple(x.shape)} has K={x.shape[1]}"
-        )
-    if out is not None:
-        check_tensor("out", out, ndim=2, dtypes=(x.dtype,), device=x.device)
-        shape = (x.shape[0], _n_of(w, trans_b))
-        if tuple(out.shape) != shape:
-            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
-        _check_out_memory(out, {"x": x, "w": w, "tokens_per_expert": tokens_per_expert})
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last + 1)`` byte addresses a (non-empty) strided tensor can touch."""
-    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-    start = t.data_ptr()
-    return start, start + (extent + 1) * t.element_size()
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` may overlap in memory (same storage, intersecting spans)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
-        return False
-    if is_fake(a) or is_fake(b):
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
-    """``out`` must be written without clobbering an input or itself, and with autograd."""
-    for name, t in inputs.items():
-        if _shares_memory(out, t):
-            raise ValueError(
-                f"out shares memory with {name}; grouped_gemm cannot write its result over an "
-                "input (the rows of one expert would overwrite what the others still read): "
-                "pass a separate buffer"
-            )
-    if not is_fake(out) and torch._debug_has_internal_overlap(out) == 1:
-        raise ValueError(
-            f"out (shape {tuple(out.shape)}, strides {out.stride()}) has elements that share "
-            "memory (an expanded or broadcast tensor); pass a dense buffer"
-        )
-    if torch.is_grad_enabled() and out.requires_grad and out.is_leaf:
-        raise ValueError(
-            "out is a leaf tensor that requires grad; autograd cannot record an in-place write "
-            "into it. Pass a buffer with requires_grad=False (the result is differentiable in "
-            "x and w either way), or call under torch.no_grad()"
-        )
-
-
-def _check_count_values(tokens_per_expert: torch.Tensor, M: int) -> None:
-    """Data-dependent checks (one host read of two numbers)."""
-    if tokens_per_expert.numel() == 0:
-        return
-    low, total = torch.stack([tokens_per_expert.min(), tokens_per_expert.sum()]).tolist()
-    if low < 0:
-        raise ValueError(f"tokens_per_expert must be non-negative, got a count of {low}")
-    if total > M:
-        raise ValueError(
-            f"tokens_per_expert sums to {total} rows but x has only {M} rows (x.shape[0]); "
-            "size x for the routed tokens (rows past the sum are written as zeros)"
-        )
-
-
-def grouped_gemm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    *,
-    trans_b: bool = False,
-    backend: str = "auto",
-    out: torch.Tensor | None = None,
-    validate: bool = True,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Grouped GEMM over experts: ``y[rows of e] = x[rows of e] @ w[e] (+ bias[e])``.
-
-    Args:
-        x: ``[M, K]`` float32/float16/bfloat16; rows grouped by expert (expert 0's rows first).
-            ``M`` may exceed ``sum(tokens_per_expert)`` (a buffer sized for the worst case).
-        w: ``[E, K, N]``, or ``[E, N, K]`` with ``trans_b=True`` (``nn.Linear`` layout), same
-            dtype and device as ``x``.
-        tokens_per_expert: ``[E]`` int32/int64 rows per expert, on ``x``'s device or the CPU
-            (or a list of ints). Experts with zero tokens are fine (their weight gradient is
-            exactly zero). Keep it on the device for CUDA graphs and sync-free backends.
-        trans_b: read ``w[e]`` as ``[N, K]`` and multiply by its transpose.
-        backend: ``"auto"`` (``triton`` on CUDA, ``reference`` on CPU, or ``MTP_BACKEND``),
-            ``"triton"``, ``"cutlass"``, ``"torch"``, ``"multistream"``, ``"sequential"``,
-            ``"reference"`` (see the module docstring).
-        out: optional ``[M, N]`` buffer in ``x``'s dtype, written completely and returned (keeps
-            the output address fixed for CUDA graphs).
-        validate: check that the counts are non-negative and sum to at most ``M`` (reads two
-            numbers on the host; skipped automatically while tracing or capturing a graph).
-        bias: optional per-expert bias ``[E, N]`` (float, any of the three dtypes), added in
-            fp32 in the GEMM's epilogue on the ``triton`` backend (after the GEMM on the
-            others); rows past ``sum(tokens_per_expert)`` stay zero. Its gradient is the
-            per-expert sum of ``dy``'s rows (fp32 accumulation, deterministic).
-
-    Returns:
-        ``y[M, N]`` in ``x``'s dtype (fp32 accumulation); rows past ``sum(tokens_per_expert)``
-        are zero. Differentiable in ``x`` and ``w``.
-
-    Raises:
-        TypeError, ValueError: bad shapes, dtypes or devices (naming the argument), counts
-            summing past ``M``, or a backend that cannot run here (e.g. ``cutlass`` not built).
-    """
-    name, counts = prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias)
-    if out is None:
-        return torch.ops.mtp.grouped_gemm(x, w, counts, trans_b, name, bias)
-    needs_grad = any(t is not None and t.requires_grad for t in (x, w, bias))
-    if torch.is_grad_enabled() and needs_grad:
-        return _GroupedGemmInto.apply(x, w, counts, out, trans_b, name, bias)
-    torch.ops.mtp.grouped_gemm_out(x, w, counts, out, trans_b, name, bias)
-    return out
-
-
-def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=None):
+def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=None,
+                 activation=None):  # fmt: skip
     """Check the arguments of :func:`grouped_gemm` and resolve them: ``(backend name, counts)``
     with the counts where the backend reads them (the loop backends' one host copy)."""
+    validation_mode(validate)  # a bad value raises here, naming the argument
     if isinstance(tokens_per_expert, (list, tuple)):
         tokens_per_expert = torch.tensor(tokens_per_expert, dtype=torch.int64)
-    _check_inputs(x, w, tokens_per_expert, trans_b, out)
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS} or None, got {activation!r}")
+    n = n_of(w, trans_b) if w.dim() == 3 else 0
+    if activation in GATED and n % 2:
+        raise ValueError(f"w holds the gate and up columns for {activation!r}: its N ({n}) must "
+                         f"be even, got w of shape {tuple(w.shape)}")  # fmt: skip
+    check_inputs(x, w, tokens_per_expert, trans_b, out, out_cols=activation_width(n, activation))
     if bias is not None:
-        check_tensor("bias", bias, ndim=2, dtypes=_FLOAT_DTYPES, device=x.device)
-        if tuple(bias.shape) != (w.shape[0], _n_of(w, trans_b)):
-            raise ValueError(f"bias must be [{w.shape[0]}, {_n_of(w, trans_b)}] (experts, N), "
+        check_tensor("bias", bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+        if tuple(bias.shape) != (w.shape[0], n):
+            raise ValueError(f"bias must be [{w.shape[0]}, {n}] (experts, N), "
                              f"got {tuple(bias.shape)}")  # fmt: skip
     name = resolve_backend("grouped_gemm", backend, x.device, tuple(GROUPED_GEMM_BACKENDS))
     impl = GROUPED_GEMM_BACKENDS[name]
@@ -688,9 +300,136 @@ def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=
         )
     tokens_per_expert = tokens_per_expert.contiguous()  # [E] ints: a no-op or a tiny copy
     counts = tokens_per_expert if impl.device_counts else tokens_per_expert.to("cpu")
-    if data_checks_enabled(validate, counts):
-        _check_count_values(counts, x.shape[0])
+    check_count_values(counts, x.shape[0], validate)
     return name, (counts.to(x.device) if impl.device_counts else counts)
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    trans_b: bool = False,
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+    validate: bool | str = True,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    probs: torch.Tensor | None = None,
+    activation_limit: float = 7.0,
+    activation_alpha: float = 1.702,
+    gradient_accumulation_fusion: bool = False,
+) -> torch.Tensor:
+    """Grouped GEMM over experts: ``y[rows of e] = act(x[rows of e] @ w[e] + bias[e]) * probs``
+    (each epilogue optional).
+
+    Args:
+        x: ``[M, K]`` float32/float16/bfloat16; rows grouped by expert (expert 0's rows first).
+            ``M`` may exceed ``sum(tokens_per_expert)`` (a buffer sized for the worst case).
+        w: ``[E, K, N]``, or ``[E, N, K]`` with ``trans_b=True`` (``nn.Linear`` layout), same
+            dtype and device as ``x``.
+        tokens_per_expert: ``[E]`` int32/int64 rows per expert, on ``x``'s device or the CPU
+            (or a list of ints). Experts with zero tokens are fine (their weight gradient is
+            exactly zero). Keep it on the device for CUDA graphs and sync-free backends.
+        trans_b: read ``w[e]`` as ``[N, K]`` and multiply by its transpose.
+        backend: ``"auto"`` (``triton`` on CUDA, ``reference`` on CPU, or ``MTP_BACKEND``),
+            ``"triton"``, ``"cutlass"``, ``"torch"``, ``"multistream"``, ``"sequential"``,
+            ``"reference"`` (:mod:`mtp.ops._grouped_gemm_backends`).
+        out: optional buffer for the result (``[M, N]``, or ``[M, N / 2]`` after a gated
+            activation) in ``x``'s dtype, written completely and returned (keeps the output
+            address fixed for CUDA graphs).
+        validate: the data check of the counts (non-negative, summing to at most ``M``).
+            ``True``: on the device, no host sync (``torch._assert_async``: a device-side
+            assert on CUDA, an immediate ``RuntimeError`` on CPU); ``"sync"``: typed
+            ``ValueError`` with the values (one host sync); ``False``: off. Skipped while
+            tracing or capturing a graph.
+        bias: optional per-expert bias ``[E, N]`` (any float dtype), added in fp32 in the
+            GEMM's epilogue on the ``triton`` backend (after the GEMM on the others); rows past
+            ``sum(tokens_per_expert)`` stay zero. Its gradient is the per-expert sum of the
+            rows of ``dL/d(pre-activation)`` (fp32 accumulation, deterministic).
+        activation: None, or ``"gelu"`` (erf), ``"gelu_tanh"``, ``"swiglu"`` (``N = 2F``: gate
+            columns ``[0, F)`` through SiLU times up ``[F, 2F)``, Megatron's layout) or
+            ``"clamped_swiglu"`` (GPT-OSS: gate column ``2j``, up ``2j + 1``, see
+            :func:`clamped_swiglu`), applied to ``x @ w[e] + bias[e]`` in the epilogue
+            (``triton``). The backward runs the activation's derivative as a PyTorch pass;
+            :func:`mtp.ops.grouped_mlp` fuses it into the next GEMM's data gradient instead.
+        probs: ``[M]`` routing probabilities (any float dtype) multiplying the activation's
+            output (needs ``activation``); differentiable.
+        activation_limit, activation_alpha: the clamped SwiGLU's ``limit`` and ``alpha``.
+        gradient_accumulation_fusion: add the weight gradient to ``w.main_grad`` (in the
+            weight-gradient kernel's epilogue, fp32, on ``triton``) instead of returning it
+            (Megatron-Core's option; see :func:`grouped_gemm_accumulate_wgrad`).
+
+    Returns:
+        ``y`` in ``x``'s dtype (fp32 accumulation); rows past ``sum(tokens_per_expert)`` are
+        zero. Differentiable in ``x``, ``w``, ``bias`` and ``probs``.
+
+    Raises:
+        TypeError, ValueError: bad shapes, dtypes or devices (naming the argument), counts
+            summing past ``M`` (``validate="sync"``), or a backend that cannot run here.
+    """
+    name, counts = prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias,
+                                activation)  # fmt: skip
+    if probs is not None:
+        if activation is None:
+            raise ValueError("probs multiplies the activation's output: pass activation=... "
+                             "(or scale the result yourself)")  # fmt: skip
+        check_tensor("probs", probs, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+        if probs.shape[0] != x.shape[0]:
+            raise ValueError(f"probs must be [{x.shape[0]}] (one per row of x), got "
+                             f"{tuple(probs.shape)}")  # fmt: skip
+    accumulate = bool(gradient_accumulation_fusion)
+    if accumulate and w.requires_grad:
+        check_main_grad(w)
+    args = (x, w, counts, out, bias, probs, trans_b, name, activation, float(activation_limit),
+            float(activation_alpha))  # fmt: skip
+    needs_grad = any(t is not None and t.requires_grad for t in (x, w, bias, probs))
+    if torch.is_grad_enabled() and needs_grad:
+        return _GroupedGemm.apply(*args, accumulate)
+    return _forward(*args)[0]
+
+
+def grouped_gemm_accumulate_wgrad(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    backend: str = "auto",
+    validate: bool | str = True,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`grouped_gemm` with ``gradient_accumulation_fusion=True`` (Megatron-Core's
+    gradient-accumulation fusion for the experts): the backward adds ``x_e^T dy_e`` to
+    ``w.main_grad`` (fp32, in the weight-gradient kernel's epilogue on ``triton``: no rounding of
+    the gradient to ``w``'s dtype, no extra pass) and ``w`` gets no ``.grad``; with Megatron's
+    ``grad_added_to_main_grad`` attribute on ``w`` it is set and a placeholder gradient returned
+    (the data-parallel hook drops it, so the bucket's readiness hook still fires).
+
+    Raises:
+        ValueError, TypeError: as :func:`grouped_gemm`, and a missing or mis-shaped
+            ``main_grad`` (when ``w`` requires grad).
+    """
+    return grouped_gemm(x, w, tokens_per_expert, backend=backend, validate=validate, bias=bias,
+                        gradient_accumulation_fusion=True)  # fmt: skip
+
+
+def grouped_gemm_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    backend: str,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """The weight gradient alone: ``out[e] (+)= a_e^T b_e`` (``[E, P, Q]`` for ``a [M, P]``,
+    ``b [M, Q]``, rows grouped by expert; exact zeros for empty experts) on a resolved
+    ``backend`` name, counts already where the backend reads them (as inside a backward)."""
+    if out is None:
+        out = empty((tokens_per_expert.shape[0], a.shape[1], b.shape[1]), dtype=a.dtype,
+                    device=a.device)  # fmt: skip
+    torch.ops.mtp.grouped_gemm_wgrad(a, b, tokens_per_expert, out, backend, accumulate)
+    return out
 
 
 def grouped_gemm_reference(
@@ -704,5 +443,5 @@ def grouped_gemm_reference(
     """Plain-PyTorch per-expert loop with :func:`grouped_gemm`'s contract (fp32 math, result in
     ``x``'s dtype, zero rows past the routed ones); also accepts float64. Differentiable by
     autograd when ``out`` is None. Reads ``tokens_per_expert`` on the host."""
-    _check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=(*_FLOAT_DTYPES, torch.float64))
+    check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=(*FLOAT_DTYPES, torch.float64))
     return _reference_forward(x, w, tokens_per_expert, trans_b, out)

@@ -1,0 +1,24 @@
+"""Device code of the grouped GEMM (``mtp.ops.grouped_gemm``), installed as
+``mtp.kernels.grouped_gemm_details``.
+
+Rows of ``a`` are grouped by expert: expert ``e`` owns rows ``[start_e, start_e + m_e)`` with
+``m_e = counts[e]``; the counts stay on the device and every kernel turns them into its tiles,
+so grids are static (worst-case bounds) and nothing waits for the host (CUDA-graph safe).
+
+Modules, bottom to top:
+
+- :mod:`.tiles`: the tile maps written once for every kernel: the masked MMA loop, the in-kernel
+  expert tile map of the pointer kernels, the tile-map kernel of the TMA kernels, the zero tail
+  past the routed rows and the weight-gradient tile order.
+- :mod:`.epilogue`: the fused epilogues (activation forward, activation backward with the
+  routing-probability gradient, the zero tail of both).
+- :mod:`.pointer`: kernels that address memory with pointers (any strides, fp32, the
+  interpreter, GPUs before sm_90).
+- :mod:`.tma`: the same contracts through TMA tensor descriptors (sm_90a / sm_100a,
+  fp16/bf16, 16-byte aligned operands).
+- :mod:`.launch`: launchers that take tensors, preallocated outputs and a config object (tiles,
+  pointer or TMA, persistent grid, split). They decide nothing: the config does
+  (:func:`mtp.ops.grouped_gemm_config.make_config`).
+
+Nothing here imports the rest of mtp above ``mtp.kernels``.
+"""

@@ -1,0 +1,298 @@
+"""Launchers of the grouped GEMM kernels: tensors, preallocated outputs and a config in, kernels
+launched; they choose nothing (:func:`mtp.ops.grouped_gemm_config.make_config` does).
+
+A config is any object with the fields of ``mtp.ops.grouped_gemm_config.GroupedGemmConfig``
+(``kernel`` = ``"tma"`` or ``"pointer"``, the tiles, warps, stages, ``persistent``,
+``programs``, ``warp_specialize``, ``flatten``, ``split``). Counts are ``[E]`` int32/int64 on
+the operands' device and are never read on the host.
+
+- :func:`forward`: ``out[rows of e] = a[rows of e] @ b[e] (+ bias[e])``, zeros past the routed
+  rows (TMA: the tile map, then the GEMM: two launches; pointer: one).
+- :func:`wgrad`: ``out[e] (+)= a_e^T @ b_e`` (TMA: expert rows, the GEMM, the split's
+  reduction when ``split > 1``; pointer: one launch).
+- :func:`forward_act` / :func:`dgrad_act`: the activation epilogue and its backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from mtp.kernels._common import dot_upcast, fp32_dot_precision, next_power_of_2
+from mtp.kernels.grouped_gemm_details import pointer, tma
+from mtp.kernels.grouped_gemm_details.epilogue import ACTIVATIONS
+from mtp.kernels.grouped_gemm_details.tiles import (
+    expert_rows_kernel,
+    tile_map_kernel,
+    tile_map_size,
+)
+
+__all__ = ["dgrad_act", "forward", "forward_act", "num_row_tiles_bound", "tma_aligned", "wgrad"]
+
+
+def tma_aligned(t: torch.Tensor, unit_dim: int) -> bool:
+    """Whether TMA can read ``t``: fp16/bf16, 16-byte aligned base, unit stride in ``unit_dim``,
+    16-byte aligned other strides."""
+    if t.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    es = t.element_size()
+    return (
+        t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0
+        and all((s * es) % 16 == 0 for d, s in enumerate(t.stride()) if d != unit_dim)
+    )
+
+
+def _require_tma(ok: bool) -> None:
+    if not ok:
+        raise ValueError("a TMA config: tma=True needs fp16/bf16 operands with a unit last "
+                         "stride, 16-byte aligned base pointers and 16-byte aligned other strides")
+
+
+def num_row_tiles_bound(M: int, E: int, block_m: int) -> int:
+    """Worst-case row tiles of a forward kernel: ``cdiv(M, BM) + E`` (``E - 1`` for the
+    experts' partial tiles, one for the zero tail)."""
+    return triton.cdiv(M, block_m) + E
+
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    return {
+        "UPCAST_DOT": dot_upcast(dtype),
+        "DOT_PRECISION": fp32_dot_precision() if dtype == torch.float32 else "ieee",
+    }
+
+
+def _check_counts(counts: torch.Tensor, E: int, device: torch.device) -> None:
+    if counts.dtype not in (torch.int32, torch.int64) or counts.shape != (E,):
+        raise ValueError(f"counts must be int32/int64 of shape ({E},), got {counts.dtype} "
+                         f"{tuple(counts.shape)}")  # fmt: skip
+    if counts.device != device or not counts.is_contiguous():
+        raise ValueError(f"counts must be contiguous on {device}, got {counts.device}")
+
+
+def _launch_tma(kernel, grid, *args, **kwargs) -> None:
+    """Launch a kernel that creates tensor descriptors on the device: they need a little global
+    scratch from Triton's allocator. Where none is set (Triton raises before launching), a
+    torch one is installed with the public ``triton.set_allocator`` and the launch retried; an
+    allocator the user set is never replaced."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except RuntimeError as err:
+        if "allocator" not in str(err).lower():
+            raise
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(
+            size, dtype=torch.int8, device="cuda"))  # fmt: skip
+        kernel[grid](*args, **kwargs)
+
+
+def _tile_map(counts, M: int, E: int, block_m: int, device) -> torch.Tensor:
+    """One launch of :func:`.tiles.tile_map_kernel`: the int32 map for ``block_m``-row tiles."""
+    row_tiles = num_row_tiles_bound(M, E, block_m)
+    tile_map = torch.empty(tile_map_size(M, E, block_m), dtype=torch.int32, device=device)
+    block_e = next_power_of_2(E)
+    block_t = max(2, min(32, 4096 // block_e))  # [BLOCK_T, BLOCK_E] compares without spills
+    tile_map_kernel[(triton.cdiv(row_tiles, block_t),)](
+        counts, tile_map, M, E, row_tiles, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_T=block_t,
+    )
+    return tile_map
+
+
+def _grid(config, M: int, N: int, E: int) -> tuple[int]:
+    """Worst-case tiles, or one wave of ``config.programs`` programs when persistent."""
+    tiles = num_row_tiles_bound(M, E, config.block_m) * triton.cdiv(N, config.block_n)
+    persistent = config.persistent and config.programs > 0
+    return (min(tiles, config.programs) if persistent else tiles,)
+
+
+def forward(a, b, counts, out, config, *, bias=None) -> torch.Tensor:
+    """``out[rows of e] = a[rows of e] @ b[e] (+ bias[e])``, zeros past ``sum(counts)``.
+
+    Args:
+        a: ``[M, K]``, rows grouped by expert; b: ``[E, K, N]`` (``w.transpose(1, 2)`` for an
+            ``[E, N, K]`` weight); both any strides for the pointer kernel, TMA-aligned for TMA.
+        counts: ``[E]`` int32/int64 on ``a``'s device. out: ``[M, N]``, every element written.
+        config: see the module doc. bias: contiguous ``[E, N]`` (any float dtype) or None.
+    """
+    M, K = a.shape
+    E, _, N = b.shape
+    _check_counts(counts, E, a.device)
+    if bias is not None and (bias.shape != (E, N) or not bias.is_contiguous()
+                             or bias.device != a.device):  # fmt: skip
+        raise ValueError(f"bias must be contiguous [{E}, {N}] on {a.device}, got "
+                         f"{tuple(bias.shape)} on {bias.device}")  # fmt: skip
+    if M == 0 or N == 0:
+        return out
+    bias_arg = out if bias is None else bias
+    if config.kernel == "tma":
+        _require_tma(tma_aligned(a, 1) and (tma_aligned(b, 2) or tma_aligned(b, 1))
+                     and out.stride(1) == 1)  # fmt: skip
+        trans_b = not (b.stride(2) == 1 and tma_aligned(b, 2))
+        tile_map = _tile_map(counts, M, E, config.block_m, a.device)
+        _launch_tma(
+            tma.grouped_gemm_tma_kernel, _grid(config, M, N, E),
+            a, b, out, bias_arg, tile_map, M, N, K, E,
+            a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, TRANS_B=trans_b, FLATTEN=config.flatten,
+            UPCAST_DOT=dot_upcast(a.dtype), HAS_BIAS=bias is not None,
+            WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )  # fmt: skip
+        return out
+    pointer.grouped_gemm_kernel[_grid(config, M, N, E)](
+        a, b, out, bias_arg, counts,
+        M, N, K, E,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=next_power_of_2(E), GROUP_M=config.group_m, PERSISTENT=config.persistent,
+        HAS_BIAS=bias is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        **_dot_flags(a.dtype),
+    )
+    return out
+
+
+def wgrad(a, b, counts, out, config, *, accumulate: bool = False) -> torch.Tensor:
+    """``out[e] = a[rows of e]^T @ b[rows of e]``, exact zeros for empty experts;
+    ``accumulate=True``: ``out[e] += ...`` in fp32 in the epilogue (empty experts leave
+    ``out[e]`` as it was).
+
+    Args:
+        a: ``[M, P]``, b: ``[M, Q]`` (same dtype), rows grouped by expert. out: ``[E, P, Q]``.
+        config: tiles ``block_m`` x ``block_n`` of ``out[e]``, ``block_k`` rows per step; TMA:
+            ``split`` row chunks per expert through an fp32 workspace and a fixed-order sum.
+    """
+    M, P = a.shape
+    Q = b.shape[1]
+    E = out.shape[0]
+    _check_counts(counts, E, a.device)
+    if E == 0 or P == 0 or Q == 0:
+        return out
+    grid = (config.split * E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n),)
+    if config.kernel == "pointer":
+        pointer.grouped_wgrad_kernel[grid](
+            a, b, out, counts,
+            M, P, Q, E,
+            a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
+            BLOCK_E=next_power_of_2(E), GROUP_P=config.group_m, ACCUMULATE=accumulate,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+            **_dot_flags(a.dtype),
+        )
+        return out
+    _require_tma(tma_aligned(a, 1) and tma_aligned(b, 1) and out.stride(2) == 1)
+    split = config.split
+    target = out if split == 1 else torch.empty((split, E, P, Q), dtype=torch.float32,
+                                                device=out.device)  # fmt: skip
+    strides = (out.stride(0), out.stride(1), 0) if split == 1 else (
+        target.stride(1), target.stride(2), target.stride(0))
+    rows = torch.empty(2 * E, dtype=torch.int32, device=a.device)
+    expert_rows_kernel[(1,)](counts, rows, M, E, BLOCK_E=next_power_of_2(E))
+    _launch_tma(
+        tma.grouped_wgrad_tma_kernel, grid,
+        a, b, target, rows, M, P, Q, E,
+        a.stride(0), b.stride(0), *strides,
+        BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
+        GROUP_P=config.group_m, SPLIT=split, WARP_SPECIALIZE=config.warp_specialize,
+        UPCAST_DOT=dot_upcast(a.dtype), ACCUMULATE=accumulate and split == 1,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        numel, block = E * P * Q, 1024
+        tma.split_reduce_kernel[(triton.cdiv(numel, block),)](
+            target, out, numel, P * Q, Q, out.stride(0), out.stride(1), out.stride(2),
+            SPLIT=split, BLOCK=block, ACCUMULATE=accumulate,
+        )
+    return out
+
+
+def _act_launch(pointer_kernel, tma_kernel, a, b, b_unit_dim, counts, M, F, K, act, limit, alpha,
+                config, tensors, pointer_strides, tma_strides, flags) -> None:  # fmt: skip
+    """The activation kernels: ``config.kernel`` picks the pointer or the TMA version (which
+    reads ``b`` with its unit stride in ``b_unit_dim``)."""
+    E = b.shape[0]
+    flags = dict(flags, ACT=ACTIVATIONS[act])
+    if act == "clamped_swiglu":  # constexprs: other activations keep one build
+        flags.update(LIMIT=float(limit), ALPHA=float(alpha))
+    grid = _grid(config, M, F, E)
+    if config.kernel == "tma":
+        _require_tma(tma_aligned(a, 1) and tma_aligned(b, b_unit_dim))
+        tile_map = _tile_map(counts, M, E, config.block_m, a.device)
+        _launch_tma(
+            tma_kernel, grid, *tensors, tile_map, M, F, K, E, *tma_strides,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, FLATTEN=config.flatten, UPCAST_DOT=dot_upcast(a.dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages, **flags,
+        )  # fmt: skip
+        return
+    pointer_kernel[grid](
+        *tensors, counts, M, F, K, E, *pointer_strides,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=next_power_of_2(E), GROUP_M=config.group_m, PERSISTENT=config.persistent,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **flags, **_dot_flags(a.dtype),
+    )
+
+
+def forward_act(a, b, counts, h, y, config, act: str, *, bias=None, probs=None,
+                limit: float = 7.0, alpha: float = 1.702) -> None:  # fmt: skip
+    """``h = a_e @ b[e] + bias[e]`` and ``y = act(h) * probs`` on each expert's rows, zeros past
+    ``sum(counts)``.
+
+    Args:
+        a: ``[M, K]``; b: ``[E, K, W]``, ``W = 2F`` for the gated activations (SwiGLU: gate
+            columns ``[0, F)``, up ``[F, 2F)``; clamped SwiGLU: gate ``2j``, up ``2j + 1``),
+            else ``F``. h: ``[M, W]``, y: ``[M, F]`` outputs (last dims contiguous).
+        act: a key of :data:`.epilogue.ACTIVATIONS`. bias: contiguous ``[E, W]`` or None.
+        probs: contiguous ``[M]`` or None. limit, alpha: the clamped SwiGLU's.
+    """
+    M, K = a.shape
+    F = y.shape[1]
+    if M == 0 or F == 0:
+        return
+    _check_counts(counts, b.shape[0], a.device)
+    _act_launch(
+        pointer.grouped_gemm_act_kernel, tma.grouped_gemm_act_tma_kernel, a, b, 2, counts, M, F,
+        K, act, limit, alpha, config,
+        (a, b, h, y, h if bias is None else bias, h if probs is None else probs),
+        (a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
+         y.stride(0)),
+        (a.stride(0), b.stride(0), b.stride(1), h.stride(0), y.stride(0)),
+        dict(HAS_BIAS=bias is not None, HAS_PROB=probs is not None),
+    )  # fmt: skip
+
+
+def dgrad_act(g, b, counts, h, dh, config, act: str, *, probs=None, limit: float = 7.0,
+              alpha: float = 1.702) -> torch.Tensor | None:  # fmt: skip
+    """``dy = g_e @ b[e]`` (``b[e] = w2[e]^T``), ``dh = dy * probs * act'(h)`` on each expert's
+    rows, zeros past ``sum(counts)``; returns the fp32 ``[column tiles, M]`` partials of
+    ``dL/dprobs`` (sum them over dim 0) when ``probs`` is given, else None.
+
+    Args:
+        g: ``[M, K]`` (the next GEMM's output gradient); b: ``[E, K, F]`` (``w2.transpose(1,
+            2)`` of an ``[E, F, K]`` weight; TMA reads ``w2`` with its unit last stride);
+            h: ``[M, W]`` the forward's pre-activation; dh: ``[M, W]`` output; the rest as
+            :func:`forward_act`.
+    """
+    M, K = g.shape
+    F = b.shape[2]
+    _check_counts(counts, b.shape[0], g.device)
+    part = None
+    if probs is not None:
+        part = torch.empty((triton.cdiv(F, config.block_n), M), dtype=torch.float32,
+                           device=g.device)  # fmt: skip
+    if M == 0 or F == 0:
+        return None if part is None else part.zero_()
+    _act_launch(
+        pointer.grouped_gemm_dact_kernel, tma.grouped_gemm_dact_tma_kernel, g, b, 1, counts, M,
+        F, K, act, limit, alpha, config,
+        (g, b, h, dh if probs is None else probs, dh, dh if part is None else part),
+        (g.stride(0), g.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
+         dh.stride(0)),
+        (g.stride(0), b.stride(0), b.stride(2), h.stride(0), dh.stride(0)),
+        dict(HAS_PROB=probs is not None),
+    )  # fmt: skip
+    return part
+

@@ -1,0 +1,140 @@
+"""Argument checks of :func:`mtp.ops.grouped_gemm` (shapes, dtypes, devices, ``out`` buffers,
+``main_grad``: free, always on) and the data-dependent check of the token counts (the
+project's ``validate`` rule: on the device by default, typed host errors with ``"sync"``)."""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.utils import check_tensor, check_values, data_checks_enabled, is_fake, validation_mode
+
+__all__ = ["check_count_values", "check_inputs", "check_main_grad", "n_of"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+COUNT_DTYPES = (torch.int32, torch.int64)
+
+
+def n_of(w: torch.Tensor, trans_b: bool) -> int:
+    """``N``: the output columns of ``x @ w[e]`` (``w [E, K, N]``, or ``[E, N, K]``)."""
+    return w.shape[1] if trans_b else w.shape[2]
+
+
+def check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=FLOAT_DTYPES, out_cols=None) -> None:
+    check_tensor("x", x, ndim=2, dtypes=dtypes)
+    check_tensor("w", w, ndim=3, dtypes=(x.dtype,), device=x.device)
+    check_tensor("tokens_per_expert", tokens_per_expert, ndim=1, dtypes=COUNT_DTYPES)
+    if not isinstance(trans_b, bool):
+        raise TypeError(f"trans_b must be a bool, got {type(trans_b).__name__}")
+    if tokens_per_expert.device not in (x.device, torch.device("cpu")):
+        raise ValueError(
+            f"tokens_per_expert must be on {x.device} (like x) or on the CPU, got "
+            f"{tokens_per_expert.device}"
+        )
+    E = w.shape[0]
+    if tokens_per_expert.shape[0] != E:
+        raise ValueError(
+            f"w has {E} experts (w.shape[0]) but tokens_per_expert has "
+            f"{tokens_per_expert.shape[0]} entries; they must match"
+        )
+    k_dim = 2 if trans_b else 1
+    if w.shape[k_dim] != x.shape[1]:
+        layout = "[E, N, K] (trans_b=True)" if trans_b else "[E, K, N] (trans_b=False)"
+        raise ValueError(
+            f"w of shape {tuple(w.shape)} read as {layout} has K={w.shape[k_dim]}, but x of "
+            f"shape {tuple(x.shape)} has K={x.shape[1]}"
+        )
+    if out is not None:
+        check_tensor("out", out, ndim=2, dtypes=(x.dtype,), device=x.device)
+        shape = (x.shape[0], n_of(w, trans_b) if out_cols is None else out_cols)
+        if tuple(out.shape) != shape:
+            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+        _check_out_memory(out, {"x": x, "w": w, "tokens_per_expert": tokens_per_expert})
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses a (non-empty) strided tensor can touch."""
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (extent + 1) * t.element_size()
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` may overlap in memory (same storage, intersecting spans)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    if is_fake(a) or is_fake(b):
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
+    """``out`` must be written without clobbering an input or itself, and with autograd."""
+    for name, t in inputs.items():
+        if _shares_memory(out, t):
+            raise ValueError(
+                f"out shares memory with {name}; grouped_gemm cannot write its result over an "
+                "input (the rows of one expert would overwrite what the others still read): "
+                "pass a separate buffer"
+            )
+    if not is_fake(out) and torch._debug_has_internal_overlap(out) == 1:
+        raise ValueError(
+            f"out (shape {tuple(out.shape)}, strides {out.stride()}) has elements that share "
+            "memory (an expanded or broadcast tensor); pass a dense buffer"
+        )
+    if torch.is_grad_enabled() and out.requires_grad and out.is_leaf:
+        raise ValueError(
+            "out is a leaf tensor that requires grad; autograd cannot record an in-place write "
+            "into it. Pass a buffer with requires_grad=False (the result is differentiable in "
+            "x and w either way), or call under torch.no_grad()"
+        )
+
+
+def _count_errors_sync(tokens_per_expert: torch.Tensor, M: int) -> None:
+    """``validate="sync"``: typed errors with the values (one host read of two numbers)."""
+    if tokens_per_expert.numel() == 0:
+        return
+    low, total = torch.stack([tokens_per_expert.min(), tokens_per_expert.sum()]).tolist()
+    if low < 0:
+        raise ValueError(f"tokens_per_expert must be non-negative, got a count of {low}")
+    if total > M:
+        raise ValueError(
+            f"tokens_per_expert sums to {total} rows but x has only {M} rows (x.shape[0]); "
+            "size x for the routed tokens (rows past the sum are written as zeros)"
+        )
+
+
+def check_count_values(tokens_per_expert: torch.Tensor, M: int, validate: bool | str) -> None:
+    """The counts must be non-negative and sum to at most ``M``: on the device by default
+    (``torch._assert_async``, no host sync), typed errors with ``validate="sync"``, nothing
+    with ``validate=False``; skipped while tracing or capturing."""
+    mode = validation_mode(validate)
+    if mode == "off" or tokens_per_expert.numel() == 0:
+        return
+    if mode == "sync":
+        if data_checks_enabled(True, tokens_per_expert):
+            _count_errors_sync(tokens_per_expert, M)
+        return
+    if not data_checks_enabled(True, tokens_per_expert):
+        return
+    ok = (tokens_per_expert.min() >= 0) & (tokens_per_expert.sum() <= M)
+    check_values(ok, f"tokens_per_expert must be non-negative and sum to at most x.shape[0] = "
+                     f"{M} rows (validate='sync' reports the values)", validate=mode,
+                 tensors=(tokens_per_expert,))  # fmt: skip
+
+
+def check_main_grad(w: torch.Tensor) -> None:
+    main = getattr(w, "main_grad", None)
+    if not isinstance(main, torch.Tensor):
+        raise ValueError(
+            "w has no main_grad: gradient-accumulation fusion adds the weight gradient to "
+            "w.main_grad (wrap the model in mtp.optim.DistributedDataParallel, or set "
+            "w.main_grad = torch.zeros_like(w, dtype=torch.float32))"
+        )
+    if main.shape != w.shape or main.device != w.device or not main.dtype.is_floating_point:
+        raise ValueError(
+            f"w.main_grad must be a floating tensor of w's shape {tuple(w.shape)} on "
+            f"{w.device}, got {main.dtype} {tuple(main.shape)} on {main.device}"
+        )
