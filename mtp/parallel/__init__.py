@@ -4,7 +4,8 @@
   :func:`make_rank_generators`: which ranks form each group (Megatron-Core compatible).
 - :func:`initialize_model_parallel` and the Megatron-Core getters
   (``get_tensor_model_parallel_group()``...), :mod:`~mtp.parallel.parallel_state`: the
-  torch.distributed groups themselves; :func:`get_device_mesh` a ``DeviceMesh`` view of them.
+  torch.distributed groups themselves; :func:`get_device_mesh` a ``DeviceMesh`` view of them;
+  :class:`ParallelDims` one layer's sizes and groups as one validated value.
 - ``python -m mtp.parallel --world-size 16 --tp 4 --pp 2``: print a layout.
 - :class:`RankMismatchError`, :class:`CollectiveAbortedError`, :mod:`mtp.parallel.agree` (one
   :func:`~mtp.parallel.agree.agree` for rank agreement) and :mod:`mtp.parallel.agreement`:
@@ -32,8 +33,9 @@ from .rank_generator import *  # noqa: F401,F403
 from .rank_generator import __all__ as _rank_all
 
 if TYPE_CHECKING:  # the torch-dependent names, as a reader and a type checker see them
-    from .agreement import check_collectives_enabled, set_check_collectives
+    from .agreement import check_collectives_enabled, set_check_collectives  # noqa: F401
     from .device_mesh import *  # noqa: F401,F403
+    from .dims import *  # noqa: F401,F403
     from .mappings import *  # noqa: F401,F403
     from .parallel_state import *  # noqa: F401,F403
     from .params import *  # noqa: F401,F403
@@ -43,6 +45,7 @@ if TYPE_CHECKING:  # the torch-dependent names, as a reader and a type checker s
 _TORCH_MODULES: dict[str, tuple[str, ...] | None] = {
     "parallel_state": None,
     "device_mesh": None,
+    "dims": None,
     "mappings": None,
     "random": None,
     "params": None,

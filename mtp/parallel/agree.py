@@ -42,6 +42,7 @@ __all__ = [
     "dtype_code",
     "dtype_name",
     "encode_field",
+    "group_ranks",
     "mismatch_error",
     "shape_field",
     "value_field",
@@ -203,7 +204,8 @@ def mismatch_error(
     return exc
 
 
-def _ranks(group, size: int) -> list[int]:
+def group_ranks(group, size: int) -> list[int]:
+    """The global ranks of ``group`` (None: the world); ``range(size)`` when it cannot tell."""
     try:
         return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     except Exception:  # noqa: BLE001 - only for the message
@@ -286,7 +288,7 @@ class Agreement:
         if mode == "off":
             return
         keep = [(f, lo, hi) for f, lo, hi in self._spans() if f.name not in skip]
-        ranks = _ranks(group, rows.shape[0])
+        ranks = group_ranks(group, rows.shape[0])
         if mode == "sync":
             if rows.numel() and not _is_traced(rows):
                 cols = torch.cat([rows[:, lo:hi] for _, lo, hi in keep], dim=1).tolist()
@@ -367,7 +369,7 @@ def agree(group, what: str, /, *, like: torch.Tensor | None = None, **values: ob
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, mine, group=group)
     rows = [row[: 1 + spec.width] for row in out.view(world, SLOTS).tolist()]
-    ranks = _ranks(group, world)
+    ranks = group_ranks(group, world)
     where = group_description(group)
     try:
         Agreement("mtp collective agreement check", (operation,)).check_rows(
