@@ -27,7 +27,7 @@ from mtp.moe.comm import (
     reduce_scatter_v,
 )
 from mtp.moe.dispatcher_base import TokenDispatcherBase
-from mtp.ops.moe_permute import moe_permute_row_map, select_probs, unpermute
+from mtp.ops.moe_permute import TokenMap, moe_permute_row_map, select_probs, unpermute
 from mtp.parallel.agree import group_ranks
 from mtp.parallel.groups import group_description
 
@@ -43,7 +43,7 @@ class AllGatherDispatchMetadata:
     row_id_map: torch.Tensor
     shape: tuple[int, int]
     backend: str
-    token_map: object | None = None
+    token_map: TokenMap | None = None
 
 
 class AllGatherTokenDispatcher(TokenDispatcherBase):
@@ -99,7 +99,7 @@ class AllGatherTokenDispatcher(TokenDispatcherBase):
         local_map = both[:, self.num_experts + first : self.num_experts + first + local] > 0
         rows = x.shape[0] * min(self.topk, local)
         backend = permute_backend(self.backend, hidden_states.device)
-        row_map = moe_permute_row_map(local_map, rows, backend=backend, token_map=True)
+        row_map = moe_permute_row_map(local_map, rows, token_map=True)
         meta = AllGatherDispatchMetadata(row_map.row_id_map, tuple(x.shape), backend,
                                          row_map.token_map)  # fmt: skip
         tokens = gather_rows(x, row_map.row_id_map, backend)

@@ -50,10 +50,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mtp.kernels import moe_permute as _kernels
+from mtp.ops import _moe_row_ops  # noqa: F401 - registers mtp::moe_gather_rows & co.
 from mtp.ops._backend import resolve_backend
 from mtp.ops._moe_permute_checks import (
     check_permute_data,
+    check_row_map,
+    check_token_map,
     count_message,
     indices_message,
     resolve_routing,
@@ -61,7 +63,7 @@ from mtp.ops._moe_permute_checks import (
     routing_from_indices,
 )
 from mtp.ops._moe_token_map import TokenMap, say_once
-from mtp.utils import check_tensor, check_values, data_checks_enabled, empty, validation_mode
+from mtp.utils import check_tensor, check_values, data_checks_enabled, validation_mode
 
 __all__ = [
     "RowMap",
@@ -91,132 +93,6 @@ class RowMap:
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-# --------------------------------------------------------------------------------------------
-# Custom ops: the two data movements, each the other's adjoint
-# --------------------------------------------------------------------------------------------
-
-
-def _token_major(index: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Invert ``index`` (row -> token): ``rows`` grouped by token, ascending row within a token,
-    and ``offsets[T + 1]`` (token ``t`` owns ``rows[offsets[t]:offsets[t + 1]]``). Rows whose
-    index is outside ``[0, T)`` are left out. Static shapes, no host sync."""
-    index = index.to(torch.int64)
-    valid = (index >= 0) & (index < num_tokens)
-    keys = torch.where(valid, index, torch.full_like(index, num_tokens))
-    sorted_keys, rows = torch.sort(keys, stable=True)
-    bounds = torch.arange(num_tokens + 1, device=index.device, dtype=torch.int64)
-    offsets = torch.searchsorted(sorted_keys, bounds)
-    return rows, offsets
-
-
-@torch.library.custom_op("mtp::moe_gather_rows", mutates_args=())
-def _gather_rows_op(x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``out[i] = scale[i] * x[index[i]]`` (zero row where ``index[i]`` is outside ``[0, M)``)."""
-    x = x.contiguous()
-    out = empty((index.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
-    _kernels.gather_rows(
-        x, index.contiguous(), out, scale=None if scale is None else scale.contiguous()
-    )
-    return out
-
-
-@_gather_rows_op.register_fake
-def _(x, index, scale):
-    return x.new_empty((index.shape[0], x.shape[1]))
-
-
-@torch.library.custom_op("mtp::moe_combine_rows", mutates_args=())
-def _combine_rows_op(
-    x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, num_tokens: int
-) -> torch.Tensor:
-    """``out[t] = sum_{i: index[i] == t} weight[i] * x[i]``: per-token gather, fp32 sum in
-    ascending ``i``, deterministic."""
-    x = x.contiguous()
-    rows, offsets = _token_major(index, num_tokens)
-    out = empty((num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-    _kernels.combine_rows(
-        x, rows, offsets, out, weight=None if weight is None else weight.contiguous()
-    )
-    return out
-
-
-@_combine_rows_op.register_fake
-def _(x, index, weight, num_tokens):
-    return x.new_empty((num_tokens, x.shape[1]))
-
-
-@torch.library.custom_op("mtp::moe_gather_rows_dot", mutates_args=())
-def _gather_rows_dot_op(
-    x: torch.Tensor,
-    index: torch.Tensor,
-    scale: torch.Tensor | None,
-    other: torch.Tensor,
-    write_out: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward helper: ``(scale[i] * x[index[i]] or an empty [0, H], dot[i] = <x[index[i]],
-    other[i]>)``, the dot in fp32."""
-    x = x.contiguous()
-    n = index.shape[0]
-    out = empty((n if write_out else 0, x.shape[1]), dtype=x.dtype, device=x.device)
-    dot = empty((n,), dtype=torch.float32, device=x.device)
-    _kernels.gather_rows(
-        x,
-        index.contiguous(),
-        out if write_out else None,
-        scale=None if scale is None else scale.contiguous(),
-        other=other.contiguous(),
-        dot=dot,
-    )
-    return out, dot
-
-
-@_gather_rows_dot_op.register_fake
-def _(x, index, scale, other, write_out):
-    n = index.shape[0]
-    return x.new_empty((n if write_out else 0, x.shape[1])), x.new_empty((n,), dtype=torch.float32)
-
-
-def _gather_setup(ctx, inputs, output):
-    x, index, scale = inputs
-    ctx.num_rows = x.shape[0]
-    ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, index, scale)
-
-
-def _gather_backward(ctx, grad):
-    x, index, scale = ctx.saved_tensors
-    grad_x = grad_scale = None
-    if ctx.needs_input_grad[0]:
-        grad_x = torch.ops.mtp.moe_combine_rows(grad, index, scale, ctx.num_rows)
-    if ctx.needs_input_grad[2]:
-        _, dot = torch.ops.mtp.moe_gather_rows_dot(x, index, None, grad, False)
-        grad_scale = dot.to(scale.dtype)
-    return grad_x, None, grad_scale
-
-
-_gather_rows_op.register_autograd(_gather_backward, setup_context=_gather_setup)
-
-
-def _combine_setup(ctx, inputs, output):
-    x, index, weight, _ = inputs
-    ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, index, weight)
-
-
-def _combine_backward(ctx, grad):
-    x, index, weight = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    grad_x = grad_w = None
-    if need_w:
-        grad_x, dot = torch.ops.mtp.moe_gather_rows_dot(grad, index, weight, x, need_x)
-        grad_w = dot.to(weight.dtype)
-        grad_x = grad_x if need_x else None
-    elif need_x:
-        grad_x = torch.ops.mtp.moe_gather_rows(grad, index, weight)
-    return grad_x, None, grad_w, None
-
-
-_combine_rows_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,7 +398,7 @@ def unpermute(
             )
     choice = resolve_backend("unpermute", backend, device, _BACKENDS)
     if token_map is not None:
-        _check_token_map(token_map, num_tokens, experts, drop_and_pad)
+        check_token_map(token_map, num_tokens, experts, drop_and_pad)
     if choice == "triton":
         if token_map is not None:
             tm = token_map
@@ -541,69 +417,11 @@ def unpermute(
             check_permute_data(mode, None, indices, experts, indices.numel(), True)
             routing_map = routing_from_indices(indices, experts)
         pair = _row_pairs(row_id_map, num_tokens, experts, routing_map, drop_and_pad)
-    _check_row_map(validate, row_id_map, num_tokens, pair, routing_map)
+    check_row_map(validate, row_id_map, num_tokens, pair, routing_map)
     weight = None if pair is None else select_probs(probs, pair)
     if choice == "reference":
         return _combine_reference(permuted, row_id_map, weight, num_tokens)
     return torch.ops.mtp.moe_combine_rows(permuted, row_id_map, weight, num_tokens)
-
-
-def _check_token_map(tm, num_tokens: int, num_experts: int | None, drop_and_pad: bool) -> None:
-    """Shape checks of a ``token_map`` handed to :func:`unpermute` (free)."""
-    if not isinstance(tm, TokenMap):
-        raise TypeError(f"token_map must be a TokenMap or None, got {type(tm).__name__}")
-    if tm.num_tokens != num_tokens:
-        raise ValueError(
-            f"token_map describes {tm.num_tokens} tokens but restore_shape has {num_tokens}"
-        )
-    if num_experts is not None and num_experts != tm.num_experts:
-        raise ValueError(
-            f"token_map was built for {tm.num_experts} experts but probs has {num_experts}"
-        )
-    if drop_and_pad and not tm.drop_and_pad:
-        raise ValueError("token_map was built without drop_and_pad")
-
-
-def _check_row_map(
-    validate: bool | str,
-    row_id_map: torch.Tensor,
-    num_tokens: int,
-    pair: torch.Tensor | None,
-    routing_map: torch.Tensor | None,
-) -> None:
-    """Data-dependent checks of unpermute's row map (see :func:`mtp.utils.check_values`)."""
-    mode = validation_mode(validate)
-    if mode == "off" or row_id_map.numel() == 0 or not data_checks_enabled(True, row_id_map):
-        return
-    in_range = (row_id_map >= -1) & (row_id_map < num_tokens)
-    unrouted = None
-    if pair is not None and routing_map is not None:
-        routed = torch.cat([routing_map.reshape(-1), routing_map.new_zeros(1)])[pair]
-        unrouted = (row_id_map >= 0) & ~routed
-    if mode == "sync":
-        stats = [row_id_map.min().to(torch.int64), row_id_map.max().to(torch.int64)]
-        if unrouted is not None:
-            stats.append(unrouted.sum())
-        lo, hi, *bad = torch.stack(stats).tolist()
-        if lo < -1 or hi >= num_tokens:
-            raise ValueError(
-                f"row_id_map must hold token numbers in [0, {num_tokens}) or -1, got values in "
-                f"[{lo}, {hi}]"
-            )
-        if bad and bad[0]:
-            raise ValueError(
-                f"row_id_map does not match routing_map: {bad[0]} rows hold a token that "
-                "routing_map does not send to that row's expert"
-            )
-        return
-    check_values(in_range.all(),
-                 f"row_id_map must hold token numbers in [0, {num_tokens}) or -1",
-                 validate=mode, tensors=(row_id_map,))
-    if unrouted is not None:
-        check_values(~unrouted.any(),
-                     "row_id_map does not match routing_map: some rows hold a token that "
-                     "routing_map does not send to that row's expert",
-                     validate=mode, tensors=(row_id_map, routing_map))
 
 
 # --------------------------------------------------------------------------------------------
