@@ -131,7 +131,7 @@ def _routing(case: Case, device: torch.device):
 
 
 def _permute_fn(provider: str, N: int):
-    """``f(tokens, routing_map) -> (rows [N, H], row map)``."""
+    """``f(tokens, routing_map) -> (rows [N, H], row map[, token map (mtp)])``."""
     if provider in (FLOAT64, "reference"):
         return lambda x, rm: permute_reference(x, rm, None, N)[::2]
     if provider == "torch.compile":
@@ -146,11 +146,15 @@ def _permute_fn(provider: str, N: int):
     if provider == "te":
         te = peer_attr(_TE, "moe_permute")
         return lambda x, rm: te(x, rm, num_out_tokens=N, map_type="mask")
-    return lambda x, rm: ops.permute(x, rm, num_out_tokens=N, validate=False, backend=provider)[::2]
+    # (permuted tokens, row map, the token-major map unpermute reuses)
+    return lambda x, rm: (lambda out: (out[0], out[2], out[3]))(ops.permute(
+        x, rm, num_out_tokens=N, validate=False, backend=provider, return_token_map=True
+    ))
 
 
-def _unpermute_fn(provider: str, shape):
-    """``f(rows, row map, probs, routing_map) -> tokens [T, H]``."""
+def _unpermute_fn(provider: str, shape, token_map=None):
+    """``f(rows, row map, probs, routing_map) -> tokens [T, H]`` (mtp: with the token map its
+    permute built)."""
     if provider in (FLOAT64, "reference"):
         return lambda y, m, p, rm: unpermute_reference(y, m, shape, p, rm)
     if provider == "torch.compile":
@@ -164,7 +168,8 @@ def _unpermute_fn(provider: str, shape):
         return lambda y, m, p, rm: te(y, m, merging_probs=p, restore_shape=torch.Size(shape),
                                       map_type="mask")  # fmt: skip
     return lambda y, m, p, rm: ops.unpermute(
-        y, m, shape, probs=p, routing_map=rm, validate=False, backend=provider
+        y, m, shape, probs=p, routing_map=rm, validate=False, backend=provider,
+        token_map=token_map,
     )
 
 
@@ -199,11 +204,12 @@ def setup_unpermute(case: Case, provider: str, device: torch.device) -> Run:
     probs = probs.to(torch.float64 if provider == FLOAT64 else torch.float32)
     with torch.no_grad():
         # Any tokens give the row map; the rows themselves are fresh random values.
-        row_map = _permute_fn(provider, T * k)(torch.zeros_like(rows[:T]), routing_map)[1]
+        mapped = _permute_fn(provider, T * k)(torch.zeros_like(rows[:T]), routing_map)
+    row_map, token_map = mapped[1], (mapped[2] if len(mapped) > 2 else None)
     rows = upcast(rows, provider).requires_grad_(case.pass_ != "fwd")
     probs.requires_grad_(case.pass_ != "fwd")
     dy = upcast(dy, provider)
-    f = _unpermute_fn(provider, (T, H))
+    f = _unpermute_fn(provider, (T, H), token_map)
     if case.pass_ == "fwd":
         return Run(lambda: (f(rows, row_map, probs, routing_map),), inputs=[rows, probs, row_map])
 

@@ -52,7 +52,8 @@ def test_permute_unpermute_bytes_launches_syncs():
     x = torch.randn(T, H, requires_grad=True)
     p = probs.clone().requires_grad_(True)
     with count_traffic() as t:
-        permuted, pprobs, rid = permute(x, routing_map, p, N, backend="triton")
+        permuted, pprobs, rid, tm = permute(x, routing_map, p, N, backend="triton",
+                                            return_token_map=True)
     # read tokens, routing map, the routed probs; write rows, row map, permuted probs
     _check(t, T * H * s + T * E + N * H * s + 8 * N + N * s + N * s, 4, "permute fwd")
     assert t.num_launches == 3  # count, scan + place, scatter (+ the device-side assert)
@@ -66,7 +67,7 @@ def test_permute_unpermute_bytes_launches_syncs():
     y = torch.randn(N, H, requires_grad=True)
     p.grad = None
     with count_traffic() as t:
-        out = unpermute(y, rid, (T, H), p, routing_map, backend="triton")
+        out = unpermute(y, rid, (T, H), p, routing_map, backend="triton", token_map=tm)
     _check(t, N * H * s + 8 * N + T * E + N * s + T * H * s, 2, "unpermute fwd")
     assert t.num_launches == 1
 
@@ -165,17 +166,18 @@ def test_no_host_sync_with_default_arguments():
 # --- the shared token map ---------------------------------------------------------------------
 
 
-def test_unpermute_reuses_the_map_only_while_it_is_valid():
+def test_unpermute_uses_the_token_map_it_is_given():
     tokens = 32
     routing_map, probs = _routing(2, tokens)
     x = torch.randn(tokens, 8)
-    permuted, _, rid = permute(x, routing_map, probs, tokens * K, backend="triton")
-    assert rid._mtp_token_map is not None
+    permuted, _, rid, tm = permute(x, routing_map, probs, tokens * K, backend="triton",
+                                   return_token_map=True)
+    assert tm is not None
     y = torch.randn(tokens * K, 8)
     with count_traffic() as fast:
-        a = unpermute(y, rid, x.shape, probs, routing_map, backend="triton")
-    # another routing tensor (same values), a modified row map, a copied row map: the map is
-    # inverted again (more launches) and the result is the same
+        a = unpermute(y, rid, x.shape, probs, routing_map, backend="triton", token_map=tm)
+    # without the map (another routing tensor with the same values, a copied row map, a row map
+    # modified in place): the map is inverted again (more launches) and the result is the same
     others = [
         (rid, routing_map.clone()),
         (rid.clone(), routing_map),
@@ -185,11 +187,38 @@ def test_unpermute_reuses_the_map_only_while_it_is_valid():
             b = unpermute(y, r, x.shape, probs, m, backend="triton")
         assert slow.device_ops > fast.device_ops
         assert_close(a, b)
-    rid.add_(0)  # in place: the attached map no longer vouches for it
+    rid.add_(0)  # modified in place, no map
     with count_traffic() as slow:
         b = unpermute(y, rid, x.shape, probs, routing_map, backend="triton")
     assert slow.device_ops > fast.device_ops
     assert_close(a, b)
+
+
+def test_unpermute_without_a_token_map_says_why(monkeypatch, caplog):
+    """The sort fallback is logged once, eagerly and from a fullgraph-compiled call alike; a
+    compiled call given the map runs the fused path."""
+    from mtp.ops import _moe_token_map
+
+    tokens = 16
+    routing_map, probs = _routing(4, tokens)
+    x = torch.randn(tokens, 8)
+    _, _, rid, tm = permute(x, routing_map, probs, tokens * K, backend="triton",
+                            return_token_map=True)
+    y = torch.randn(tokens * K, 8)
+
+    def run(token_map):
+        return unpermute(y, rid, x.shape, probs, routing_map, backend="triton",
+                         token_map=token_map)
+
+    for fn in (run, torch.compile(run, backend="aot_eager", fullgraph=True)):
+        monkeypatch.setattr(_moe_token_map, "_SAID", set())
+        caplog.clear()
+        with caplog.at_level("INFO", logger="mtp"):
+            fast, slow, again = fn(tm), fn(None), fn(None)
+        said = [r.getMessage() for r in caplog.records if "no token_map" in r.getMessage()]
+        assert len(said) == 1 and "sort" in said[0], said
+        assert_close(fast, slow)
+        assert_close(slow, again)
 
 
 def test_row_map_kernels_over_many_chunks(monkeypatch):
@@ -366,12 +395,14 @@ def test_moe_permute_row_map_triton_matches_reference(drop_and_pad):
     routing_map, _ = _routing(6, tokens)
     kw = dict(drop_and_pad=True, capacity=7) if drop_and_pad else {}
     n = E * 7 if drop_and_pad else tokens * K
-    rid, pair = moe_permute_row_map(routing_map, n, backend="triton", **kw)
+    row_map = moe_permute_row_map(routing_map, n, backend="triton", token_map=True, **kw)
+    rid, pair = row_map.row_id_map, row_map.pair
     ref_rid, ref_pair = moe_permute_row_map(routing_map, n, backend="reference", **kw)
     assert torch.equal(rid, ref_rid) and torch.equal(pair, ref_pair)
     y = torch.randn(n, 5)
     with count_traffic() as t:
-        out = unpermute(y, rid, (tokens, 5), backend="triton", validate=False)
+        out = unpermute(y, rid, (tokens, 5), backend="triton", validate=False,
+                        token_map=row_map.token_map)
     assert t.device_ops == 1
     # the row kernels (sort path) sum in another fixed order: equal up to fp32 rounding
     assert_close(out, unpermute(y, ref_rid, (tokens, 5), backend="triton", validate=False))

@@ -16,6 +16,7 @@ import mtp.tensor_parallel as tp
 from mtp.ops.grouped_gemm import grouped_gemm
 from mtp.parallel import agreement
 from mtp.parallel.__main__ import main as parallel_main
+from mtp.testing import count_host_syncs
 
 
 @pytest.fixture(scope="module")
@@ -327,3 +328,20 @@ def test_bench_cli_bad_backends_and_out(tmp_path, capsys):
     assert f"--out {blocker / 'sub'} is not a writable folder" in capsys.readouterr().err
     assert time.perf_counter() - start < 2.0
     assert list(tmp_path.iterdir()) == [blocker]  # nothing was run or written
+
+
+def test_embedding_checks_ids_on_the_device_by_default(group):
+    """Default arguments: the id range check runs on the device, 0 host syncs; "sync" gives
+    the typed error with the values."""
+    emb = tp.VocabParallelEmbedding(8, 4, group=group)
+    with count_host_syncs() as syncs:
+        out = emb(torch.tensor([[0, 7], [3, 1]]))
+    assert syncs.count == 0, syncs.events
+    assert out.shape == (2, 2, 4)
+    with pytest.raises(RuntimeError, match=r"ids must be in \[0, 8\)"):
+        emb(torch.tensor([8]))
+    typed = tp.VocabParallelEmbedding(8, 4, group=group, validate="sync")
+    with pytest.raises(tp.VocabRangeError, match=r"got values in \[-1, 2\]"):
+        typed(torch.tensor([2, -1]))
+    with pytest.raises(ValueError, match="validate"):
+        tp.VocabParallelEmbedding(8, 4, group=group, validate="yes")

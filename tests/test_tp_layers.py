@@ -16,7 +16,7 @@ import mtp.parallel as mp
 import mtp.tensor_parallel as tp
 import mtp.testing
 from mtp.parallel.agreement import set_abort_on_error
-from mtp.testing import count_collectives, run_distributed
+from mtp.testing import count_collectives, count_host_syncs, run_distributed
 
 F64 = torch.float64
 SEED = 1234
@@ -495,7 +495,8 @@ def _bad_configurations(rank, world):
     row = tp.RowParallelLinear(4 * world, 4, sequence_parallel=True)
     with pytest.raises(ValueError, match="does not divide by the group size"):
         row(torch.randn(world + 1, 2, 4))  # sequence not divisible by tp
-    emb = tp.VocabParallelEmbedding(4 * world, 3)
+    # validate="sync": the typed error naming the values (one host sync)
+    emb = tp.VocabParallelEmbedding(4 * world, 3, validate="sync")
     with pytest.raises(
         ValueError, match=rf"ids must be in \[0, {4 * world}\), got values in \[-1,"
     ):
@@ -504,7 +505,12 @@ def _bad_configurations(rank, world):
         emb(torch.tensor([[0, 99]]))
     with pytest.raises(TypeError, match="input_ must have dtype"):
         emb(torch.tensor([[0.0, 1.0]]))
-    # validate=False skips the host-syncing range check (in-range ids still work)
+    # the default: a device-side check, no host sync (on CPU it raises at once)
+    with count_host_syncs() as syncs:
+        with pytest.raises(RuntimeError, match=rf"ids must be in \[0, {4 * world}\)"):
+            tp.VocabParallelEmbedding(4 * world, 3)(torch.tensor([[0, 99]]))
+    assert syncs.count == 0, syncs.events
+    # validate=False skips the range check (in-range ids still work)
     quiet = tp.VocabParallelEmbedding(4 * world, 3, validate=False)
     assert quiet(torch.tensor([[1, 2]])).shape == (1, 2, 3)
 

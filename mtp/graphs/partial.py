@@ -164,20 +164,22 @@ class PartialMoEBlock(nn.Module):
         dispatcher = self.moe.token_dispatcher
         store = self.tensor_store
         permuted = store.get("permuted_tokens")
-        if permuted is not None:  # replay: the graph's preprocess back into the dispatcher
+        if permuted is not None:  # replay: the graph's preprocess back into a metadata object
             permuted_probs = store.get("permuted_probs")
-            dispatcher.restore_preprocess(
+            meta = dispatcher.restore_preprocess(
                 tokens.shape[0], permuted, permuted_probs, store.with_prefix(_PRE)
             )
-            return permuted, permuted_probs
+            return permuted, permuted_probs, meta
         probs, routing_map = self._route(h)
-        permuted, permuted_probs = dispatcher.dispatch_preprocess(tokens, probs, routing_map)
+        permuted, permuted_probs, meta = dispatcher.dispatch_preprocess(
+            tokens, probs, routing_map
+        )
         if _capture_scope() == "moe_preprocess":
             outputs = {"hidden": h, "permuted_tokens": permuted, "permuted_probs": permuted_probs}
-            for name, t in dispatcher.preprocess_tensors().items():
+            for name, t in dispatcher.preprocess_tensors(meta).items():
                 outputs[_PRE + name] = t
             raise PartialCaptureSignal("moe_preprocess", outputs)
-        return permuted, permuted_probs
+        return permuted, permuted_probs, meta
 
     def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block from wherever the store leaves off (all of it when the store is empty)."""
@@ -185,13 +187,15 @@ class PartialMoEBlock(nn.Module):
         tokens = h.reshape(-1, h.shape[-1])
         dispatcher = self.moe.token_dispatcher
         if hasattr(dispatcher, "dispatch_preprocess"):
-            dispatched, tokens_per_expert, probs = dispatcher.token_dispatch(
+            dispatched, tokens_per_expert, probs, meta = dispatcher.token_dispatch(
                 *self._dispatch_preprocess(h, tokens)
             )
         else:
-            dispatched, tokens_per_expert, probs = dispatcher.dispatch(tokens, *self._route(h))
+            dispatched, tokens_per_expert, probs, meta = dispatcher.dispatch(
+                tokens, *self._route(h)
+            )
         out = self.moe.experts(dispatched, tokens_per_expert, probs)
-        return h + dispatcher.combine(out).view(h.shape)
+        return h + dispatcher.combine(out, meta).view(h.shape)
 
     def _with_losses(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Add the router's logged losses (scopes holding the router) and remember the names."""

@@ -11,10 +11,14 @@
   expert-tensor-parallel group); :class:`AllGatherTokenDispatcher`: the all-gather variant.
 - :class:`SharedExpertMLP`: the dense shared expert (optional sigmoid gate).
 - :mod:`mtp.moe.hf_weights`: Hugging Face expert weights <-> :class:`GroupedMLP`.
-- :class:`MoELayer`: all of the above as one module.
+- :class:`MoELayer`: all of the above as one module, configured by a :class:`MoEConfig`
+  (:class:`RouterConfig`, :class:`ExpertsConfig`, :class:`DispatcherConfig`) and given its
+  groups as a :class:`mtp.parallel.ParallelDims` (or the flat keyword form).
 """
 
-from mtp.moe.allgather_dispatcher import AllGatherTokenDispatcher
+from mtp.moe.allgather_dispatcher import AllGatherDispatchMetadata, AllGatherTokenDispatcher
+from mtp.moe.config import DispatcherConfig, ExpertsConfig, MoEConfig, RouterConfig
+from mtp.moe.dispatcher_base import AllToAllDispatchMetadata
 from mtp.moe.experts import GroupedMLP, activation_function, clamped_swiglu
 from mtp.moe.hf_weights import grouped_to_hf, hf_to_grouped
 from mtp.moe.load_balancing import (
@@ -42,7 +46,13 @@ from mtp.parallel.errors import RankMismatchError
 from mtp.moe.workspace import MoEWorkspace, WorkspaceMismatchError
 
 __all__ = [
+    "AllGatherDispatchMetadata",
     "AllGatherTokenDispatcher",
+    "AllToAllDispatchMetadata",
+    "DispatcherConfig",
+    "ExpertsConfig",
+    "MoEConfig",
+    "RouterConfig",
     "AllToAllTokenDispatcher",
     "RankMismatchError",
     "SharedExpertMLP",

@@ -14,84 +14,68 @@ With a capacity the router has already dropped the tokens; the dispatcher keeps 
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from mtp.moe.comm import (
-    _group_ranks,
     all_to_all,
-    check_rank_meta,
     gather_rows,
     gather_v,
     permute_backend,
     rank_meta,
     reduce_scatter_v,
-    set_dispatch_groups,
 )
-from mtp.ops.moe_permute import moe_permute_row_map, select_probs, unpermute
-from mtp.utils import data_checks_enabled, is_capturing
+from mtp.moe.dispatcher_base import TokenDispatcherBase
+from mtp.ops.moe_permute import TokenMap, moe_permute_row_map, select_probs, unpermute
+from mtp.parallel.agree import group_ranks
+from mtp.parallel.groups import group_description
 
-__all__ = ["AllGatherTokenDispatcher"]
+__all__ = ["AllGatherDispatchMetadata", "AllGatherTokenDispatcher"]
 
 
-class AllGatherTokenDispatcher:
+@dataclasses.dataclass(frozen=True)
+class AllGatherDispatchMetadata:
+    """What one :meth:`AllGatherTokenDispatcher.dispatch` leaves for its ``combine``: the row
+    map of the gathered tokens (and its token-major map), their ``[T_all, H]`` shape and the
+    permute backend."""
+
+    row_id_map: torch.Tensor
+    shape: tuple[int, int]
+    backend: str
+    token_map: TokenMap | None = None
+
+
+class AllGatherTokenDispatcher(TokenDispatcherBase):
     """All-gather dispatch / reduce-scatter combine (see the module docstring).
 
-    Args: as :class:`~mtp.moe.AllToAllTokenDispatcher` (``ep_group``, ``num_experts``,
-    ``topk``, ``capacity_factor`` (accepted; the router drops), ``backend``, ``etp_group``,
-    ``check_ranks``: the ranks' token count, hidden size and dtypes are checked with one tiny
-    all-to-all on the first dispatch, or on every one with ``True`` or
-    ``MTP_CHECK_COLLECTIVES=1``).
+    Construction as :class:`~mtp.moe.AllToAllTokenDispatcher` (a
+    :class:`~mtp.moe.config.DispatcherConfig` and a :class:`~mtp.parallel.dims.ParallelDims`,
+    or the flat form); ``capacity_factor`` is accepted (the router drops); ``check_ranks``: the
+    ranks' token count, hidden size and dtypes are checked with one tiny all-to-all on the first
+    dispatch, or on every one with ``True`` or ``MTP_CHECK_COLLECTIVES=1``.
     """
 
-    def __init__(
-        self,
-        ep_group: dist.ProcessGroup | None,
-        num_experts: int,
-        topk: int,
-        *,
-        capacity_factor: float | None = None,
-        backend: str = "auto",
-        etp_group: dist.ProcessGroup | None = None,
-        check_ranks: bool | None = None,
-    ) -> None:
-        set_dispatch_groups(self, ep_group, etp_group, num_experts, topk)
-        if check_ranks not in (None, True, False):
-            raise TypeError(f"check_ranks must be None, True or False, got {check_ranks!r}")
-        first = self.ep_rank * self.num_local_experts
-        self.local_expert_indices = list(range(first, first + self.num_local_experts))
-        self.capacity_factor, self.backend, self.check_ranks = capacity_factor, backend, check_ranks
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.workspace = None  # no workspace: every buffer is per call
-        self._checked = False
-        self._state: dict | None = None
-
-    def _groups(self):
-        return [(g, s, r) for g, s, r in (
-            (self.ep_group, self.ep_size, self.ep_rank),
-            (self.etp_group, self.etp_size, self.etp_rank),
-        ) if s > 1]
+        self._megatron_metadata: AllGatherDispatchMetadata | None = None
 
     def _check(self, hidden_states, probs) -> None:
-        if self.check_ranks is False or not self._groups():
+        if not self.should_check_ranks(hidden_states):
             return
-        if not data_checks_enabled(True, hidden_states) or is_capturing():
-            return
-        every = self.check_ranks or os.environ.get("MTP_CHECK_COLLECTIVES", "0") not in ("", "0")
-        if self._checked and not every:
-            return
-        self._checked = True
-        meta = rank_meta(hidden_states, probs)
-        for group, size, _ in self._groups():
-            rows = all_to_all(meta.view(1, -1).expand(size, -1).contiguous(), group)
-            check_rank_meta(rows.tolist(), _group_ranks(group, size), True, "all-gather dispatch")
+        spec = rank_meta(hidden_states, probs, what="MoE all-gather dispatch")
+        row = spec.tensor(hidden_states.device)
+        for group, size, _ in self.groups():
+            rows = all_to_all(row.view(1, -1).expand(size, -1).contiguous(), group)
+            spec.check_rows(rows.tolist(), group_ranks(group, size), where=group_description(group))
 
     def dispatch(
         self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(tokens [N, H], tokens_per_expert [L], permuted_probs [N])`` for this rank's
-        experts, ``N = P * Q * T * min(k, L)`` (trailing rows unused)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllGatherDispatchMetadata]:
+        """``(tokens [N, H], tokens_per_expert [L], permuted_probs [N], metadata)`` for this
+        rank's experts, ``N = P * Q * T * min(k, L)`` (trailing rows unused); ``metadata``
+        goes to :meth:`combine`."""
         if hidden_states.dim() != 2:
             raise ValueError(f"hidden_states must be [T, H], got {tuple(hidden_states.shape)}")
         if tuple(routing_map.shape) != (hidden_states.shape[0], self.num_experts):
@@ -107,41 +91,53 @@ class AllGatherTokenDispatcher:
             )
         self._check(hidden_states, probs)
         x, both = hidden_states, torch.cat([probs, routing_map.to(probs.dtype)], dim=1)
-        for group, size, rank in self._groups():
+        for group, size, rank in self.groups():
             x = gather_v(x, group, [x.shape[0]] * size, rank)
             both = gather_v(both, group, [both.shape[0]] * size, rank)
         first, local = self.local_expert_indices[0], self.num_local_experts
         all_probs = both[:, first : first + local]
         local_map = both[:, self.num_experts + first : self.num_experts + first + local] > 0
         rows = x.shape[0] * min(self.topk, local)
-        row_id_map, pair = moe_permute_row_map(local_map, rows)
         backend = permute_backend(self.backend, hidden_states.device)
-        self._state = dict(row_id_map=row_id_map, shape=tuple(x.shape), backend=backend)
-        tokens = gather_rows(x, row_id_map, backend)
-        return tokens, local_map.sum(dim=0, dtype=torch.int64), select_probs(all_probs, pair)
+        row_map = moe_permute_row_map(local_map, rows, token_map=True)
+        meta = AllGatherDispatchMetadata(row_map.row_id_map, tuple(x.shape), backend,
+                                         row_map.token_map)  # fmt: skip
+        tokens = gather_rows(x, row_map.row_id_map, backend)
+        counts = local_map.sum(dim=0, dtype=torch.int64)
+        return tokens, counts, select_probs(all_probs, row_map.pair), meta
 
-    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, expert_output: torch.Tensor, metadata: AllGatherDispatchMetadata
+    ) -> torch.Tensor:
         """Sum the expert outputs per token and reduce-scatter them back: ``[T, H]``."""
-        state = self._state
-        if state is None:
-            raise RuntimeError("combine() needs a dispatch() first")
-        if expert_output.dim() != 2 or expert_output.shape[1] != state["shape"][1]:
-            raise ValueError(
-                f"expert_output must be [M, {state['shape'][1]}], got {tuple(expert_output.shape)}"
+        if not isinstance(metadata, AllGatherDispatchMetadata):
+            raise TypeError(
+                f"combine() takes the metadata dispatch() returned, got {type(metadata).__name__}"
             )
-        self._state = None
+        if expert_output.dim() != 2 or expert_output.shape[1] != metadata.shape[1]:
+            raise ValueError(
+                f"expert_output must be [M, {metadata.shape[1]}], got "
+                f"{tuple(expert_output.shape)}"
+            )
         y = unpermute(
-            expert_output, state["row_id_map"], state["shape"], backend=state["backend"],
-            validate=False,
-        )
-        for group, size, rank in reversed(self._groups()):
+            expert_output, metadata.row_id_map, metadata.shape, backend=metadata.backend,
+            validate=False, token_map=metadata.token_map,
+        )  # fmt: skip
+        for group, size, rank in reversed(self.groups()):
             y = reduce_scatter_v(y, group, [y.shape[0] // size] * size, rank)
         return y
 
-    token_permutation = dispatch
+    def token_permutation(self, hidden_states, probs, routing_map):
+        """Megatron-Core's stateful :meth:`dispatch`: the first three outputs; the metadata is
+        kept for :meth:`token_unpermutation`."""
+        *out, self._megatron_metadata = self.dispatch(hidden_states, probs, routing_map)
+        return tuple(out)
 
     def token_unpermutation(self, hidden_states: torch.Tensor, bias=None):
-        """Megatron-Core's name for :meth:`combine`; returns ``(output [T, H], None)``."""
+        """Megatron-Core's stateful :meth:`combine`; returns ``(output [T, H], None)``."""
         if bias is not None:
             raise ValueError("token_unpermutation: bias is not supported (add it in the experts)")
-        return self.combine(hidden_states), None
+        meta, self._megatron_metadata = self._megatron_metadata, None
+        if meta is None:
+            raise RuntimeError("token_unpermutation() needs a token_permutation() first")
+        return self.combine(hidden_states, meta), None

@@ -1,6 +1,6 @@
 """Communication pieces of the MoE token dispatchers: row gathers, differentiable
 all-to-all / all-gather-v / reduce-scatter-v, and the rank-agreement metadata
-(:class:`~mtp.parallel.errors.RankMismatchError`)."""
+(an :class:`~mtp.parallel.agree.Agreement` folded into the exchanges)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import torch
 import torch.distributed as dist
 
 from mtp.ops._backend import resolve_backend
-from mtp.parallel.errors import RankMismatchError
+from mtp.parallel.agree import Agreement, agreement
 from mtp.utils import is_fake
 
 __all__ = [
     "all_to_all",
-    "check_rank_meta",
     "gather_rows",
     "gather_v",
     "permute_backend",
@@ -91,74 +90,22 @@ def reduce_scatter_v(y: torch.Tensor, group, sizes: list[int], rank: int) -> tor
     return out.view(world, mine, *y.shape[1:]).sum(dim=0)
 
 
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
-_META_NAMES = ("token count", "hidden size", "hidden_states dtype", "probs dtype")
-
-
-def _dtype_name(code: int) -> str:
-    for dtype, c in _DTYPE_CODES.items():
-        if c == code:
-            return str(dtype)
-    return f"code {code}"
-
-
 def rank_meta(
-    hidden_states: torch.Tensor, probs: torch.Tensor, num_tokens: int | None = None
-) -> torch.Tensor:
-    """``[4]`` int64 on the device: token count (``num_tokens``, default the rows of
-    ``hidden_states``), hidden size and the dtype codes of the tokens and the probabilities
-    (what every rank of a token exchange must agree on)."""
-    values = [
-        hidden_states.shape[0] if num_tokens is None else num_tokens,
-        hidden_states.shape[1],
-        _DTYPE_CODES.get(hidden_states.dtype, 0),
-        _DTYPE_CODES.get(probs.dtype, 0),
-    ]
-    return torch.tensor(values, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
+    hidden_states: torch.Tensor, probs: torch.Tensor, num_tokens: int | None = None,
+    what: str = "MoE dispatch",
+) -> Agreement:  # fmt: skip
+    """What every rank of a token exchange must agree on: the token count (``num_tokens``,
+    default the rows of ``hidden_states``), the hidden size and the dtypes of the tokens and the
+    probabilities. ``.tensor(device)`` is the ``[4]`` int64 row folded into the exchange."""
+    return agreement(what, {
+        "token count": hidden_states.shape[0] if num_tokens is None else num_tokens,
+        "hidden size": hidden_states.shape[1],
+        "hidden_states dtype": hidden_states.dtype,
+        "probs dtype": probs.dtype,
+    })  # fmt: skip
 
 
-def check_rank_meta(rows: list[list[int]], ranks: list[int], same_tokens: bool, what: str) -> None:
-    """Raise :class:`RankMismatchError` (on every rank: each holds every row) unless the ranks
-    agree on the hidden size and dtypes, and on the token count when ``same_tokens``."""
-    for i, name in enumerate(_META_NAMES):
-        if i == 0 and not same_tokens:
-            continue
-        values = [row[i] for row in rows]
-        if len(set(values)) > 1:
-            shown = [_dtype_name(v) for v in values] if i >= 2 else values
-            pairs = ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, shown))
-            raise RankMismatchError(
-                f"MoE {what}: the ranks of the group disagree on the {name} ({pairs}); every "
-                "rank must pass the same " + name + (
-                    " (a capacity_factor makes every split static, so all ranks need the same "
-                    "token count)" if i == 0 else ""
-                )
-            )
-
-
-def _group_ranks(group, size: int) -> list[int]:
-    try:
-        return dist.get_process_group_ranks(group)
-    except Exception:  # noqa: BLE001 - only for the message
-        return list(range(size))
-
-
-def set_dispatch_groups(dispatcher, ep_group, etp_group, num_experts: int, topk: int) -> None:
-    """Set a token dispatcher's group attributes (``ep_group/ep_size/ep_rank``, ``etp_*``,
-    ``num_experts``, ``topk``, ``num_local_experts``), checking that the experts split evenly
-    over the expert-parallel ranks and that ``topk <= num_experts``."""
-    ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
-    if num_experts % ep_size:
-        raise ValueError(
-            f"num_experts={num_experts} must be divisible by the expert-parallel size {ep_size}"
-        )
-    if topk > num_experts:
-        raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
-    dispatcher.ep_group, dispatcher.ep_size = ep_group, ep_size
-    dispatcher.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
-    etp_size = 1 if etp_group is None else dist.get_world_size(etp_group)
-    dispatcher.etp_size = etp_size
-    dispatcher.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
-    dispatcher.etp_group = etp_group if etp_size > 1 else None
-    dispatcher.num_experts, dispatcher.topk = num_experts, topk
-    dispatcher.num_local_experts = num_experts // ep_size
+#: The capacity hint of a token-count mismatch.
+SAME_TOKENS_HINT = (
+    "a capacity_factor makes every split static, so all ranks need the same token count"
+)

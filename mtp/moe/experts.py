@@ -20,7 +20,6 @@ no-sync, graph-safe structure on the CPU too.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -31,13 +30,12 @@ from mtp import ops
 from mtp.ops._backend import resolve_backend
 from mtp.ops.grouped_mlp import clamped_swiglu
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, torch_grouped_mm, grouped_gemm
-from mtp.moe._checks import check_bool
+from mtp.moe.config import ACTIVATIONS, ExpertsConfig
 from mtp.parallel.params import set_expert_parallel_attributes
 from mtp.utils import check_int
 
 __all__ = ["GroupedMLP"]
 
-ACTIVATIONS = ("gelu", "swiglu", "clamped_swiglu", "relu2")
 _ACTIVATIONS = ACTIVATIONS
 _GATED = ("swiglu", "clamped_swiglu")
 _ACT_BACKENDS = ("triton", "reference")
@@ -204,16 +202,12 @@ class GroupedMLP(nn.Module):
                 f"ffn_hidden_size={ffn_hidden_size} must be divisible by the expert tensor "
                 f"parallel size tp_size={tp_size}"
             )
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
-        for name, value in (
-            ("activation_limit", activation_limit),
-            ("activation_alpha", activation_alpha),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        self.config = ExpertsConfig(
+            ffn_hidden_size, activation=activation, activation_limit=activation_limit,
+            activation_alpha=activation_alpha, bias=bias, probs_after_fc2=probs_after_fc2,
+            gradient_accumulation_fusion=gradient_accumulation_fusion,
+            bias_activation_fusion=bias_activation_fusion, backend=backend,
+        )  # fmt: skip
         if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
             raise TypeError(f"params_dtype must be a floating torch.dtype, got {params_dtype!r}")
         self.num_local_experts, self.hidden_size = num_local_experts, hidden_size
@@ -221,11 +215,9 @@ class GroupedMLP(nn.Module):
         self.backend, self.add_bias = backend, bool(bias)
         self.activation_limit = float(activation_limit)
         self.activation_alpha = float(activation_alpha)
-        self.probs_after_fc2 = bool(probs_after_fc2)
-        self.gradient_accumulation_fusion = check_bool(
-            "gradient_accumulation_fusion", gradient_accumulation_fusion
-        )
-        self.bias_activation_fusion = check_bool("bias_activation_fusion", bias_activation_fusion)
+        self.probs_after_fc2 = probs_after_fc2
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.bias_activation_fusion = bias_activation_fusion
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.expert_offset = expert_offset
         full_fc1 = 2 * ffn_hidden_size if activation in _GATED else ffn_hidden_size

@@ -16,32 +16,37 @@ more than one rank synchronises once per layer (the split sizes of the token all
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mtp.moe.allgather_dispatcher import AllGatherTokenDispatcher
-from mtp.moe._checks import check_bool, check_device, check_float_dtype, check_group
+from mtp.moe._checks import check_group
+from mtp.moe.config import MoEConfig
 from mtp.moe.experts import GroupedMLP
-from mtp.moe.router import TopKRouter, check_routing_config
+from mtp.moe.router import TopKRouter
 from mtp.moe.shared_experts import SharedExpertMLP
 from mtp.moe.token_dispatcher import AllToAllTokenDispatcher
 from mtp.moe.workspace import MoEWorkspace
-from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
+from mtp.parallel import parallel_state
+from mtp.parallel.dims import ParallelDims
 from mtp.parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
     split_along,
 )
-from mtp.utils import check_int, is_capturing, is_fake
+from mtp.utils import is_capturing, is_fake
 
 __all__ = ["MoELayer"]
 
 logger = logging.getLogger("mtp")
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DISPATCHERS = {"alltoall": AllToAllTokenDispatcher, "allgather": AllGatherTokenDispatcher}
 
 
 class _IntoStatic(torch.autograd.Function):
@@ -58,41 +63,34 @@ class _IntoStatic(torch.autograd.Function):
         return grad.reshape(-1, grad.shape[-1]), None, None
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _one_or_none(group):
-    return group if _group_size(group) > 1 else None
-
-
-def _resolve_groups(ep_group, expert_tensor_parallel_group, tp_group):
-    """``(ep, etp, tp)`` groups, None for size 1. With ``ep_group=None`` and an initialised
+def _resolve_dims(ep_group, expert_tensor_parallel_group, tp_group) -> ParallelDims:
+    """The layer's groups from the flat arguments. With ``ep_group=None`` and an initialised
     ``mtp.parallel`` state, the groups not given come from it (Megatron's defaults:
     ``expert_tensor_parallel_size`` = tp unless set)."""
-    if ep_group is None:
-        from mtp import parallel
-
-        if parallel.model_parallel_is_initialized():
-            ep_group = parallel.get_expert_model_parallel_group()
-            if expert_tensor_parallel_group is None:
-                expert_tensor_parallel_group = parallel.get_expert_tensor_parallel_group()
-            if tp_group is None:
-                tp_group = parallel.get_tensor_model_parallel_group()
-    return (
-        _one_or_none(ep_group),
-        _one_or_none(expert_tensor_parallel_group),
-        _one_or_none(tp_group),
-    )
-
-
-_DISPATCHERS = ("alltoall", "allgather")
-_LAYER_BACKENDS = tuple(dict.fromkeys(("auto", "reference", *GROUPED_GEMM_BACKENDS)))
+    for name, group in (
+        ("ep_group", ep_group),
+        ("expert_tensor_parallel_group", expert_tensor_parallel_group),
+        ("tp_group", tp_group),
+    ):
+        check_group(name, group)
+    if ep_group is None and parallel_state.model_parallel_is_initialized():
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        if expert_tensor_parallel_group is None:
+            expert_tensor_parallel_group = parallel_state.get_expert_tensor_parallel_group()
+        if tp_group is None:
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+    return ParallelDims(tp_group=tp_group, ep_group=ep_group,
+                        etp_group=expert_tensor_parallel_group)  # fmt: skip
 
 
 class MoELayer(nn.Module):
     """A mixture-of-experts MLP, expert-parallel over ``ep_group``, optionally with expert
     tensor parallelism, tensor/sequence parallelism and a shared expert.
+
+    Two ways to build it: ``MoELayer(config=MoEConfig(...), dims=ParallelDims(...))`` (the
+    nested :class:`~mtp.moe.config.MoEConfig`, each part checked where it is made, and the groups
+    as one :class:`~mtp.parallel.dims.ParallelDims`), or the flat form below, which builds both
+    (:meth:`MoEConfig.from_flat`; ``self.config`` and ``self.dims`` hold them either way).
 
     Args:
         hidden_size: ``H``.
@@ -166,182 +164,74 @@ class MoELayer(nn.Module):
 
     def __init__(
         self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        num_experts: int,
-        topk: int,
+        hidden_size: int | MoEConfig | None = None,
+        ffn_hidden_size: int | None = None,
+        num_experts: int | None = None,
+        topk: int | None = None,
         *,
+        config: MoEConfig | None = None,
+        dims: ParallelDims | None = None,
         ep_group: dist.ProcessGroup | None = None,
         expert_tensor_parallel_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
-        sequence_parallel: bool = False,
-        capacity_factor: float | None = None,
-        activation: str = "gelu",
-        activation_limit: float = 7.0,
-        activation_alpha: float = 1.702,
-        probs_after_fc2: bool = False,
-        gradient_accumulation_fusion: bool = False,
-        bias_activation_fusion: bool = True,
-        backend: str = "auto",
-        bias: bool = False,
-        token_dispatcher_type: str = "alltoall",
-        shared_expert_intermediate_size: int | None = None,
-        shared_expert_gate: bool = False,
-        score_function: str = "softmax",
-        pre_softmax: bool = False,
-        norm_topk_prob: bool | None = None,
-        aux_loss_coeff: float | list[float] = 0.0,
-        load_balancing_type: str | list[str] = "aux_loss",
-        z_loss_coeff: float = 0.0,
-        expert_bias: bool = False,
-        router_bias: bool = False,
-        drop_policy: str = "probs",
-        num_groups: int | None = None,
-        group_topk: int | None = None,
-        group_score: str = "topk",
-        scaling_factor: float | None = None,
-        input_jitter_eps: float | None = None,
-        router_dtype: torch.dtype | None = None,
-        layer_number: int | None = None,
-        num_layers: int | None = None,
-        check_ranks: bool | None = None,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        perform_initialization: bool = True,
+        **flat: Any,
     ) -> None:
         super().__init__()
-        check_int("hidden_size", hidden_size, 1)
-        check_int("ffn_hidden_size", ffn_hidden_size, 1)
-        check_routing_config(
-            num_experts, topk, score_function, capacity_factor, drop_policy, num_groups,
-            group_topk, norm_topk_prob=norm_topk_prob, group_score=group_score,
-            pre_softmax=pre_softmax, scaling_factor=scaling_factor,
-        )
-        if token_dispatcher_type not in _DISPATCHERS:
+        if isinstance(hidden_size, MoEConfig):
+            config, hidden_size = hidden_size, None
+        if config is None:
+            config = MoEConfig.from_flat(hidden_size, ffn_hidden_size, num_experts, topk, **flat)
+        elif not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        elif any(v is not None for v in (hidden_size, ffn_hidden_size, num_experts, topk)) or flat:
+            raise TypeError("MoELayer: pass either config= or the flat arguments, not both")
+        if dims is None:
+            dims = _resolve_dims(ep_group, expert_tensor_parallel_group, tp_group)
+        elif not isinstance(dims, ParallelDims):
+            raise TypeError(f"dims must be a ParallelDims, got {type(dims).__name__}")
+        elif any(g is not None for g in (ep_group, expert_tensor_parallel_group, tp_group)):
+            raise TypeError("MoELayer: pass the groups in dims= or as arguments, not both")
+        c, e = config, config.experts
+        if c.num_experts % dims.ep:
             raise ValueError(
-                f"token_dispatcher_type must be one of {_DISPATCHERS}, got "
-                f"{token_dispatcher_type!r}"
+                f"num_experts={c.num_experts} must be divisible by the expert-parallel size "
+                f"{dims.ep} (each rank holds num_experts / ep_size experts)"
             )
-        if not isinstance(sequence_parallel, bool):
-            raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
-        if shared_expert_intermediate_size is None and shared_expert_gate:
-            raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size")
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        if backend not in _LAYER_BACKENDS:
-            raise ValueError(f"backend must be one of {_LAYER_BACKENDS}, got {backend!r}")
-        for name, flag in (
-            ("bias", bias),
-            ("probs_after_fc2", probs_after_fc2),
-            ("gradient_accumulation_fusion", gradient_accumulation_fusion),
-            ("bias_activation_fusion", bias_activation_fusion),
-            ("shared_expert_gate", shared_expert_gate),
-        ):
-            check_bool(name, flag)
-        check_float_dtype("params_dtype", params_dtype)
-        check_device("device", device)
-        for name, group in (
-            ("ep_group", ep_group),
-            ("expert_tensor_parallel_group", expert_tensor_parallel_group),
-            ("tp_group", tp_group),
-        ):
-            check_group(name, group)
-        ep_group, etp_group, tp_group = _resolve_groups(
-            ep_group, expert_tensor_parallel_group, tp_group
-        )
-        ep_size, etp_size = _group_size(ep_group), _group_size(etp_group)
-        if num_experts % ep_size:
+        if e.ffn_hidden_size % dims.etp:
             raise ValueError(
-                f"num_experts={num_experts} must be divisible by the expert-parallel size "
-                f"{ep_size} (each rank holds num_experts / ep_size experts)"
+                f"ffn_hidden_size={e.ffn_hidden_size} must be divisible by the expert tensor "
+                f"parallel size {dims.etp}"
             )
-        if ffn_hidden_size % etp_size:
-            raise ValueError(
-                f"ffn_hidden_size={ffn_hidden_size} must be divisible by the expert tensor "
-                f"parallel size {etp_size}"
-            )
-        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.num_experts, self.topk = num_experts, topk
-        self.capacity_factor, self.backend = capacity_factor, backend
-        self.ep_group, self.ep_size = ep_group, ep_size
-        self.etp_group, self.etp_size = etp_group, etp_size
-        self.tp_group, self.tp_size = tp_group, _group_size(tp_group)
-        self.sequence_parallel = sequence_parallel
-        self.token_dispatcher_type = token_dispatcher_type
-        self.router = TopKRouter(
-            hidden_size,
-            num_experts,
-            topk,
-            score_function=score_function,
-            pre_softmax=pre_softmax,
-            norm_topk_prob=norm_topk_prob,
-            aux_loss_coeff=aux_loss_coeff,
-            load_balancing_type=load_balancing_type,
-            z_loss_coeff=z_loss_coeff,
-            expert_bias=expert_bias,
-            router_bias=router_bias,
-            capacity_factor=capacity_factor,
-            drop_policy=drop_policy,
-            num_groups=num_groups,
-            group_topk=group_topk,
-            group_score=group_score,
-            scaling_factor=scaling_factor,
-            input_jitter_eps=input_jitter_eps,
-            router_dtype=router_dtype,
-            tp_group=tp_group,
-            layer_number=layer_number,
-            num_layers=num_layers,
-            params_dtype=params_dtype,
-            device=device,
-        )
-        kind = (
-            AllToAllTokenDispatcher
-            if token_dispatcher_type == "alltoall"
-            else AllGatherTokenDispatcher
-        )
-        self.token_dispatcher = kind(
-            ep_group,
-            num_experts,
-            topk,
-            capacity_factor=capacity_factor,
-            backend=backend,
-            etp_group=etp_group,
-            check_ranks=check_ranks,
-        )
-        self.num_local_experts = num_experts // ep_size
+        self.config, self.dims = config, dims
+        self.hidden_size, self.ffn_hidden_size = c.hidden_size, e.ffn_hidden_size
+        self.num_experts, self.topk = c.num_experts, c.topk
+        self.capacity_factor, self.backend = c.dispatcher.capacity_factor, e.backend
+        self.ep_group, self.ep_size = dims.ep_group, dims.ep
+        self.etp_group, self.etp_size = dims.etp_group, dims.etp
+        self.tp_group, self.tp_size = dims.tp_group, dims.tp
+        self.sequence_parallel = c.sequence_parallel
+        self.token_dispatcher_type = c.dispatcher.token_dispatcher_type
+        factory = dict(params_dtype=c.params_dtype, device=c.device)
+        self.router = TopKRouter(c.hidden_size, config=c.router, tp_group=dims.tp_group, **factory)
+        kind = _DISPATCHERS[self.token_dispatcher_type]
+        self.token_dispatcher = kind(c.dispatcher, dims)
+        self.num_local_experts = c.num_experts // dims.ep
         self.local_expert_indices = self.token_dispatcher.local_expert_indices
         self.experts = GroupedMLP(
-            self.num_local_experts,
-            hidden_size,
-            ffn_hidden_size,
-            activation=activation,
-            activation_limit=activation_limit,
-            activation_alpha=activation_alpha,
-            probs_after_fc2=probs_after_fc2,
-            gradient_accumulation_fusion=gradient_accumulation_fusion,
-            bias_activation_fusion=bias_activation_fusion,
-            bias=bias,
-            backend=backend,
-            tp_size=etp_size,
-            tp_rank=0 if etp_group is None else dist.get_rank(etp_group),
-            params_dtype=params_dtype,
-            device=device,
-            perform_initialization=False,
-            expert_offset=self.local_expert_indices[0],
-        )
-        if perform_initialization:
-            self.experts.reset_parameters(self.local_expert_indices[0], num_experts)
+            self.num_local_experts, c.hidden_size, e.ffn_hidden_size,
+            **{f.name: getattr(e, f.name) for f in dataclasses.fields(e)
+               if f.name != "ffn_hidden_size"},
+            tp_size=dims.etp, tp_rank=dims.etp_rank, perform_initialization=False,
+            expert_offset=self.local_expert_indices[0], **factory,
+        )  # fmt: skip
+        if c.perform_initialization:
+            self.experts.reset_parameters(self.local_expert_indices[0], c.num_experts)
         self.shared_experts = None
-        if shared_expert_intermediate_size is not None:
+        if c.shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(
-                hidden_size,
-                shared_expert_intermediate_size,
-                activation=activation,
-                gate=shared_expert_gate,
-                tp_group=tp_group,
-                params_dtype=params_dtype,
-                device=device,
-            )
+                c.hidden_size, c.shared_expert_intermediate_size, activation=e.activation,
+                gate=c.shared_expert_gate, tp_group=dims.tp_group, **factory,
+            )  # fmt: skip
 
     def extra_repr(self) -> str:
         mode = (
@@ -405,12 +295,12 @@ class MoELayer(nn.Module):
         if padding_mask is not None and padding_mask.shape != router_in.shape[:-1]:
             padding_mask = padding_mask.reshape(router_in.shape[:-1])
         probs, routing_map = self.router(router_in, padding_mask)
-        dispatched, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch(
+        dispatched, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(
             tokens, probs, routing_map
         )
         shared = None if self.shared_experts is None else self.shared_experts(tokens)
         expert_output = self.experts(dispatched, tokens_per_expert, permuted_probs)
-        output = self.token_dispatcher.combine(expert_output)
+        output = self.token_dispatcher.combine(expert_output, meta)
         if shared is not None:
             output = output + shared
         if split:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.utils._pytree
 
 from mtp.moe.workspace import MoEWorkspace
-from mtp.ops.moe_permute import moe_permute_row_map, select_probs
+from mtp.ops.moe_permute import TokenMap, moe_permute_row_map, select_probs
 from mtp.utils import check_tensor, data_checks_enabled, is_fake
 
 __all__ = ["MoEPreprocessResult", "preprocess"]
@@ -98,6 +98,14 @@ def local_preprocess(
 ) -> MoEPreprocessResult:
     """The rank-local part (no communication): counts, row map, permuted probs and, with
     ``P > 1``, the rows sent to each rank. Pure function of its inputs (fresh tensors)."""
+    return local_preprocess_with_map(routing_map, probs, workspace)[0]
+
+
+def local_preprocess_with_map(
+    routing_map: torch.Tensor, probs: torch.Tensor, workspace: MoEWorkspace
+) -> tuple[MoEPreprocessResult, TokenMap | None]:
+    """:func:`local_preprocess` and the token-major map of its row map (None on the reference
+    backend), for :func:`mtp.ops.unpermute`'s ``token_map``."""
     lay = workspace.layout
     num_experts, capacity = lay.num_experts, lay.capacity
     device = routing_map.device
@@ -105,9 +113,11 @@ def local_preprocess(
         tokens_per_expert = routing_map.sum(dim=0, dtype=torch.int64)
     else:
         tokens_per_expert = torch.full((num_experts,), capacity, dtype=torch.int64, device=device)
-    row_id_map, pair = moe_permute_row_map(
-        routing_map, lay.num_rows, drop_and_pad=capacity is not None, capacity=capacity
-    )
+    row_map = moe_permute_row_map(
+        routing_map, lay.num_rows, drop_and_pad=capacity is not None, capacity=capacity,
+        token_map=True,
+    )  # fmt: skip
+    row_id_map, pair = row_map.row_id_map, row_map.pair
     result = MoEPreprocessResult(tokens_per_expert, row_id_map, select_probs(probs, pair), pair)
     if lay.ep_size > 1 and capacity is not None:
         result.send_counts = workspace.send_counts
@@ -115,7 +125,7 @@ def local_preprocess(
         result.local_tokens_per_expert = workspace.local_tokens_per_expert
     elif lay.ep_size > 1:
         result.send_counts = tokens_per_expert.view(lay.ep_size, -1).sum(dim=1)
-    return result
+    return result, row_map.token_map
 
 
 def exchange_counts(

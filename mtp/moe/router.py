@@ -41,21 +41,16 @@ Megatron's functions return them; ``None`` when not computed).
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mtp.moe.load_balancing import (
-    LOAD_BALANCING_TYPES,
-    save_to_aux_losses_tracker,
-    sequence_load_balancing_loss_func,
-)
-from mtp.moe.routing import (  # noqa: F401 - re-exported (their historical home)
+from mtp.moe.config import RouterConfig
+from mtp.moe.load_balancing import save_to_aux_losses_tracker, sequence_load_balancing_loss_func
+from mtp.moe.routing import (  # noqa: F401 - re-exported
     MoEAuxLossAutoScaler,
-    check_routing_config,
     compute_routing_scores_for_aux_loss,
     get_capacity,
     get_updated_expert_bias,
@@ -63,7 +58,7 @@ from mtp.moe.routing import (  # noqa: F401 - re-exported (their historical home
     topk_softmax_with_capacity,
     z_loss_func,
 )
-from mtp.moe._checks import check_bool, check_device, check_float_dtype, check_group
+from mtp.moe._checks import check_device, check_float_dtype, check_group
 from mtp.parallel.params import mark_tensor_parallel_grad_reduced
 from mtp.utils import check_int
 
@@ -79,44 +74,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mtp")
-
-
-def _check_coeff(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _load_balancing_config(load_balancing_type, aux_loss_coeff) -> dict[str, float]:
-    """``{type: coeff}`` from Megatron's ``moe_router_load_balancing_type`` (a name or a list)
-    and ``moe_aux_loss_coeff`` (a number or a list of the same length)."""
-    types = [load_balancing_type] if isinstance(load_balancing_type, str) else load_balancing_type
-    if not isinstance(types, (list, tuple)) or not types:
-        raise TypeError(
-            f"load_balancing_type must be a name or a list of names from "
-            f"{LOAD_BALANCING_TYPES}, got {load_balancing_type!r}"
-        )
-    for t in types:
-        if t not in LOAD_BALANCING_TYPES + ("none",):
-            raise ValueError(
-                f"load_balancing_type must be among {LOAD_BALANCING_TYPES} (or 'none'), got {t!r}"
-            )
-    coeffs = aux_loss_coeff if isinstance(aux_loss_coeff, (list, tuple)) else [aux_loss_coeff]
-    if len(coeffs) == 1 and len(types) > 1:
-        coeffs = list(coeffs) * len(types)
-    if len(coeffs) != len(types):
-        raise ValueError(
-            f"aux_loss_coeff has {len(coeffs)} values for {len(types)} load_balancing_type "
-            "entries (give one coefficient per type)"
-        )
-    out = {}
-    for t, c in zip(types, coeffs):
-        c = _check_coeff("aux_loss_coeff", c)
-        if t != "none" and c > 0:
-            out[t] = out.get(t, 0.0) + c
-    return out
 
 
 class TopKRouter(nn.Module):
@@ -181,79 +138,44 @@ class TopKRouter(nn.Module):
     def __init__(
         self,
         hidden_size: int,
-        num_experts: int,
-        topk: int,
+        num_experts: int | None = None,
+        topk: int | None = None,
         *,
-        score_function: str = "softmax",
-        pre_softmax: bool = False,
-        norm_topk_prob: bool | None = None,
-        aux_loss_coeff: float | list[float] = 0.0,
-        load_balancing_type: str | list[str] = "aux_loss",
-        z_loss_coeff: float = 0.0,
-        expert_bias: bool = False,
-        router_bias: bool = False,
-        capacity_factor: float | None = None,
-        drop_policy: str = "probs",
-        num_groups: int | None = None,
-        group_topk: int | None = None,
-        group_score: str = "topk",
-        scaling_factor: float | None = None,
-        input_jitter_eps: float | None = None,
-        router_dtype: torch.dtype | None = None,
+        config: RouterConfig | None = None,
         tp_group: dist.ProcessGroup | None = None,
         aux_loss_group: dist.ProcessGroup | None = None,
-        layer_number: int | None = None,
-        num_layers: int | None = None,
-        init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        **flat,
     ) -> None:
         super().__init__()
         check_int("hidden_size", hidden_size, 1)
-        check_routing_config(
-            num_experts, topk, score_function, capacity_factor, drop_policy, num_groups,
-            group_topk, norm_topk_prob=norm_topk_prob, group_score=group_score,
-            pre_softmax=pre_softmax, scaling_factor=scaling_factor,
-        )
-        if router_dtype not in (None, torch.float32, torch.float64):
-            raise ValueError(
-                f"router_dtype must be None, torch.float32 or torch.float64, got {router_dtype}"
-            )
+        if config is None:
+            config = RouterConfig(num_experts, topk, **flat)
+        elif num_experts is not None or topk is not None or flat:
+            raise TypeError("TopKRouter: pass either config= or the routing arguments, not both")
+        elif not isinstance(config, RouterConfig):
+            raise TypeError(f"config must be a RouterConfig, got {type(config).__name__}")
         check_float_dtype("params_dtype", params_dtype)
         check_device("device", device)
-        for name, flag in (
-            ("pre_softmax", pre_softmax),
-            ("expert_bias", expert_bias),
-            ("router_bias", router_bias),
-        ):
-            check_bool(name, flag)
         check_group("tp_group", tp_group)
         check_group("aux_loss_group", aux_loss_group)
-        if input_jitter_eps is not None:
-            eps = _check_coeff("input_jitter_eps", input_jitter_eps)
-            if not 0 < eps < 1:
-                raise ValueError(f"input_jitter_eps must be in (0, 1), got {input_jitter_eps}")
-        _check_coeff("init_std", init_std)
-        if (layer_number is None) != (num_layers is None):
-            raise ValueError("layer_number and num_layers must be given together (loss logging)")
-        if layer_number is not None:
-            check_int("num_layers", num_layers, 1)
-            check_int("layer_number", layer_number, 1)
-            if layer_number > num_layers:
-                raise ValueError(f"layer_number={layer_number} must be <= num_layers={num_layers}")
-        self.load_balancing = _load_balancing_config(load_balancing_type, aux_loss_coeff)
-        self.hidden_size, self.num_experts, self.topk = hidden_size, num_experts, topk
-        self.score_function, self.pre_softmax = score_function, bool(pre_softmax)
-        self.norm_topk_prob, self.group_score = norm_topk_prob, group_score
+        self.config = c = config
+        self.load_balancing = c.load_balancing
+        self.hidden_size, self.num_experts, self.topk = hidden_size, c.num_experts, c.topk
+        self.score_function, self.pre_softmax = c.score_function, c.pre_softmax
+        self.norm_topk_prob, self.group_score = c.norm_topk_prob, c.group_score
         self.aux_loss_coeff = sum(self.load_balancing.values())
-        self.z_loss_coeff = _check_coeff("z_loss_coeff", z_loss_coeff)
-        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
-        self.num_groups, self.group_topk = num_groups, group_topk
-        self.scaling_factor, self.router_dtype = scaling_factor, router_dtype
-        self.input_jitter_eps = input_jitter_eps
+        self.z_loss_coeff = float(c.z_loss_coeff)
+        self.capacity_factor, self.drop_policy = c.capacity_factor, c.drop_policy
+        self.num_groups, self.group_topk = c.num_groups, c.group_topk
+        self.scaling_factor, self.router_dtype = c.scaling_factor, c.router_dtype
+        self.input_jitter_eps = c.input_jitter_eps
         self.tp_group = tp_group
         self.aux_loss_group = aux_loss_group if aux_loss_group is not None else tp_group
-        self.layer_number, self.num_layers = layer_number, num_layers
+        self.layer_number, self.num_layers = c.layer_number, c.num_layers
+        num_experts, router_bias, expert_bias = c.num_experts, c.router_bias, c.expert_bias
+        init_std = c.init_std
         kw = dict(dtype=params_dtype, device=device)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
         if router_bias:

@@ -20,8 +20,11 @@ ranks):
 5. ``combine``: the inverse of each step (the expert-TP partial outputs are reduce-scattered),
    then :func:`mtp.ops.unpermute` (a deterministic per-token sum of the expert outputs).
 
-``dispatch()`` is ``token_dispatch(*dispatch_preprocess(...))``: the local part of step 1 and
-step 2 (no communication or host sync: graph-safe for every ``P``), then the rest.
+``dispatch()`` returns the rows with an :class:`AllToAllDispatchMetadata` (frozen: the
+workspace, the preprocess tensors, the split sizes and reorders the exchange used) that
+``combine()`` takes back; nothing of one call is kept on the dispatcher. ``dispatch()`` is
+``token_dispatch(*dispatch_preprocess(...))``: the local part of step 1 and step 2 (no
+communication or host sync: graph-safe for every ``P``), then the rest.
 
 Host synchronisation:
 
@@ -42,12 +45,21 @@ in the combine. The backward runs one all-to-all per forward token/probs/combine
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 
 import torch
-import torch.distributed as dist
 
+from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported
+    SAME_TOKENS_HINT,
+    all_to_all,
+    gather_rows,
+    gather_v,
+    permute_backend,
+    rank_meta,
+    reduce_scatter_v,
+)
+from mtp.moe.dispatcher_base import AllToAllDispatchMetadata, TokenDispatcherBase
 from mtp.moe.preprocess import (
     _RESULT_FIELDS,
     MoEPreprocessResult,
@@ -55,26 +67,18 @@ from mtp.moe.preprocess import (
     check_routing,
     exchange_counts,
     finish_ep_preprocess,
-    local_preprocess,
+    local_preprocess_with_map,
     store_preprocess,
 )
-from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported (their first home)
-    _group_ranks,
-    all_to_all,
-    check_rank_meta,
-    gather_rows,
-    gather_v,
-    permute_backend,
-    rank_meta,
-    reduce_scatter_v,
-    set_dispatch_groups,
-)
 from mtp.moe.workspace import MoEWorkspace
-from mtp.ops.moe_permute import unpermute
+from mtp.ops.moe_permute import TokenMap, unpermute
+from mtp.parallel.agree import group_ranks
 from mtp.parallel.errors import RankMismatchError
-from mtp.utils import check_values, data_checks_enabled, is_capturing, is_fake, validation_mode
+from mtp.parallel.groups import group_description
+from mtp.utils import data_checks_enabled, is_fake
 
 __all__ = [
+    "AllToAllDispatchMetadata",
     "AllToAllTokenDispatcher",
     "RankMismatchError",
     "all_to_all",
@@ -88,63 +92,34 @@ logger = logging.getLogger("mtp")
 _EP_FIELDS = ("recv_counts", "local_tokens_per_expert", "recv_order", "recv_inverse")
 
 
-class AllToAllTokenDispatcher:
+class AllToAllTokenDispatcher(TokenDispatcherBase):
     """Dispatch tokens to experts over the expert-parallel group and combine the results.
 
-    Args:
-        ep_group: the expert-parallel process group (``P`` ranks); None for ``P = 1``.
-        num_experts: ``E``, all experts; rank ``r`` of the group holds experts
-            ``[r * L, (r + 1) * L)``.
-        topk: experts per token.
-        capacity_factor: None for dropless; else every expert has
-            ``C = min(ceil(T * topk / E * capacity_factor), T)`` slots (padded with empty rows),
-            which makes every shape and split static (no host sync, graph-safe). All ranks of
-            the group must then see the same token count ``T``.
-        backend: for the permute/unpermute kernels: ``"auto"``, ``"triton"`` or
-            ``"reference"`` (other names: ``"auto"``).
-        etp_group: expert tensor parallelism (``Q`` ranks holding shards of the same experts,
-            Megatron's expert-TP group): after the EP all-to-all the rows of the ``Q`` ranks are
-            all-gathered so that each shard sees every row of its experts, and the partial
-            outputs are reduce-scattered back in :meth:`combine` (Megatron-Core's order).
-        check_ranks: check that the ranks agree on the hidden size, the dtypes and (with a
-            capacity) the token count before exchanging tokens, raising
-            :class:`RankMismatchError` on every rank instead of letting the collective fail.
-            Dropless folds the check into the count exchange and its one host sync (free, every
-            dispatch). With a capacity (no count exchange, no host sync) it costs one tiny
-            all-to-all and a device-side assert (no host sync; on CPU it raises at once;
-            ``MTP_VALIDATE=sync`` gives :class:`RankMismatchError` naming the values after a
-            sync): ``None`` (default) checks the first dispatch only, or every dispatch under
-            ``MTP_CHECK_COLLECTIVES=1``; ``True`` every dispatch; ``False`` never. Skipped
-            while capturing or compiling.
+    Construction (see :class:`~mtp.moe.dispatcher_base.TokenDispatcherBase`):
+    ``AllToAllTokenDispatcher(config, dims)`` with a :class:`~mtp.moe.config.DispatcherConfig`
+    and a :class:`~mtp.parallel.dims.ParallelDims`, or the flat
+    ``AllToAllTokenDispatcher(ep_group, num_experts, topk, *, capacity_factor=None,
+    backend="auto", etp_group=None, check_ranks=None)``.
+
+    The fields (``num_experts``, ``topk``, ``capacity_factor``, ``backend``, ``check_ranks``)
+    are described on :class:`~mtp.moe.config.DispatcherConfig`; ``ep_group`` is the
+    expert-parallel group (``P`` ranks; None for ``P = 1``), ``etp_group`` the expert-tensor-
+    parallel group (``Q`` ranks holding shards of the same experts, Megatron's expert-TP
+    group): after the EP all-to-all the rows of the ``Q`` ranks are all-gathered so that each
+    shard sees every row of its experts, and the partial outputs are reduce-scattered back in
+    :meth:`combine` (Megatron-Core's order).
 
     The :class:`~mtp.moe.MoEWorkspace` is built on the first :meth:`dispatch` for its token
     count, dtype and device and rebuilt (with an INFO log line) when they change.
-    Megatron-Core's method names work too: :meth:`token_permutation`,
-    :meth:`token_unpermutation`.
+    Megatron-Core's method names work too: :meth:`token_permutation` and
+    :meth:`token_unpermutation` (stateful, as Megatron's: the second uses the metadata of the
+    last first).
     """
 
-    def __init__(
-        self,
-        ep_group: dist.ProcessGroup | None,
-        num_experts: int,
-        topk: int,
-        *,
-        capacity_factor: float | None = None,
-        backend: str = "auto",
-        etp_group: dist.ProcessGroup | None = None,
-        check_ranks: bool | None = None,
-    ) -> None:
-        set_dispatch_groups(self, ep_group, etp_group, num_experts, topk)
-        first = self.ep_rank * self.num_local_experts
-        self.local_expert_indices = list(range(first, first + self.num_local_experts))
-        self.capacity_factor = capacity_factor
-        self.backend = backend
-        if check_ranks not in (None, True, False):
-            raise TypeError(f"check_ranks must be None, True or False, got {check_ranks!r}")
-        self.check_ranks = check_ranks
-        self._static_checked = False
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.workspace: MoEWorkspace | None = None
-        self._state: dict | None = None
+        self._megatron_metadata: AllToAllDispatchMetadata | None = None
 
     # -- workspace ----------------------------------------------------------------------------
 
@@ -199,7 +174,7 @@ class AllToAllTokenDispatcher:
 
     def dispatch(
         self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllToAllDispatchMetadata]:
         """Send each routed (token, expert) row to the rank that holds the expert:
         :meth:`dispatch_preprocess` then :meth:`token_dispatch`.
 
@@ -209,25 +184,26 @@ class AllToAllTokenDispatcher:
             routing_map: ``[T, E]`` bool.
 
         Returns:
-            ``(tokens [M, H], tokens_per_expert [L] int64 (device), permuted_probs [M])``: the
-            rows of this rank's ``L`` experts, expert-major; ``M`` is ``T * topk`` (``P = 1``),
-            ``L * P * C`` (capacity) or the received count (dropless ``P > 1``), times ``Q``
-            with expert tensor parallelism.
+            ``(tokens [M, H], tokens_per_expert [L] int64 (device), permuted_probs [M],
+            metadata)``: the rows of this rank's ``L`` experts, expert-major; ``M`` is
+            ``T * topk`` (``P = 1``), ``L * P * C`` (capacity) or the received count (dropless
+            ``P > 1``), times ``Q`` with expert tensor parallelism; ``metadata`` (an
+            :class:`AllToAllDispatchMetadata`) goes to :meth:`combine`.
         """
         return self.token_dispatch(*self.dispatch_preprocess(hidden_states, probs, routing_map))
 
     def dispatch_preprocess(
         self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AllToAllDispatchMetadata]:
         """The rank-local, graph-safe first half of :meth:`dispatch` (Megatron-Core's
         ``dispatch_preprocess``): :func:`~mtp.moe.preprocess.local_preprocess` into the
         workspace and the permutation of the rows; no communication, no host sync.
 
-        Returns ``(permuted_tokens [N, H], permuted_probs [N])`` (``N`` = ``T * topk``, or
-        ``E * C`` with a capacity), differentiable in ``hidden_states`` and ``probs``. The other
-        tensors :meth:`token_dispatch` and :meth:`combine` read are
-        :meth:`preprocess_tensors`: a CUDA graph that stops here outputs them, and
-        :meth:`restore_preprocess` puts a replay's copies back.
+        Returns ``(permuted_tokens [N, H], permuted_probs [N], metadata)`` (``N`` = ``T *
+        topk``, or ``E * C`` with a capacity), differentiable in ``hidden_states`` and
+        ``probs``; :meth:`token_dispatch` takes all three. The other tensors it and
+        :meth:`combine` read are :meth:`preprocess_tensors`: a CUDA graph that stops here
+        outputs them, and :meth:`restore_preprocess` makes the metadata of a replay's copies.
         """
         if hidden_states.dim() != 2:
             raise ValueError(f"hidden_states must be [T, H], got {tuple(hidden_states.shape)}")
@@ -238,91 +214,84 @@ class AllToAllTokenDispatcher:
             )
         ws = self._workspace_for(hidden_states, probs)
         check_routing(routing_map, probs, ws, validate=False)
-        res = local_preprocess(routing_map, probs, ws)
+        res, token_map = local_preprocess_with_map(routing_map, probs, ws)
         store_preprocess(res, ws)  # fixed-address copies; ``res`` keeps the autograd link
-        self._set_state(ws, res, *hidden_states.shape, hidden_states.device)
-        permuted = gather_rows(hidden_states, res.row_id_map, self._state["backend"])
-        return permuted, res.permuted_probs
+        meta = self._metadata(ws, res, *hidden_states.shape, hidden_states.device, token_map)
+        permuted = gather_rows(hidden_states, res.row_id_map, meta.backend)
+        return permuted, res.permuted_probs, meta
 
-    def _set_state(self, ws, res, num_tokens, hidden, device) -> None:
+    def _metadata(self, ws, res, num_tokens, hidden, device, token_map):
         backend = permute_backend(self.backend, device)
-        self._state = dict(ws=ws, backend=backend, num_tokens=num_tokens, hidden=hidden, res=res)
+        return AllToAllDispatchMetadata(ws, res, backend, num_tokens, hidden, token_map)
 
-    def preprocess_tensors(self) -> dict[str, torch.Tensor]:
-        """After :meth:`dispatch_preprocess`: the preprocess tensors (besides the permuted
-        tokens and probabilities) that :meth:`token_dispatch` and :meth:`combine` read, by
-        :class:`~mtp.moe.preprocess.MoEPreprocessResult` field name (Megatron-Core's
+    @staticmethod
+    def preprocess_tensors(metadata: AllToAllDispatchMetadata) -> dict[str, torch.Tensor]:
+        """The preprocess tensors of ``metadata`` (besides the permuted tokens and
+        probabilities) that :meth:`token_dispatch` and :meth:`combine` read, by
+        :class:`~mtp.moe.preprocess.MoEPreprocessResult` field name, and the token map's
+        (``token_rows``, ``token_experts``, ``token_count``) (Megatron-Core's
         ``cudagraph_attrs``)."""
-        if self._state is None:
-            raise RuntimeError("preprocess_tensors() needs a dispatch_preprocess() first")
-        res = self._state["res"]
-        return {
+        res, tm = metadata.preprocess, metadata.token_map
+        out = {
             name: getattr(res, name)
             for name in _RESULT_FIELDS
             if name != "permuted_probs" and getattr(res, name) is not None
         }
+        if tm is not None:
+            out.update(token_rows=tm.rows, token_experts=tm.experts, token_count=tm.count)
+        return out
 
-    def restore_preprocess(self, num_tokens: int, permuted_tokens, permuted_probs, tensors) -> None:
-        """Set the state :meth:`dispatch_preprocess` leaves, from tensors a replayed graph
+    def restore_preprocess(
+        self, num_tokens: int, permuted_tokens, permuted_probs, tensors
+    ) -> AllToAllDispatchMetadata:
+        """The metadata :meth:`dispatch_preprocess` returns, from tensors a replayed graph
         produced (``tensors`` as :meth:`preprocess_tensors` named them, for ``num_tokens``
         tokens), so that :meth:`token_dispatch` and :meth:`combine` can follow eagerly."""
         hidden, dev, dtype = permuted_tokens.shape[1], permuted_tokens.device, permuted_tokens.dtype
         ws = self.get_workspace(num_tokens, hidden, dtype, permuted_probs.dtype, dev)
+        tensors = dict(tensors)
+        parts = [tensors.pop(k, None) for k in ("token_rows", "token_experts", "token_count")]
+        tm = None
+        if parts[0] is not None:
+            tm = TokenMap(*parts, self.num_experts, ws.capacity is not None)
         res = MoEPreprocessResult(permuted_probs=permuted_probs, **tensors)
-        self._set_state(ws, res, num_tokens, hidden, dev)
+        return self._metadata(ws, res, num_tokens, hidden, dev, tm)
 
     def token_dispatch(
-        self, permuted_tokens: torch.Tensor, permuted_probs: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        permuted_tokens: torch.Tensor,
+        permuted_probs: torch.Tensor,
+        metadata: AllToAllDispatchMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllToAllDispatchMetadata]:
         """The second half of :meth:`dispatch` (Megatron-Core's ``token_dispatch`` and
         ``dispatch_postprocess``): dropless ``P > 1``: the count exchange, its one host sync
         and the token all-to-all; with a capacity the fixed-size all-to-alls; then the
         expert-TP gather. Takes what :meth:`dispatch_preprocess` returned; returns what
         :meth:`dispatch` returns."""
-        state = self._state
-        if state is None or "res" not in state:
-            raise RuntimeError("token_dispatch() needs a dispatch_preprocess() first")
-        res, ws = state["res"], state["ws"]
-        res.permuted_probs = permuted_probs
-        if ws.capacity is not None:
-            self._check_static(permuted_tokens, permuted_probs, state["num_tokens"])
-            return self._dispatch_static(permuted_tokens, res, ws)
-        return self._dispatch_dropless(permuted_tokens, res, ws, state["backend"])
-
-    def _distributed(self) -> bool:
-        return self.ep_size > 1 or self.etp_size > 1
+        if not isinstance(metadata, AllToAllDispatchMetadata):
+            raise TypeError(
+                "token_dispatch() takes the metadata dispatch_preprocess() returned, got "
+                f"{type(metadata).__name__}"
+            )
+        res = dataclasses.replace(metadata.preprocess, permuted_probs=permuted_probs)
+        meta = dataclasses.replace(metadata, preprocess=res)
+        if meta.workspace.capacity is not None:
+            self._check_static(permuted_tokens, permuted_probs, meta.num_tokens)
+            return self._dispatch_static(permuted_tokens, meta)
+        return self._dispatch_dropless(permuted_tokens, meta)
 
     def _check_static(self, hidden_states, probs, num_tokens: int) -> None:
         """Capacity mode: one tiny exchange of the metadata before the fixed-size all-to-alls."""
-        if self.check_ranks is False or not self._distributed():
+        if not self.should_check_ranks(hidden_states):
             return
-        if not data_checks_enabled(True, hidden_states) or is_capturing():
-            return
-        every = self.check_ranks or os.environ.get("MTP_CHECK_COLLECTIVES", "0") not in ("", "0")
-        if self._static_checked and not every:
-            return
-        self._static_checked = True
-        meta = rank_meta(hidden_states, probs, num_tokens)
-        sync = validation_mode(True) == "sync"
-        for group, size in ((self.ep_group, self.ep_size), (self.etp_group, self.etp_size)):
-            if size > 1:
-                rows = all_to_all(meta.view(1, -1).expand(size, -1).contiguous(), group)
-                ranks = _group_ranks(group, size)
-                if sync:  # typed error naming the values, at the cost of a host sync
-                    check_rank_meta(rows.tolist(), ranks, True, "dispatch")
-                    continue
-                check_values(  # no host sync: a device-side assert (CPU: raises at once)
-                    (rows == rows[:1]).all(),
-                    f"MoE dispatch: the ranks {ranks} disagree on the token count, hidden size "
-                    "or dtypes (a capacity_factor makes every split static, so all ranks need "
-                    "the same token count); MTP_VALIDATE=sync names the values",
-                    validate=True,
-                    error=RankMismatchError,
-                    tensors=(rows,),
-                )
+        spec = rank_meta(hidden_states, probs, num_tokens)
+        row = spec.tensor(hidden_states.device)
+        for group, size, _ in self.groups():
+            rows = all_to_all(row.view(1, -1).expand(size, -1).contiguous(), group)
+            spec.check_device(rows, group, validate=True, hint=SAME_TOKENS_HINT)
 
-    def _dispatch_static(self, permuted, res: MoEPreprocessResult, ws: MoEWorkspace):
-        local, cap = self.num_local_experts, ws.capacity
+    def _dispatch_static(self, permuted, meta: AllToAllDispatchMetadata):
+        res, local, cap = meta.preprocess, self.num_local_experts, meta.workspace.capacity
         tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
         rows = cap
         if self.ep_size > 1:
@@ -340,46 +309,47 @@ class AllToAllTokenDispatcher:
             tokens = tokens.view(q, local, rows, -1).transpose(0, 1).reshape(q * n, -1)
             probs = probs.view(q, local, rows).transpose(0, 1).reshape(-1)
             counts = torch.full_like(counts, q * rows)
-            self._state["etp_rows"] = rows
-        return tokens, counts, probs
+            meta = dataclasses.replace(meta, etp_rows=rows)
+        return tokens, counts, probs, meta
 
-    def _dispatch_dropless(self, permuted, res, ws, backend):
+    def _dispatch_dropless(self, permuted, meta: AllToAllDispatchMetadata):
+        distributed = bool(self.groups())
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if self._distributed() and capturing:
+        if distributed and capturing:
             raise RuntimeError(
                 "dropless expert parallelism reads the all-to-all split sizes on the host (one "
                 "sync per layer) and cannot be captured in a CUDA graph; set capacity_factor "
                 "for a static, capturable dispatch (or capture only up to the dispatch)"
             )
+        res, ws = meta.preprocess, meta.workspace
         ep, q = self.ep_size, self.etp_size
         check = (
-            self.check_ranks is not False
-            and self._distributed()
-            and data_checks_enabled(True, permuted)
+            self.check_ranks is not False and distributed and data_checks_enabled(True, permuted)
         )
-        meta = rank_meta(permuted, res.permuted_probs, self._state["num_tokens"]) if check else None
-        ep_meta = etp_meta = None
+        spec = rank_meta(permuted, res.permuted_probs, meta.num_tokens) if check else None
+        row = spec.tensor(permuted.device) if check else None
+        ep_rows = etp_rows = None
         if ep > 1:
-            recv_counts, ep_meta = exchange_counts(res.tokens_per_expert, ep, self.ep_group, meta)
+            recv_counts, ep_rows = exchange_counts(res.tokens_per_expert, ep, self.ep_group, row)
             res = finish_ep_preprocess(res, recv_counts, ws)
             store_preprocess(res, ws, _EP_FIELDS)
-            self._state["res"] = res
+            meta = dataclasses.replace(meta, preprocess=res)
             local_counts = res.local_tokens_per_expert
         else:
             local_counts = res.tokens_per_expert
         if q > 1:
-            mine = local_counts if meta is None else torch.cat([local_counts, meta])
+            mine = local_counts if row is None else torch.cat([local_counts, row])
             gathered = all_to_all(mine.view(1, -1).expand(q, -1).contiguous(), self.etp_group)
             etp_counts = gathered[:, : self.num_local_experts]
-            if meta is not None:
-                etp_meta = gathered[:, self.num_local_experts :]
-        if not self._distributed():
-            return permuted, res.tokens_per_expert, res.permuted_probs
+            if row is not None:
+                etp_rows = gathered[:, self.num_local_experts :]
+        if not distributed:
+            return permuted, res.tokens_per_expert, res.permuted_probs, meta
         # The one device-to-host sync of the layer: split sizes (and the ranks' metadata).
-        host = self._read_sizes(res, ep_meta, etp_counts if q > 1 else None, etp_meta)
+        host = self._read_sizes(res, spec, ep_rows, etp_counts if q > 1 else None, etp_rows)
         tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
         if ep > 1:
-            tokens, probs = self._ep_exchange(permuted, res, host, backend)
+            tokens, probs, meta = self._ep_exchange(permuted, meta, host)
             counts = res.local_tokens_per_expert
         if q > 1:
             sizes = host["etp_sizes"]
@@ -387,20 +357,20 @@ class AllToAllTokenDispatcher:
             tokens = gather_v(tokens, self.etp_group, sizes, self.etp_rank)
             probs = gather_v(probs, self.etp_group, sizes, self.etp_rank)
             order, inverse = _recv_reorder(etp_counts, total)
-            self._state.update(etp_sizes=sizes, etp_inverse=inverse)
-            tokens = gather_rows(tokens, order, backend)
+            meta = dataclasses.replace(meta, etp_sizes=sizes, etp_inverse=inverse)
+            tokens = gather_rows(tokens, order, meta.backend)
             probs = probs.index_select(0, order)
             counts = etp_counts.sum(dim=0)
-        return tokens, counts, probs
+        return tokens, counts, probs, meta
 
-    def _read_sizes(self, res, ep_meta, etp_counts, etp_meta) -> dict:
+    def _read_sizes(self, res, spec, ep_rows, etp_counts, etp_rows) -> dict:
         ep, q = self.ep_size, self.etp_size
         parts = []
         if ep > 1:
             parts += [res.send_counts, res.recv_counts.sum(dim=1)]
         if etp_counts is not None:
             parts.append(etp_counts.sum(dim=1))
-        for m in (ep_meta, etp_meta):
+        for m in (ep_rows, etp_rows):
             if m is not None:
                 parts.append(m.reshape(-1))
         flat = torch.cat(parts).tolist()
@@ -411,15 +381,18 @@ class AllToAllTokenDispatcher:
         if etp_counts is not None:
             host["etp_sizes"] = flat[i : i + q]
             i += q
-        for m, size, group in ((ep_meta, ep, self.ep_group), (etp_meta, q, self.etp_group)):
+        for m, size, group in ((ep_rows, ep, self.ep_group), (etp_rows, q, self.etp_group)):
             if m is not None:
                 width = m.shape[1]
                 rows = [flat[i + r * width : i + (r + 1) * width] for r in range(size)]
                 i += size * width
-                check_rank_meta(rows, _group_ranks(group, size), False, "dispatch")
+                ranks = group_ranks(group, size)
+                # dropless: the token counts may differ; the rest must not
+                spec.check_rows(rows, ranks, where=group_description(group), skip=("token count",))
         return host
 
-    def _ep_exchange(self, permuted, res, host, backend):
+    def _ep_exchange(self, permuted, meta: AllToAllDispatchMetadata, host):
+        res = meta.preprocess
         send, recv_sizes = host["send"], host["recv"]
         received = sum(recv_sizes)
         recv = all_to_all(permuted, self.ep_group, recv_sizes, send)
@@ -429,69 +402,86 @@ class AllToAllTokenDispatcher:
             # Another rank routed more tokens than this one (the workspace's worst case assumes
             # at most T per rank): reorder for the actual count, now known on the host.
             order, inverse = _recv_reorder(res.recv_counts, received)
-        self._state.update(send=send, recv_sizes=recv_sizes, inverse=inverse)
-        return gather_rows(recv, order, backend), recv_probs.index_select(0, order)
+        meta = dataclasses.replace(meta, send_sizes=send, recv_sizes=recv_sizes,
+                                   recv_inverse=inverse)  # fmt: skip
+        tokens = gather_rows(recv, order, meta.backend)
+        return tokens, recv_probs.index_select(0, order), meta
 
     # -- combine ------------------------------------------------------------------------------
 
-    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, expert_output: torch.Tensor, metadata: AllToAllDispatchMetadata
+    ) -> torch.Tensor:
         """Return the expert outputs to their tokens and sum them: ``[T, H]``.
 
         Args:
             expert_output: ``[M, H]``, rows as returned by :meth:`dispatch` (already scaled by
                 the probabilities, as :class:`~mtp.moe.GroupedMLP` does; partial sums over the
                 expert-tensor-parallel shards with ``Q > 1``).
+            metadata: what :meth:`dispatch` returned with those rows.
         """
-        state = self._state
-        if state is None:
-            raise RuntimeError("combine() needs a dispatch() first")
-        res, ws, backend = state["res"], state["ws"], state["backend"]
-        shape = (state["num_tokens"], state["hidden"])
+        if not isinstance(metadata, AllToAllDispatchMetadata):
+            raise TypeError(
+                "combine() takes the metadata dispatch() returned, got "
+                f"{type(metadata).__name__}"
+            )
+        meta, res, ws = metadata, metadata.preprocess, metadata.workspace
+        shape = (meta.num_tokens, meta.hidden_size)
         if expert_output.dim() != 2 or expert_output.shape[1] != shape[1]:
             raise ValueError(
                 f"expert_output must be [M, {shape[1]}], got {tuple(expert_output.shape)}"
             )
-        y = self._combine_etp(expert_output, state, ws, backend)
+        y = self._combine_etp(expert_output, meta)
         if self.ep_size > 1 and ws.capacity is not None:
             ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
             y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
             y = all_to_all(y, self.ep_group)
         elif self.ep_size > 1:
-            y = gather_rows(y, state["inverse"], backend)
-            y = all_to_all(y, self.ep_group, state["send"], state["recv_sizes"])
-        self._state = None
-        out = unpermute(y, res.row_id_map, shape, backend=backend, validate=False)
+            y = gather_rows(y, meta.recv_inverse, meta.backend)
+            y = all_to_all(y, self.ep_group, meta.send_sizes, meta.recv_sizes)
+        out = unpermute(y, res.row_id_map, shape, backend=meta.backend, validate=False,
+                        token_map=meta.token_map)  # fmt: skip
         if shape[0] == 0 and y.requires_grad and not out.requires_grad:
             # No token here: keep the autograd link anyway, so that this rank's backward still
             # joins the all-to-alls the other ranks run.
             out = out + y.sum() * 0
         return out
 
-    def _combine_etp(self, y, state, ws, backend):
+    def _combine_etp(self, y, meta: AllToAllDispatchMetadata):
         """``Q > 1``: sum the shards' partial outputs and give each rank its own rows back."""
         q = self.etp_size
         if q == 1:
             return y
-        if ws.capacity is not None:
-            local, rows = self.num_local_experts, state["etp_rows"]
+        if meta.workspace.capacity is not None:
+            local, rows = self.num_local_experts, meta.etp_rows
             y = y.view(local, q, rows, -1).transpose(0, 1).reshape(q * local * rows, -1)
             n = local * rows
             return reduce_scatter_v(y, self.etp_group, [n] * q, self.etp_rank)
-        y = gather_rows(y, state["etp_inverse"], backend)
-        return reduce_scatter_v(y, self.etp_group, state["etp_sizes"], self.etp_rank)
+        y = gather_rows(y, meta.etp_inverse, meta.backend)
+        return reduce_scatter_v(y, self.etp_group, meta.etp_sizes, self.etp_rank)
 
     # -- Megatron-Core names ------------------------------------------------------------------
 
     def token_permutation(
         self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Megatron-Core's name for :meth:`dispatch` (``hidden_states`` may be ``[..., H]``)."""
-        return self.dispatch(hidden_states.reshape(-1, hidden_states.shape[-1]), probs, routing_map)
+        """Megatron-Core's stateful :meth:`dispatch` (``hidden_states`` may be ``[..., H]``):
+        returns the first three outputs and keeps the metadata for
+        :meth:`token_unpermutation`."""
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        tokens, counts, permuted_probs, self._megatron_metadata = self.dispatch(
+            flat, probs, routing_map
+        )
+        return tokens, counts, permuted_probs
 
     def token_unpermutation(
         self, hidden_states: torch.Tensor, bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, None]:
-        """Megatron-Core's name for :meth:`combine`; returns ``(output [T, H], None)``."""
+        """Megatron-Core's stateful :meth:`combine` (after :meth:`token_permutation`); returns
+        ``(output [T, H], None)``."""
         if bias is not None:
             raise ValueError("token_unpermutation: bias is not supported (add it in the experts)")
-        return self.combine(hidden_states), None
+        meta, self._megatron_metadata = self._megatron_metadata, None
+        if meta is None:
+            raise RuntimeError("token_unpermutation() needs a token_permutation() first")
+        return self.combine(hidden_states, meta), None

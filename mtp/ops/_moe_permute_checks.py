@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from mtp.utils import check_int, check_tensor, check_values, data_checks_enabled, validation_mode
+from mtp.ops._moe_token_map import TokenMap
 
 logger = logging.getLogger("mtp")
 
@@ -216,3 +217,61 @@ def resolve_sizes(
             "(token, expert) pairs; they must be equal without drop_and_pad"
         )
     return num_out_tokens, None
+
+
+def check_token_map(tm, num_tokens: int, num_experts: int | None, drop_and_pad: bool) -> None:
+    """Shape checks of a ``token_map`` handed to :func:`unpermute` (free)."""
+    if not isinstance(tm, TokenMap):
+        raise TypeError(f"token_map must be a TokenMap or None, got {type(tm).__name__}")
+    if tm.num_tokens != num_tokens:
+        raise ValueError(
+            f"token_map describes {tm.num_tokens} tokens but restore_shape has {num_tokens}"
+        )
+    if num_experts is not None and num_experts != tm.num_experts:
+        raise ValueError(
+            f"token_map was built for {tm.num_experts} experts but probs has {num_experts}"
+        )
+    if drop_and_pad and not tm.drop_and_pad:
+        raise ValueError("token_map was built without drop_and_pad")
+
+
+def check_row_map(
+    validate: bool | str,
+    row_id_map: torch.Tensor,
+    num_tokens: int,
+    pair: torch.Tensor | None,
+    routing_map: torch.Tensor | None,
+) -> None:
+    """Data-dependent checks of unpermute's row map (see :func:`mtp.utils.check_values`)."""
+    mode = validation_mode(validate)
+    if mode == "off" or row_id_map.numel() == 0 or not data_checks_enabled(True, row_id_map):
+        return
+    in_range = (row_id_map >= -1) & (row_id_map < num_tokens)
+    unrouted = None
+    if pair is not None and routing_map is not None:
+        routed = torch.cat([routing_map.reshape(-1), routing_map.new_zeros(1)])[pair]
+        unrouted = (row_id_map >= 0) & ~routed
+    if mode == "sync":
+        stats = [row_id_map.min().to(torch.int64), row_id_map.max().to(torch.int64)]
+        if unrouted is not None:
+            stats.append(unrouted.sum())
+        lo, hi, *bad = torch.stack(stats).tolist()
+        if lo < -1 or hi >= num_tokens:
+            raise ValueError(
+                f"row_id_map must hold token numbers in [0, {num_tokens}) or -1, got values in "
+                f"[{lo}, {hi}]"
+            )
+        if bad and bad[0]:
+            raise ValueError(
+                f"row_id_map does not match routing_map: {bad[0]} rows hold a token that "
+                "routing_map does not send to that row's expert"
+            )
+        return
+    check_values(in_range.all(),
+                 f"row_id_map must hold token numbers in [0, {num_tokens}) or -1",
+                 validate=mode, tensors=(row_id_map,))
+    if unrouted is not None:
+        check_values(~unrouted.any(),
+                     "row_id_map does not match routing_map: some rows hold a token that "
+                     "routing_map does not send to that row's expert",
+                     validate=mode, tensors=(row_id_map, routing_map))

@@ -3,10 +3,11 @@
 ``mtp::moe_permute`` builds the row map on the device (two launches of
 :mod:`mtp.kernels.moe_row_map`: count per expert, then scan + place; no sort) and scatters each
 token row once to its rows (one launch). Besides Megatron's ``row_id_map`` it returns a
-token-major map (the rows of each token, ascending, and their experts). :func:`attach` hangs
-that map on the returned ``row_id_map`` (a :class:`TokenMap` in the attribute
-``_mtp_token_map``, valid while the tensor is not modified in place), so that ``unpermute`` and
-both backwards reuse it instead of inverting the row map again:
+token-major map (the rows of each token, ascending, and their experts): a :class:`TokenMap`,
+which the caller carries next to ``row_id_map`` (``permute(..., return_token_map=True)``,
+``moe_permute_row_map(..., token_map=True)``) and hands back (``unpermute(...,
+token_map=...)``), so that ``unpermute`` and both backwards reuse it instead of inverting the
+row map again:
 
 - ``mtp::moe_unpermute``: per-token gather-sum, weights ``probs[t, e_j]`` read token-major
   (one launch);
@@ -15,71 +16,72 @@ both backwards reuse it instead of inverting the row map again:
 - unpermute backward (``mtp::moe_unpermute_backward``): each token reads its output gradient
   once and writes its rows' gradients and the probs gradient (one launch).
 
+The map is an ordinary value: it works the same eagerly, under ``torch.compile`` and in a
+captured graph. A Triton ``unpermute`` given no map inverts ``row_id_map`` with a sort and says
+so once (:func:`say_once`; a compiled call when it is traced).
+
 Integer outputs (maps) are not differentiable; outputs a backward does not need are skipped.
 """
 
 from __future__ import annotations
 
-import weakref
+import dataclasses
+import logging
 
 import torch
 
 from mtp.kernels import moe_permute as _kernels
 from mtp.kernels import moe_row_map as _map_kernels
-from mtp.utils import empty, is_fake
+from mtp.utils import empty
 
-__all__ = ["TokenMap", "attach", "token_map_for"]
+__all__ = ["TokenMap", "say_once"]
+
+logger = logging.getLogger("mtp")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class TokenMap:
-    """Token-major view of a permutation: ``count[t]`` rows ``rows[t, :count[t]]`` (ascending)
-    with experts ``experts[t, :count[t]]`` (int32), built together with a ``row_id_map``."""
+    """Token-major view of a permutation, built together with its ``row_id_map``: token ``t``
+    owns ``count[t]`` rows ``rows[t, :count[t]]`` (ascending) of experts
+    ``experts[t, :count[t]]`` (all int32; ``rows``/``experts`` are ``[T, W]``, ``W`` the
+    routing's width). ``num_experts``: ``E``; ``drop_and_pad``: the rows are ``E`` blocks of
+    ``capacity`` slots. It describes the ``row_id_map`` it came with, as long as that tensor is
+    not modified."""
 
-    __slots__ = ("rows", "experts", "count", "num_experts", "drop_and_pad", "version",
-                 "source", "source_version", "__weakref__")  # fmt: skip
+    rows: torch.Tensor
+    experts: torch.Tensor
+    count: torch.Tensor
+    num_experts: int
+    drop_and_pad: bool
 
-    def __init__(self, rows, experts, count, num_experts, drop_and_pad, row_id_map, source):
-        self.rows, self.experts, self.count = rows, experts, count
-        self.num_experts, self.drop_and_pad = num_experts, drop_and_pad
-        self.version = row_id_map._version
-        self.source = weakref.ref(source) if source is not None else None
-        self.source_version = source._version if source is not None else None
+    @property
+    def num_tokens(self) -> int:
+        return self.count.shape[0]
 
 
-def _traced(*tensors) -> bool:
+_SAID: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.info(message)
+
+
+def _log_traced(ctx) -> None:
+    """Run by Dynamo while it traces :func:`say_once` (``message`` is a constant there)."""
+    _log_once(ctx.get_local("message").as_python_constant())
+
+
+def say_once(message: str) -> None:
+    """Log ``message`` at INFO once per process; under ``torch.compile`` while the call is
+    traced (Dynamo's ``comptime``: no graph break, nothing left in the graph)."""
     if torch.compiler.is_compiling():
-        return True
-    return any(is_fake(t) or type(t) is not torch.Tensor for t in tensors)
+        from torch._dynamo.comptime import comptime
 
-
-def attach(row_id_map, rows, experts, count, num_experts, drop_and_pad, source) -> None:
-    """Remember the token-major map on ``row_id_map`` (eager mode only)."""
-    if _traced(row_id_map, rows):
+        comptime(_log_traced)
         return
-    row_id_map._mtp_token_map = TokenMap(
-        rows, experts, count, num_experts, drop_and_pad, row_id_map, source
-    )
-
-
-def token_map_for(row_id_map, num_tokens, probs, routing_map, indices, drop_and_pad):
-    """The map attached to ``row_id_map`` if it still describes it and, with ``probs``, the
-    same routing (same ``routing_map``/``indices`` tensor unmodified, or the drop-and-pad
-    layout); else None (the caller inverts the row map itself)."""
-    if _traced(row_id_map):
-        return None
-    tm = getattr(row_id_map, "_mtp_token_map", None)
-    if tm is None or tm.version != row_id_map._version or tm.count.shape[0] != num_tokens:
-        return None
-    if probs is None:
-        return tm
-    if probs.shape[1] != tm.num_experts:
-        return None
-    given = routing_map if routing_map is not None else indices
-    if given is not None:
-        src = tm.source() if tm.source is not None else None
-        ok = src is given and given._version == tm.source_version
-        return tm if ok else None
-    return tm if (drop_and_pad and tm.drop_and_pad) else None
+    _log_once(message)
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from mtp.ops._backend import resolve_backend
 from mtp.ops._cross_entropy_reference import reference_forward
+from mtp.parallel.agree import agreement
 from mtp.parallel.agreement import check_collective
 from mtp.parallel.errors import RankMismatchError
 from mtp.parallel.groups import group_from_mesh, group_name, resolve_group_name
@@ -320,24 +321,15 @@ def _raise_from_info(info, target, ignore_index, vocab_size, world) -> None:
     if rows[world][0]:
         return
     per_rank = rows[:world]
-    for col, what in ((0, "vocab shard size"), (2, "target checksum")):
-        values = {r: per_rank[r][col] for r in range(world)}
-        if len(set(values.values())) > 1:
-            first = min(values)
-            other = next(r for r in values if values[r] != values[first])
-            hint = (
-                "every rank must hold a vocab shard of the same size (pad the vocab to a "
-                "multiple of the tensor-parallel size)"
-                if col == 0
-                else "every tensor-parallel rank must pass the same target"
-            )
-            raise RankMismatchError(
-                f"vocab_parallel_cross_entropy: {what} differs between tensor-parallel ranks: "
-                f"{values[first]} on rank {first}, {values[other]} on rank {other} "
-                f"(all: {values}); {hint}",
-                what=what,
-                values=values,
-            )
+    for col, name, hint in (
+        (0, "vocab shard size", "every rank must hold a vocab shard of the same size (pad the "
+         "vocab to a multiple of the tensor-parallel size)"),
+        (2, "target checksum", "every tensor-parallel rank must pass the same target"),
+    ):  # fmt: skip
+        agreement("vocab_parallel_cross_entropy", {name: 0}).check_rows(
+            [[row[col]] for row in per_rank], list(range(world)), hint=hint,
+            where="tensor-parallel group (ranks numbered in the group)",
+        )
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
     first = target[bad][0].item() if bool(bad.any()) else "?"
     raise TargetOutOfRangeError(

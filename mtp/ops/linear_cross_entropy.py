@@ -54,6 +54,7 @@ import torch.distributed as dist
 from mtp.kernels import linear_cross_entropy as lce_kernels
 from mtp.kernels import linear_cross_entropy_gemm as lce_gemm
 from mtp.kernels._common import interpreting
+from mtp.parallel.agree import agreement
 from mtp.parallel.agreement import check_collective
 from mtp.utils import check_tensor, check_values
 
@@ -63,7 +64,6 @@ REDUCTIONS = ("none", "mean", "sum")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _TARGET_DTYPES = (torch.int64, torch.int32)
 _CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk in the default chunk size
-_DTYPE_CODE = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 
 
 def default_chunk_size(rows: int, vocab_local: int) -> int:
@@ -180,28 +180,22 @@ def _reduce_scatter(out: torch.Tensor, t: torch.Tensor, group) -> None:
     scatter(out, t, group=group)
 
 
-def _exchange_meta(ctx_meta: torch.Tensor, group, world: int, rank: int, validate) -> torch.Tensor:
-    """All-gather ``[vocab_local, rows, hidden, dtype, target checksum, chunk]`` and check that
-    every rank agrees on everything but the vocab shard size; returns the gathered ``[world, 6]``.
-    """
-    check_collective("linear_cross_entropy metadata", ctx_meta, group)
-    gathered = _all_gather(ctx_meta, group, world)
-    same = (gathered[:, 1:] == gathered[0:1, 1:]).all()
-    check_values(
-        same,
-        "linear_cross_entropy: the ranks of group disagree on the row count, hidden size, "
-        "dtype, chunk_size or targets (every tensor-parallel rank must pass the same target "
-        "and the same number of rows; with uneven vocab shards pass chunk_size explicitly); "
-        f"this is rank {rank} of {world}",
-        validate=validate,
-        error=RuntimeError,
-        tensors=(ctx_meta,),
-    )
+def _exchange_meta(spec, meta: torch.Tensor, group, world: int, validate) -> torch.Tensor:
+    """All-gather this rank's agreement row ``meta`` (``spec``'s fields: vocab shard size, row
+    count, hidden size, dtype, target checksum, chunk size) and check that every rank agrees on
+    everything but the vocab shard size; returns the gathered ``[world, 6]``."""
+    check_collective("linear_cross_entropy metadata", meta, group)
+    gathered = _all_gather(meta, group, world)
+    spec.check_device(
+        gathered, group, validate=validate, skip=("vocab shard size",), tensors=(meta,),
+        hint="every tensor-parallel rank must pass the same target and the same number of "
+        "rows; with uneven vocab shards pass chunk_size explicitly",
+    )  # fmt: skip
     check_values(
         (gathered[:, 0] > 0).all(),
         "linear_cross_entropy: weight has 0 rows (an empty vocab shard) on some rank",
         validate=validate,
-        tensors=(ctx_meta,),
+        tensors=(meta,),
     )
     return gathered
 
@@ -236,12 +230,14 @@ class _Setup:
         t = target.reshape(-1).long()
         self.valid = t != ignore_index
         if self.world > 1:
-            meta = torch.empty(6, dtype=torch.int64, device=t.device)
-            values = (self.v_local, self.rows, self.hidden_size, _DTYPE_CODE[hidden.dtype], 0, chunk)
-            for i, v in enumerate(values):  # fills, no host-to-device copy
-                meta[i] = v
-            meta[4] = _target_checksum(t)
-            sizes = _exchange_meta(meta, group, self.world, self.rank, validate)[:, 0]
+            spec = agreement("linear_cross_entropy", {
+                "vocab shard size": self.v_local, "row count": self.rows,
+                "hidden size": self.hidden_size, "dtype": hidden.dtype, "target checksum": 0,
+                "chunk_size": chunk,
+            })  # fmt: skip
+            # fills, no host-to-device copy; the checksum is copied in on the device
+            meta = spec.tensor(t.device, fill=True, values={"target checksum": _target_checksum(t)})
+            sizes = _exchange_meta(spec, meta, group, self.world, validate)[:, 0]
             start = sizes[: self.rank].sum()
             vocab = sizes.sum()
         else:

@@ -34,34 +34,40 @@ host.
 Backends: ``"triton"`` and ``"reference"`` (plain PyTorch, same signature), chosen by
 :func:`mtp.ops._backend.resolve_backend`. Triton: :func:`permute` builds the row map on the
 device without a sort (:mod:`mtp.kernels.moe_row_map`: count per expert, then scan and place)
-and reads each token row once, writing it to its rows; the token-major map built with it rides
-on the returned ``row_id_map`` (:mod:`mtp.ops._moe_token_map`), so :func:`unpermute` and both
-backwards run in one launch each. A ``row_id_map`` from elsewhere (Megatron's
-``sorted_indices``, :func:`moe_permute_row_map`, a modified copy) is inverted on the device with
-a sort and handled by the row kernels of :mod:`mtp.kernels.moe_permute`.
+and reads each token row once, writing it to its rows; the token-major map built with it is a
+:class:`~mtp.ops._moe_token_map.TokenMap` (``permute(..., return_token_map=True)``), and with it
+(``unpermute(..., token_map=...)``) :func:`unpermute` and both backwards run in one launch
+each, eagerly and compiled alike. Without one (Megatron's ``sorted_indices``, a three-output
+``permute``), ``row_id_map`` is inverted on the device with a sort (logged once) and handled by
+the row kernels of :mod:`mtp.kernels.moe_permute`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
 import torch
 
-from mtp.kernels import moe_permute as _kernels
+from mtp.ops import _moe_row_ops  # noqa: F401 - registers mtp::moe_gather_rows & co.
 from mtp.ops._backend import resolve_backend
 from mtp.ops._moe_permute_checks import (
     check_permute_data,
+    check_row_map,
+    check_token_map,
     count_message,
     indices_message,
     resolve_routing,
     resolve_sizes,
     routing_from_indices,
 )
-from mtp.ops._moe_token_map import attach, token_map_for
-from mtp.utils import check_tensor, check_values, data_checks_enabled, empty, validation_mode
+from mtp.ops._moe_token_map import TokenMap, say_once
+from mtp.utils import check_tensor, check_values, data_checks_enabled, validation_mode
 
 __all__ = [
+    "RowMap",
+    "TokenMap",
     "permute",
     "unpermute",
     "permute_reference",
@@ -73,134 +79,20 @@ __all__ = [
 logger = logging.getLogger("mtp")
 
 _BACKENDS = ("triton", "reference")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowMap:
+    """:func:`moe_permute_row_map` with ``token_map=True``: ``row_id_map`` and ``pair`` (int64
+    ``[N]``) and the :class:`TokenMap` built with them (None on the reference backend)."""
+
+    row_id_map: torch.Tensor
+    pair: torch.Tensor
+    token_map: TokenMap | None
+
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-# --------------------------------------------------------------------------------------------
-# Custom ops: the two data movements, each the other's adjoint
-# --------------------------------------------------------------------------------------------
-
-
-def _token_major(index: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Invert ``index`` (row -> token): ``rows`` grouped by token, ascending row within a token,
-    and ``offsets[T + 1]`` (token ``t`` owns ``rows[offsets[t]:offsets[t + 1]]``). Rows whose
-    index is outside ``[0, T)`` are left out. Static shapes, no host sync."""
-    index = index.to(torch.int64)
-    valid = (index >= 0) & (index < num_tokens)
-    keys = torch.where(valid, index, torch.full_like(index, num_tokens))
-    sorted_keys, rows = torch.sort(keys, stable=True)
-    bounds = torch.arange(num_tokens + 1, device=index.device, dtype=torch.int64)
-    offsets = torch.searchsorted(sorted_keys, bounds)
-    return rows, offsets
-
-
-@torch.library.custom_op("mtp::moe_gather_rows", mutates_args=())
-def _gather_rows_op(x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``out[i] = scale[i] * x[index[i]]`` (zero row where ``index[i]`` is outside ``[0, M)``)."""
-    x = x.contiguous()
-    out = empty((index.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
-    _kernels.gather_rows(
-        x, index.contiguous(), out, scale=None if scale is None else scale.contiguous()
-    )
-    return out
-
-
-@_gather_rows_op.register_fake
-def _(x, index, scale):
-    return x.new_empty((index.shape[0], x.shape[1]))
-
-
-@torch.library.custom_op("mtp::moe_combine_rows", mutates_args=())
-def _combine_rows_op(
-    x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None, num_tokens: int
-) -> torch.Tensor:
-    """``out[t] = sum_{i: index[i] == t} weight[i] * x[i]``: per-token gather, fp32 sum in
-    ascending ``i``, deterministic."""
-    x = x.contiguous()
-    rows, offsets = _token_major(index, num_tokens)
-    out = empty((num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-    _kernels.combine_rows(
-        x, rows, offsets, out, weight=None if weight is None else weight.contiguous()
-    )
-    return out
-
-
-@_combine_rows_op.register_fake
-def _(x, index, weight, num_tokens):
-    return x.new_empty((num_tokens, x.shape[1]))
-
-
-@torch.library.custom_op("mtp::moe_gather_rows_dot", mutates_args=())
-def _gather_rows_dot_op(
-    x: torch.Tensor,
-    index: torch.Tensor,
-    scale: torch.Tensor | None,
-    other: torch.Tensor,
-    write_out: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward helper: ``(scale[i] * x[index[i]] or an empty [0, H], dot[i] = <x[index[i]],
-    other[i]>)``, the dot in fp32."""
-    x = x.contiguous()
-    n = index.shape[0]
-    out = empty((n if write_out else 0, x.shape[1]), dtype=x.dtype, device=x.device)
-    dot = empty((n,), dtype=torch.float32, device=x.device)
-    _kernels.gather_rows(
-        x,
-        index.contiguous(),
-        out if write_out else None,
-        scale=None if scale is None else scale.contiguous(),
-        other=other.contiguous(),
-        dot=dot,
-    )
-    return out, dot
-
-
-@_gather_rows_dot_op.register_fake
-def _(x, index, scale, other, write_out):
-    n = index.shape[0]
-    return x.new_empty((n if write_out else 0, x.shape[1])), x.new_empty((n,), dtype=torch.float32)
-
-
-def _gather_setup(ctx, inputs, output):
-    x, index, scale = inputs
-    ctx.num_rows = x.shape[0]
-    ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, index, scale)
-
-
-def _gather_backward(ctx, grad):
-    x, index, scale = ctx.saved_tensors
-    grad_x = grad_scale = None
-    if ctx.needs_input_grad[0]:
-        grad_x = torch.ops.mtp.moe_combine_rows(grad, index, scale, ctx.num_rows)
-    if ctx.needs_input_grad[2]:
-        _, dot = torch.ops.mtp.moe_gather_rows_dot(x, index, None, grad, False)
-        grad_scale = dot.to(scale.dtype)
-    return grad_x, None, grad_scale
-
-
-_gather_rows_op.register_autograd(_gather_backward, setup_context=_gather_setup)
-
-
-def _combine_setup(ctx, inputs, output):
-    x, index, weight, _ = inputs
-    ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, index, weight)
-
-
-def _combine_backward(ctx, grad):
-    x, index, weight = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    grad_x = grad_w = None
-    if need_w:
-        grad_x, dot = torch.ops.mtp.moe_gather_rows_dot(grad, index, weight, x, need_x)
-        grad_w = dot.to(weight.dtype)
-        grad_x = grad_x if need_x else None
-    elif need_x:
-        grad_x = torch.ops.mtp.moe_gather_rows(grad, index, weight)
-    return grad_x, None, grad_w, None
-
-
-_combine_rows_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,7 +107,8 @@ def moe_permute_row_map(
     capacity: int | None = None,
     *,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    token_map: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | RowMap:
     """The row map of :func:`permute`, computed on the device without a host sync.
 
     Args:
@@ -224,21 +117,31 @@ def moe_permute_row_map(
         drop_and_pad: keep the first ``capacity`` tokens (token order) of each expert, in slots
             ``[e * capacity, (e + 1) * capacity)``.
         capacity: slots per expert (with ``drop_and_pad``).
-        backend: ``"triton"`` (two launches, no sort; the token-major map rides on the returned
-            ``row_id_map`` so that :func:`unpermute` runs in one launch), ``"reference"``
-            (cumulative sums and ``searchsorted``) or ``"auto"``.
+        backend: ``"triton"`` (two launches, no sort; it also builds the token-major map that
+            lets :func:`unpermute` run in one launch), ``"reference"`` (cumulative sums and
+            ``searchsorted``) or ``"auto"``.
+        token_map: return a :class:`RowMap` (with the :class:`TokenMap`, None on the
+            reference backend) instead of the pair.
 
     Returns:
         ``(row_id_map, pair)``, both int64 ``[N]``: the token of each row (``-1``: no token) and
-        its flat ``(token, expert)`` index ``t * E + e`` (``T * E`` for an empty row).
+        its flat ``(token, expert)`` index ``t * E + e`` (``T * E`` for an empty row); a
+        :class:`RowMap` of them and the token map with ``token_map=True``.
     """
     if resolve_backend("permute", backend, routing_map.device, _BACKENDS) == "triton":
         cap = capacity if drop_and_pad else None
         row_id_map, pair, rows, experts_, count = torch.ops.mtp.moe_row_map(
             routing_map, num_out_tokens, -1 if cap is None else cap
         )
-        attach(row_id_map, rows, experts_, count, routing_map.shape[1], drop_and_pad, routing_map)
-        return row_id_map, pair
+        if not token_map:
+            return row_id_map, pair
+        tm = TokenMap(rows, experts_, count, routing_map.shape[1], drop_and_pad)
+        return RowMap(row_id_map, pair, tm)
+    row_id_map, pair = _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity)
+    return RowMap(row_id_map, pair, None) if token_map else (row_id_map, pair)
+
+
+def _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity):
     tokens, experts = routing_map.shape
     device = routing_map.device
     if drop_and_pad:
@@ -315,7 +218,10 @@ def permute(
     num_experts: int | None = None,
     backend: str = "auto",
     validate: bool | str = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    return_token_map: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor, TokenMap | None
+]:
     """Group token rows by expert (Megatron-Core's ``moe_utils.permute`` order).
 
     Args:
@@ -356,9 +262,10 @@ def permute(
           row that holds none (an unused drop-and-pad slot, zero in ``permuted``; also rows past
           the routed pairs when ``num_out_tokens`` exceeds them with ``validate=False``). With
           ``validate=False`` and fewer rows than routed pairs, the last pairs are dropped, as in
-          Megatron. The Triton backend also remembers on it the token-major map it built (see
-          :mod:`mtp.ops._moe_token_map`), which :func:`unpermute` and both backwards reuse while
-          ``row_id_map`` is not modified in place.
+          Megatron.
+        - with ``return_token_map=True``, a fourth output: the token-major
+          :class:`~mtp.ops._moe_token_map.TokenMap` the Triton backend built (None on the
+          reference backend), for ``unpermute(..., token_map=...)``.
 
     Triton backend: the row map is built on the device in two launches (count per expert, then
     scan and place; no sort) and each token row is read once and written to its ``k`` rows:
@@ -382,7 +289,8 @@ def permute(
     if choice == "reference":
         if routing_map is None:
             routing_map = routing_from_indices(indices, num_experts)
-        return permute_reference(tokens, routing_map, probs, n, drop_and_pad, capacity)
+        out = permute_reference(tokens, routing_map, probs, n, drop_and_pad, capacity)
+        return (*out, None) if return_token_map else out
     routing = routing_map if routing_map is not None else indices
     checking = mode == "device" and data_checks_enabled(True, routing)
     # Rows that may hold no token are zeroed by the scatter launch's extra programs.
@@ -396,8 +304,10 @@ def permute(
             what.append(count_message(n, "routing_map"))
         check_values(ok, "permute: " + "; ".join(what) + " (validate='sync' reports the values)",
                      validate=mode, tensors=(routing,))
-    attach(row_id_map, rows, experts, count, num_experts, drop_and_pad, routing)
-    return permuted, (pprobs if probs is not None else None), row_id_map
+    out = (permuted, (pprobs if probs is not None else None), row_id_map)
+    if return_token_map:
+        return (*out, TokenMap(rows, experts, count, num_experts, drop_and_pad))
+    return out
 
 
 def unpermute(
@@ -411,6 +321,7 @@ def unpermute(
     indices: torch.Tensor | None = None,
     backend: str = "auto",
     validate: bool | str = True,
+    token_map: TokenMap | None = None,
 ) -> torch.Tensor:
     """Merge permuted rows back into token order (Megatron-Core's ``moe_utils.unpermute``).
 
@@ -433,17 +344,20 @@ def unpermute(
         validate: check the values of ``row_id_map`` (in ``[-1, T)``) and that every row's
             ``(token, expert)`` pair is routed: on the device by default (no host sync),
             ``"sync"`` for typed errors with the values, ``False`` off; skipped while
-            tracing/capturing and for a ``row_id_map`` that :func:`permute` built from the same
-            routing (consistent by construction).
+            tracing/capturing and with a ``token_map`` (built with the row map).
+        token_map: see below.
 
     Returns:
         ``[T, H]`` in ``permuted``'s dtype; tokens no row maps to are zero. Gradients flow to
         ``permuted`` (``p_i * grad[t]``) and ``probs`` (``<permuted[i], grad[t]>``).
 
-    Triton backend with the ``row_id_map`` of :func:`permute`: one launch forward (each token
-    loads all its row numbers and weights, then its rows) and one backward (each token reads its
-    output gradient once and writes its rows' gradients and its probs gradient). Another
-    ``row_id_map`` is inverted on the device first (a sort).
+    Triton backend with ``token_map`` (the :class:`~mtp.ops._moe_token_map.TokenMap` of
+    ``permute(..., return_token_map=True)`` or ``moe_permute_row_map(..., token_map=True)``,
+    describing ``row_id_map``; not checked against it): one launch forward (each token loads all
+    its row numbers and weights, then its rows) and one backward (each token reads its output
+    gradient once and writes its rows' gradients and its probs gradient), eagerly and under
+    ``torch.compile``. Without it ``row_id_map`` is inverted on the device first (a sort; said
+    once in the log).
     """
     check_tensor("permuted", permuted, ndim=2, dtypes=_FLOAT_DTYPES)
     device = permuted.device
@@ -483,12 +397,19 @@ def unpermute(
                 f"drop_and_pad: permuted has {num_rows} rows, not a multiple of E={experts}"
             )
     choice = resolve_backend("unpermute", backend, device, _BACKENDS)
+    if token_map is not None:
+        check_token_map(token_map, num_tokens, experts, drop_and_pad)
     if choice == "triton":
-        tm = token_map_for(row_id_map, num_tokens, probs, routing_map, indices, drop_and_pad)
-        if tm is not None:
+        if token_map is not None:
+            tm = token_map
             return torch.ops.mtp.moe_unpermute(
                 permuted, tm.rows, tm.experts, tm.count, row_id_map, probs
             )
+        say_once(
+            "mtp.ops.unpermute: no token_map given, so row_id_map is inverted on the device "
+            "with a sort (one launch more than the fused path); pass the TokenMap of "
+            "permute(..., return_token_map=True) as token_map="
+        )
     pair = None
     if probs is not None:
         mode = validation_mode(validate)
@@ -496,53 +417,11 @@ def unpermute(
             check_permute_data(mode, None, indices, experts, indices.numel(), True)
             routing_map = routing_from_indices(indices, experts)
         pair = _row_pairs(row_id_map, num_tokens, experts, routing_map, drop_and_pad)
-    _check_row_map(validate, row_id_map, num_tokens, pair, routing_map)
+    check_row_map(validate, row_id_map, num_tokens, pair, routing_map)
     weight = None if pair is None else select_probs(probs, pair)
     if choice == "reference":
         return _combine_reference(permuted, row_id_map, weight, num_tokens)
     return torch.ops.mtp.moe_combine_rows(permuted, row_id_map, weight, num_tokens)
-
-
-def _check_row_map(
-    validate: bool | str,
-    row_id_map: torch.Tensor,
-    num_tokens: int,
-    pair: torch.Tensor | None,
-    routing_map: torch.Tensor | None,
-) -> None:
-    """Data-dependent checks of unpermute's row map (see :func:`mtp.utils.check_values`)."""
-    mode = validation_mode(validate)
-    if mode == "off" or row_id_map.numel() == 0 or not data_checks_enabled(True, row_id_map):
-        return
-    in_range = (row_id_map >= -1) & (row_id_map < num_tokens)
-    unrouted = None
-    if pair is not None and routing_map is not None:
-        routed = torch.cat([routing_map.reshape(-1), routing_map.new_zeros(1)])[pair]
-        unrouted = (row_id_map >= 0) & ~routed
-    if mode == "sync":
-        stats = [row_id_map.min().to(torch.int64), row_id_map.max().to(torch.int64)]
-        if unrouted is not None:
-            stats.append(unrouted.sum())
-        lo, hi, *bad = torch.stack(stats).tolist()
-        if lo < -1 or hi >= num_tokens:
-            raise ValueError(
-                f"row_id_map must hold token numbers in [0, {num_tokens}) or -1, got values in "
-                f"[{lo}, {hi}]"
-            )
-        if bad and bad[0]:
-            raise ValueError(
-                f"row_id_map does not match routing_map: {bad[0]} rows hold a token that "
-                "routing_map does not send to that row's expert"
-            )
-        return
-    check_values(in_range.all(),
-                 f"row_id_map must hold token numbers in [0, {num_tokens}) or -1",
-                 validate=mode, tensors=(row_id_map,))
-    if unrouted is not None:
-        check_values(~unrouted.any(),
-                     "row_id_map does not match routing_map: some rows hold a token that "
-                     "routing_map does not send to that row's expert",
-                     validate=mode, tensors=(row_id_map, routing_map))
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 
 Three mechanisms keep a group of ranks from hanging or crashing when they disagree:
 
-- :func:`exchange_and_compare`: one all-gather of a few int64 values per rank (shapes, dtype
-  codes, counts, arguments) and a :class:`~mtp.parallel.errors.RankMismatchError` on *every*
-  rank when they differ, naming the quantity, both values and the ranks. Ops whose collective
-  already carries data fold such values into it instead (no extra message in steady state).
+- :func:`mtp.parallel.agree.agree`: one all-gather of a few int64 values per rank (shapes,
+  dtype codes, counts, arguments) and a :class:`~mtp.parallel.errors.RankMismatchError` on
+  *every* rank when they differ, naming the quantity, both values and the ranks. Ops whose
+  collective already carries data fold such values into it instead (no extra message in steady
+  state; :class:`mtp.parallel.agree.Agreement`).
 - Debug mode, ``MTP_CHECK_COLLECTIVES=1`` (default off; the variable is read once and cached,
   :func:`set_check_collectives` overrides it): :func:`check_collective` runs one small
   all-gather of ``(op name, dtype, shape)`` before each mtp collective. Off, it returns after one
@@ -46,7 +47,6 @@ import inspect
 import logging
 import os
 import traceback
-import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,7 +54,12 @@ import torch.distributed as dist
 
 from mtp.utils import is_capturing
 
+from . import parallel_state
+from .aborted import abort_group, any_aborted, is_aborted
+from .agree import Field as _Field
+from .agree import agree, value_field
 from .errors import CollectiveAbortedError, RankMismatchError
+from .groups import group_description
 
 __all__ = [
     "CHECK_COLLECTIVES_ENV",
@@ -133,183 +138,19 @@ def set_abort_on_error(mode: bool | str | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Codes: dtypes and op names as int64 values every rank computes the same way
+# Debug mode: (op, dtype, shape) before each collective
 # --------------------------------------------------------------------------------------------
 
-_DTYPE_NAMES = (
-    "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
-    "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32",
-    "uint64", "complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-)  # fmt: skip
-_DTYPE_CODE = {getattr(torch, n): i + 1 for i, n in enumerate(_DTYPE_NAMES) if hasattr(torch, n)}
-_CODE_NAME: dict[int, str] = {}
-
-
-def _code(text: str) -> int:
-    """A stable int for ``text`` (crc32; the same in every process), remembered for messages."""
-    value = zlib.crc32(text.encode())
-    _CODE_NAME[value] = text
-    return value
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPE_CODE.get(dtype) or _code(str(dtype))
-
-
-def _dtype_text(code: int) -> str:
-    if 0 < code <= len(_DTYPE_NAMES):
-        return _DTYPE_NAMES[code - 1]
-    return _CODE_NAME.get(code, f"dtype #{code}")
-
-
-def _name_text(code: int) -> str:
-    return repr(_CODE_NAME.get(code, f"#{code}"))
-
-
-# --------------------------------------------------------------------------------------------
-# Exchange and compare
-# --------------------------------------------------------------------------------------------
-
-
-def group_description(group) -> str:
-    """``"group of global ranks [0, 1]"`` (or the world) for messages."""
-    try:
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    except Exception:  # noqa: BLE001 - destroyed or foreign group: say what we can
-        return "process group"
-    return f"group of global ranks {ranks}"
-
-
-def _comm_device(group, like: torch.Tensor | None) -> torch.device:
-    if like is not None and like.device.type not in ("meta",):
-        return like.device
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_gather_ints(values: list[int], group, device: torch.device) -> list[list[int]]:
-    world = dist.get_world_size(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    out = torch.empty(world * len(values), dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=group)
-    return out.view(world, len(values)).tolist()
-
-
-#: int64 values every rank sends in one agreement exchange (fixed, whatever the operation).
-SLOTS = 64
-_PAD = -(1 << 62)
-
-#: A field of an agreement check: (name, this rank's ints, formatter of one rank's ints).
+#: A field in the older tuple spelling: (name, this rank's ints, formatter of one rank's ints).
 Field = tuple[str, Sequence[int], Callable[[list[int]], str]]
 
 
 def exchange_and_compare(
     what: str, fields: Sequence[Field], group=None, *, like: torch.Tensor | None = None
 ) -> None:
-    """All-gather ``fields`` once over ``group`` and raise the same error on every rank if any
-    field differs between ranks.
-
-    Every rank sends :data:`SLOTS` int64 values whatever the operation (a code of ``what``
-    first, then the fields, padded), so ranks that are in different operations still exchange
-    messages of the same size and get an "operation" mismatch rather than a crash.
-
-    Args:
-        what: the operation, for the message (``"gather_from_sequence_parallel_region"``).
-        fields: ``(name, ints, format)``: each rank's ints for the quantity ``name`` (the same
-            length on every rank for the same ``what``; at most ``SLOTS - 1`` in all) and how
-            to print one rank's ints.
-        group: the process group (None: the default group).
-        like: a tensor whose device the exchange uses (default: the group's device).
-
-    Raises:
-        RankMismatchError: on every rank, naming the first field that differs, the value of the
-            group's first rank and the first rank that differs from it, and the group. Its
-            ``field`` attribute is the name and ``values`` maps global ranks to their values.
-    """
-    if dist.get_world_size(group) == 1:
-        return
-    flat = [_code(what)]
-    spans: list[tuple[str, int, int, Callable[[list[int]], str]]] = [
-        ("operation", 0, 1, lambda v: _name_text(v[0]))
-    ]
-    for name, ints, fmt in fields:
-        spans.append((name, len(flat), len(flat) + len(ints), fmt))
-        flat.extend(int(v) for v in ints)
-    if len(flat) > SLOTS:
-        raise ValueError(f"{what}: {len(flat) - 1} values to agree on; at most {SLOTS - 1}")
-    flat += [_PAD] * (SLOTS - len(flat))
-    rows = _all_gather_ints(flat, group, _comm_device(group, like))
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    for name, lo, hi, fmt in spans:
-        first = rows[0][lo:hi]
-        odd = next((i for i, row in enumerate(rows) if row[lo:hi] != first), None)
-        if odd is None:
-            continue
-        values = {ranks[i]: fmt(row[lo:hi]) for i, row in enumerate(rows)}
-        prefix = "mtp collective agreement check" if name == "operation" else what
-        exc = RankMismatchError(
-            f"{prefix}: the ranks of the {group_description(group)} disagree on the {name}: "
-            f"rank {ranks[0]} has {values[ranks[0]]}, rank {ranks[odd]} has "
-            f"{values[ranks[odd]]}; every rank of the group must pass the same {name}"
-        )
-        exc.field, exc.values = name, values
-        raise exc
-
-
-_TEXT_BYTES = 7  # bytes of text per int64 slot (stays positive)
-
-
-def _pack_text(text: str, slots: int) -> list[int]:
-    data = text.encode()[: slots * _TEXT_BYTES].ljust(slots * _TEXT_BYTES, b"\0")
-    return [int.from_bytes(data[i : i + _TEXT_BYTES], "little") for i in range(0, len(data), 7)]
-
-
-def _unpack_text(ints: list[int]) -> str:
-    data = b"".join(int(v).to_bytes(_TEXT_BYTES, "little") for v in ints)
-    return data.rstrip(b"\0").decode(errors="replace")
-
-
-def value_field(name: str, value: object, slots: int = 4) -> Field:
-    """A field for :func:`exchange_and_compare` holding any Python value: ints in
-    ``[0, 2**62)`` travel as themselves, anything else as a checksum of its ``repr`` plus the
-    first ``7 * slots`` bytes of it (so every rank can print every rank's value)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < (1 << 62):
-        ints = [0, value] + [0] * slots
-    else:
-        text = repr(value)
-        ints = [1, zlib.crc32(text.encode())] + _pack_text(text, slots)
-
-    def fmt(v: list[int]) -> str:
-        if v[0] == 0:
-            return str(v[1])
-        text = _unpack_text(v[2:])
-        return text if len(text) < slots * _TEXT_BYTES else text + "..."
-
-    return name, ints, fmt
-
-
-# --------------------------------------------------------------------------------------------
-# Debug mode: (op, dtype, shape) before each collective
-# --------------------------------------------------------------------------------------------
-
-_MAX_DIMS = 8
-
-
-def _shape_ints(shape: Sequence[int]) -> list[int]:
-    dims = list(shape)
-    if len(dims) > _MAX_DIMS:  # compare the leading dims and a checksum of all of them
-        dims = dims[: _MAX_DIMS - 1] + [_code(str(tuple(shape)))]
-    return [len(shape)] + dims + [-1] * (_MAX_DIMS - len(dims))
-
-
-def _shape_text(ints: list[int]) -> str:
-    ndim, dims = ints[0], ints[1:]
-    if ndim > _MAX_DIMS:
-        return _CODE_NAME.get(dims[-1], f"a {ndim}-D shape")
-    return str(tuple(dims[:ndim]))
+    """:func:`~mtp.parallel.agree.agree` for ``(name, ints, format)`` tuples (the older
+    spelling; each tuple travels as it is)."""
+    agree(group, what, like=like, **{n: _Field(n, tuple(i), f) for n, i, f in fields})
 
 
 def check_collective(op: str, x: torch.Tensor, group, dim: int = -1) -> None:
@@ -331,57 +172,13 @@ def check_collective(op: str, x: torch.Tensor, group, dim: int = -1) -> None:
         return
     if dist.get_world_size(group) == 1:
         return
-    fields: list[Field] = [
-        ("dtype", [_dtype_code(x.dtype)], lambda v: _dtype_text(v[0])),
-        ("shape", _shape_ints(x.shape), _shape_text),
-        ("dimension", [dim], lambda v: str(v[0])),
-    ]
-    exchange_and_compare(op, fields, group, like=x)
+    dimension = _Field("dimension", (dim,), lambda v: str(v[0]))
+    agree(group, op, like=x, dtype=x.dtype, shape=x.shape, dimension=dimension)
 
 
 # --------------------------------------------------------------------------------------------
 # Abort on error
 # --------------------------------------------------------------------------------------------
-
-_ABORTED: set[str] = set()
-
-
-def _key(group) -> str:
-    group = group if group is not None else dist.group.WORLD
-    return getattr(group, "group_name", None) or str(id(group))
-
-
-def is_aborted(group) -> bool:
-    """True when :func:`abort_group` aborted ``group`` in this process."""
-    return bool(_ABORTED) and _key(group) in _ABORTED
-
-
-def abort_group(group, reason: str) -> bool:
-    """Abort ``group`` so that peers blocked in a collective on it fail at once.
-
-    Uses ``torch.distributed.distributed_c10d._abort_process_group`` (aborts the NCCL
-    communicators and unregisters the group; with gloo the connections close only when the
-    last reference to the group goes), falling back to ``ProcessGroup.abort()``. Idempotent.
-    Returns True when this call aborted the group.
-    ``group=None`` (or the world group) aborts every group of the process.
-    """
-    key = _key(group)
-    if key in _ABORTED:
-        return False
-    _ABORTED.add(key)
-    logger.error("aborting the %s so that its peers do not wait: %s", group_description(group),
-                 reason)  # fmt: skip
-    c10d = dist.distributed_c10d
-    try:
-        c10d._abort_process_group(group)
-    except Exception as exc:  # noqa: BLE001 - old torch or already gone: try the plain abort
-        logger.debug("_abort_process_group failed (%s); calling ProcessGroup.abort()", exc)
-        try:
-            (group if group is not None else dist.group.WORLD).abort()
-        except Exception as exc2:  # noqa: BLE001
-            logger.error("could not abort the group (%s); peers wait for its timeout", exc2)
-    return True
-
 
 def _exit_process(what: str, description: str, exc: BaseException) -> None:
     """Log ``exc`` and end the process, so that the OS closes its connections to the peers."""
@@ -453,8 +250,6 @@ def _group_finder(fn: Callable, group_arg: str | None) -> Callable[[tuple, dict]
     def find(args, kwargs):
         group = args[index] if len(args) > index else kwargs.get(group_arg)
         if group is None:
-            from . import parallel_state
-
             if parallel_state.model_parallel_is_initialized():
                 group = parallel_state.get_tensor_model_parallel_group()
         return group
@@ -481,7 +276,7 @@ def collective_region(name: str | None = None, *, group_arg: str | None = None):
         def wrapper(*args, **kwargs):
             if torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
-            if _ABORTED:
+            if any_aborted():
                 group = find(args, kwargs)
                 if group is not None and is_aborted(group):
                     raise _aborted_error(what, group)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["group_from_mesh", "group_name", "resolve_group_name"]
+__all__ = ["group_description", "group_from_mesh", "group_name", "resolve_group_name"]
 
 
 def _device_mesh_type():
@@ -53,3 +53,12 @@ def resolve_group_name(name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
+
+
+def group_description(group) -> str:
+    """``"group of global ranks [0, 1]"`` (or the world) for messages."""
+    try:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    except Exception:  # noqa: BLE001 - destroyed or foreign group: say what we can
+        return "process group"
+    return f"group of global ranks {ranks}"

@@ -33,10 +33,12 @@ import logging
 
 import torch.distributed as dist
 
-from .agreement import _ABORTED, exchange_and_compare, is_aborted, value_field
+from .aborted import any_aborted, forget_aborted, is_aborted
+from .agree import agree, argument_field
 from .errors import CollectiveAbortedError
 from .rank_generator import (
     DEFAULT_ORDER,
+    GROUP_DESCRIPTIONS as _DESCRIPTIONS,
     GROUP_KINDS,
     ParallelSizes,
     RankGenerator,
@@ -51,76 +53,43 @@ __all__ = [
     "destroy_model_parallel",
     "model_parallel_is_initialized",
     "get_parallel_sizes",
-    "get_device_mesh",
     "get_rank_generators",
-    "get_process_group",
     "get_process_group_ranks",
     "get_group_rank",
     "get_group_world_size",
-    "get_context_parallel_group",
-    "get_context_parallel_rank",
-    "get_context_parallel_world_size",
-    "get_data_parallel_group",
-    "get_data_parallel_rank",
-    "get_data_parallel_world_size",
-    "get_expert_data_parallel_group",
-    "get_expert_data_parallel_rank",
+    "is_pipeline_first_stage",
+    "is_pipeline_last_stage",
+    "get_process_group",
+    "get_context_parallel_group", "get_context_parallel_rank", "get_context_parallel_world_size",
+    "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
+    "get_expert_data_parallel_group", "get_expert_data_parallel_rank",
     "get_expert_data_parallel_world_size",
-    "get_expert_model_parallel_group",
-    "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_group", "get_expert_model_parallel_rank",
     "get_expert_model_parallel_world_size",
-    "get_expert_tensor_and_model_parallel_group",
-    "get_expert_tensor_and_model_parallel_rank",
+    "get_expert_tensor_and_model_parallel_group", "get_expert_tensor_and_model_parallel_rank",
     "get_expert_tensor_and_model_parallel_world_size",
     "get_expert_tensor_model_pipeline_parallel_group",
     "get_expert_tensor_model_pipeline_parallel_rank",
     "get_expert_tensor_model_pipeline_parallel_world_size",
-    "get_expert_tensor_parallel_group",
-    "get_expert_tensor_parallel_rank",
+    "get_expert_tensor_parallel_group", "get_expert_tensor_parallel_rank",
     "get_expert_tensor_parallel_world_size",
-    "get_model_parallel_group",
-    "get_model_parallel_rank",
-    "get_model_parallel_world_size",
-    "get_pipeline_model_parallel_group",
-    "get_pipeline_model_parallel_rank",
+    "get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size",
+    "get_pipeline_model_parallel_group", "get_pipeline_model_parallel_rank",
     "get_pipeline_model_parallel_world_size",
-    "get_tensor_and_context_parallel_group",
-    "get_tensor_and_context_parallel_rank",
+    "get_tensor_and_context_parallel_group", "get_tensor_and_context_parallel_rank",
     "get_tensor_and_context_parallel_world_size",
-    "get_tensor_and_data_parallel_group",
-    "get_tensor_and_data_parallel_rank",
+    "get_tensor_and_data_parallel_group", "get_tensor_and_data_parallel_rank",
     "get_tensor_and_data_parallel_world_size",
-    "get_tensor_model_parallel_group",
-    "get_tensor_model_parallel_rank",
-    "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_group", "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",
-    "is_pipeline_first_stage",
-    "is_pipeline_last_stage",
-]
+    "get_tensor_model_parallel_src_rank",
+]  # fmt: skip
 
 logger = logging.getLogger("mtp")
 
 #: Collective timeout of the groups :func:`initialize_model_parallel` creates: a rank whose peer
 #: never joins a collective fails after this long instead of torch.distributed's default 30 min.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-
-_DESCRIPTIONS = {
-    "tp": "tensor model parallel",
-    "pp": "pipeline model parallel",
-    "dp": "data parallel",
-    "cp": "context parallel",
-    "dp-cp": "data parallel (with context parallel)",
-    "tp-pp": "model parallel",
-    "tp-cp": "tensor and context parallel",
-    "tp-dp": "tensor and data parallel",
-    "tp-dp-cp": "tensor and data parallel (with context parallel)",
-    "ep": "expert model parallel",
-    "etp": "expert tensor parallel",
-    "edp": "expert data parallel",
-    "tp-ep": "expert tensor and model parallel",
-    "tp-ep-pp": "expert tensor, model and pipeline parallel",
-}
-
 
 class ParallelStateError(RuntimeError):
     """Model parallel state used before :func:`initialize_model_parallel` (or twice)."""
@@ -253,8 +222,8 @@ def _check_timeout(timeout) -> datetime.timedelta:
 
 def _agree_on_arguments(arguments: dict[str, object]) -> None:
     """All-gather the arguments once; the same RankMismatchError on every rank if they differ."""
-    fields = [value_field(name, value) for name, value in arguments.items()]
-    exchange_and_compare("initialize_model_parallel", fields, None)
+    fields = {name: argument_field(name, value) for name, value in arguments.items()}
+    agree(None, "initialize_model_parallel", **fields)
 
 
 def destroy_model_parallel() -> None:
@@ -268,7 +237,7 @@ def destroy_model_parallel() -> None:
             dist.destroy_process_group(entry.group)
         except (RuntimeError, ValueError):  # already gone with the default group, or aborted
             pass
-        _ABORTED.discard(getattr(entry.group, "group_name", None))
+        forget_aborted(entry.group)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -305,7 +274,7 @@ def get_process_group(kind: str) -> dist.ProcessGroup:
     Raises ``CollectiveAbortedError`` when an error in a collective region aborted it.
     """
     group = _state(kind).groups[kind].group
-    if _ABORTED and is_aborted(group):
+    if any_aborted() and is_aborted(group):
         raise CollectiveAbortedError(
             f"the {_DESCRIPTIONS[kind]} group ({kind!r}) was aborted after an error on this "
             "rank; call mtp.parallel.destroy_model_parallel() and initialize_model_parallel() "
@@ -329,82 +298,156 @@ def get_group_world_size(kind: str) -> int:
     return len(_state(kind).groups[kind].ranks)
 
 
-# Megatron-Core getters ---------------------------------------------------------------------
+# Megatron-Core getters (written out: one group kind each, see the module table) ----------
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    """This rank's tensor model parallel group (``'tp'``)."""
+    return get_process_group('tp')
 
 
-def _getters(name: str, kind: str):
-    """``get_<name>_group``, ``get_<name>_rank`` and ``get_<name>_world_size`` for ``kind``."""
-
-    def group() -> dist.ProcessGroup:
-        return get_process_group(kind)
-
-    def rank() -> int:
-        return get_group_rank(kind)
-
-    def world_size() -> int:
-        return get_group_world_size(kind)
-
-    what = _DESCRIPTIONS[kind]
-    for fn, suffix, doc in (
-        (group, "group", f"This rank's {what} group ({kind!r})."),
-        (rank, "rank", f"This rank's index in its {what} group ({kind!r})."),
-        (world_size, "world_size", f"Size of the {what} group ({kind!r})."),
-    ):
-        fn.__name__ = fn.__qualname__ = f"get_{name}_{suffix}"
-        fn.__doc__ = doc
-    return group, rank, world_size
+def get_tensor_model_parallel_rank() -> int:
+    """This rank's index in its tensor model parallel group (``'tp'``)."""
+    return get_group_rank('tp')
 
 
-(
-    get_tensor_model_parallel_group,
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-) = _getters("tensor_model_parallel", "tp")
-(
-    get_pipeline_model_parallel_group,
-    get_pipeline_model_parallel_rank,
-    get_pipeline_model_parallel_world_size,
-) = _getters("pipeline_model_parallel", "pp")
-(
-    get_context_parallel_group,
-    get_context_parallel_rank,
-    get_context_parallel_world_size,
-) = _getters("context_parallel", "cp")
-(
-    get_model_parallel_group,
-    get_model_parallel_rank,
-    get_model_parallel_world_size,
-) = _getters("model_parallel", "tp-pp")
-(
-    get_tensor_and_context_parallel_group,
-    get_tensor_and_context_parallel_rank,
-    get_tensor_and_context_parallel_world_size,
-) = _getters("tensor_and_context_parallel", "tp-cp")
-(
-    get_expert_model_parallel_group,
-    get_expert_model_parallel_rank,
-    get_expert_model_parallel_world_size,
-) = _getters("expert_model_parallel", "ep")
-(
-    get_expert_tensor_parallel_group,
-    get_expert_tensor_parallel_rank,
-    get_expert_tensor_parallel_world_size,
-) = _getters("expert_tensor_parallel", "etp")
-(
-    get_expert_data_parallel_group,
-    get_expert_data_parallel_rank,
-    get_expert_data_parallel_world_size,
-) = _getters("expert_data_parallel", "edp")
-(
-    get_expert_tensor_and_model_parallel_group,
-    get_expert_tensor_and_model_parallel_rank,
-    get_expert_tensor_and_model_parallel_world_size,
-) = _getters("expert_tensor_and_model_parallel", "tp-ep")
-(
-    get_expert_tensor_model_pipeline_parallel_group,
-    get_expert_tensor_model_pipeline_parallel_rank,
-    get_expert_tensor_model_pipeline_parallel_world_size,
-) = _getters("expert_tensor_model_pipeline_parallel", "tp-ep-pp")
+def get_tensor_model_parallel_world_size() -> int:
+    """Size of the tensor model parallel group (``'tp'``)."""
+    return get_group_world_size('tp')
+
+
+def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
+    """This rank's pipeline model parallel group (``'pp'``)."""
+    return get_process_group('pp')
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This rank's index in its pipeline model parallel group (``'pp'``)."""
+    return get_group_rank('pp')
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Size of the pipeline model parallel group (``'pp'``)."""
+    return get_group_world_size('pp')
+
+
+def get_context_parallel_group() -> dist.ProcessGroup:
+    """This rank's context parallel group (``'cp'``)."""
+    return get_process_group('cp')
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context parallel group (``'cp'``)."""
+    return get_group_rank('cp')
+
+
+def get_context_parallel_world_size() -> int:
+    """Size of the context parallel group (``'cp'``)."""
+    return get_group_world_size('cp')
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    """This rank's model parallel group (``'tp-pp'``)."""
+    return get_process_group('tp-pp')
+
+
+def get_model_parallel_rank() -> int:
+    """This rank's index in its model parallel group (``'tp-pp'``)."""
+    return get_group_rank('tp-pp')
+
+
+def get_model_parallel_world_size() -> int:
+    """Size of the model parallel group (``'tp-pp'``)."""
+    return get_group_world_size('tp-pp')
+
+
+def get_tensor_and_context_parallel_group() -> dist.ProcessGroup:
+    """This rank's tensor and context parallel group (``'tp-cp'``)."""
+    return get_process_group('tp-cp')
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """This rank's index in its tensor and context parallel group (``'tp-cp'``)."""
+    return get_group_rank('tp-cp')
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """Size of the tensor and context parallel group (``'tp-cp'``)."""
+    return get_group_world_size('tp-cp')
+
+
+def get_expert_model_parallel_group() -> dist.ProcessGroup:
+    """This rank's expert model parallel group (``'ep'``)."""
+    return get_process_group('ep')
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's index in its expert model parallel group (``'ep'``)."""
+    return get_group_rank('ep')
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Size of the expert model parallel group (``'ep'``)."""
+    return get_group_world_size('ep')
+
+
+def get_expert_tensor_parallel_group() -> dist.ProcessGroup:
+    """This rank's expert tensor parallel group (``'etp'``)."""
+    return get_process_group('etp')
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    """This rank's index in its expert tensor parallel group (``'etp'``)."""
+    return get_group_rank('etp')
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    """Size of the expert tensor parallel group (``'etp'``)."""
+    return get_group_world_size('etp')
+
+
+def get_expert_data_parallel_group() -> dist.ProcessGroup:
+    """This rank's expert data parallel group (``'edp'``)."""
+    return get_process_group('edp')
+
+
+def get_expert_data_parallel_rank() -> int:
+    """This rank's index in its expert data parallel group (``'edp'``)."""
+    return get_group_rank('edp')
+
+
+def get_expert_data_parallel_world_size() -> int:
+    """Size of the expert data parallel group (``'edp'``)."""
+    return get_group_world_size('edp')
+
+
+def get_expert_tensor_and_model_parallel_group() -> dist.ProcessGroup:
+    """This rank's expert tensor and model parallel group (``'tp-ep'``)."""
+    return get_process_group('tp-ep')
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    """This rank's index in its expert tensor and model parallel group (``'tp-ep'``)."""
+    return get_group_rank('tp-ep')
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    """Size of the expert tensor and model parallel group (``'tp-ep'``)."""
+    return get_group_world_size('tp-ep')
+
+
+def get_expert_tensor_model_pipeline_parallel_group() -> dist.ProcessGroup:
+    """This rank's expert tensor, model and pipeline parallel group (``'tp-ep-pp'``)."""
+    return get_process_group('tp-ep-pp')
+
+
+def get_expert_tensor_model_pipeline_parallel_rank() -> int:
+    """This rank's index in its expert tensor, model and pipeline parallel group."""
+    return get_group_rank('tp-ep-pp')
+
+
+def get_expert_tensor_model_pipeline_parallel_world_size() -> int:
+    """Size of the expert tensor, model and pipeline parallel group (``'tp-ep-pp'``)."""
+    return get_group_world_size('tp-ep-pp')
 
 
 def get_tensor_model_parallel_src_rank() -> int:
@@ -450,61 +493,3 @@ def get_tensor_and_data_parallel_rank(with_context_parallel: bool = False) -> in
 def get_tensor_and_data_parallel_world_size(with_context_parallel: bool = False) -> int:
     """Size of the ``tp-dp`` (or ``tp-dp-cp``) group."""
     return get_group_world_size("tp-dp-cp" if with_context_parallel else "tp-dp")
-
-
-# --------------------------------------------------------------------------------------------
-# DeviceMesh view
-# --------------------------------------------------------------------------------------------
-
-_MESH_KINDS = {"pp": "pp", "dp": "dp", "cp": "cp", "tp": "tp"}
-
-
-def get_device_mesh(
-    dims: tuple[str, ...] = ("pp", "dp", "cp", "tp"), device_type: str | None = None
-):
-    """A ``torch.distributed.DeviceMesh`` view of the dense groups, reusing them (no new group).
-
-    Args:
-        dims: the mesh dimensions, outermost first, each one of ``"pp"``, ``"dp"``, ``"cp"``,
-            ``"tp"``; together they must cover the world (size-1 dimensions may be left out).
-        device_type: ``"cuda"`` or ``"cpu"`` (default: ``"cuda"`` when the default group uses
-            NCCL, else ``"cpu"``).
-
-    ``mesh["tp"]`` can then be passed as ``group=`` to mtp's layers and ``parallelize``, and
-    ``mesh["dp"]`` to FSDP2's ``fully_shard(model, mesh=mesh["dp"])``.
-
-    Raises:
-        ValueError: an unknown or repeated dimension, or dimensions that do not cover the world.
-    """
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
-
-    state = _state("tp")
-    dense = state.dense
-    if len(set(dims)) != len(dims) or any(d not in _MESH_KINDS for d in dims):
-        raise ValueError(
-            f"get_device_mesh: dims must be distinct names from {list(_MESH_KINDS)}, got {dims}"
-        )
-    axes = dense.order.split("-")
-    sizes = dense.ordered_size
-    missing = [a for a, n in zip(axes, sizes) if n > 1 and a not in dims]
-    if missing:
-        raise ValueError(f"get_device_mesh: dims {dims} leave out {missing}, which have size > 1")
-    # rank = sum(coord[a] * stride[a]) with the first axis of ``order`` fastest
-    grid = torch.arange(dense.world_size).reshape(list(reversed(sizes)))
-
-    def axis(name: str) -> int:
-        return len(axes) - 1 - axes.index(name)
-
-    order = [axis(d) for d in dims] + [axis(a) for a in axes if a not in dims]
-    mesh = grid.permute(order).reshape([dense.name_to_size[d] for d in dims])
-    mesh = mesh + dense.rank_offset
-    if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    groups = [get_process_group(_MESH_KINDS[d]) for d in dims]
-    return DeviceMesh.from_group(
-        groups if len(groups) > 1 else groups[0],
-        device_type,
-        mesh=mesh,
-        mesh_dim_names=tuple(dims),
-    )

@@ -26,6 +26,8 @@ __all__ = [
     "ParallelConfigError",
     "DIMENSIONS",
     "DEFAULT_ORDER",
+    "GROUP_DESCRIPTIONS",
+    "GROUP_KINDS",
     "MAX_WORLD_SIZE",
     "generate_masked_orthogonal_groups",
     "RankGenerator",
@@ -57,6 +59,23 @@ GROUP_KINDS: dict[str, tuple[str, str]] = {
     "edp": ("expert", "dp"),
     "tp-ep": ("expert", "tp-ep"),
     "tp-ep-pp": ("expert", "tp-ep-pp"),
+}
+#: kind -> what Megatron-Core calls the group (for messages and docstrings).
+GROUP_DESCRIPTIONS: dict[str, str] = {
+    "tp": "tensor model parallel",
+    "pp": "pipeline model parallel",
+    "dp": "data parallel",
+    "cp": "context parallel",
+    "dp-cp": "data parallel (with context parallel)",
+    "tp-pp": "model parallel",
+    "tp-cp": "tensor and context parallel",
+    "tp-dp": "tensor and data parallel",
+    "tp-dp-cp": "tensor and data parallel (with context parallel)",
+    "ep": "expert model parallel",
+    "etp": "expert tensor parallel",
+    "edp": "expert data parallel",
+    "tp-ep": "expert tensor and model parallel",
+    "tp-ep-pp": "expert tensor, model and pipeline parallel",
 }
 
 

@@ -36,7 +36,7 @@ from mtp.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from mtp.utils import check_tensor, data_checks_enabled
+from mtp.utils import check_tensor, check_values, data_checks_enabled, validation_mode
 
 from .utils import (
     InitMethod,
@@ -523,9 +523,11 @@ class VocabParallelEmbedding(nn.Module):
         padding_idx: as ``nn.Embedding``: that row starts at zero and gets no gradient.
         sequence_parallel, seq_dim: reduce-scatter the output along ``seq_dim`` (the ids'
             sequence dimension: 0 for ``[s, b]`` ids, 1 for ``[b, s]``).
-        validate: check that every id is in ``[0, V)`` (a host sync; skipped automatically
-            while tracing or capturing a CUDA graph). Out-of-range ids raise
-            :class:`VocabRangeError` (a ``ValueError`` and an ``IndexError``).
+        validate: check that every id is in ``[0, V)``: ``True`` (default) on the device, no
+            host sync (a device-side assert on CUDA; on CPU a ``RuntimeError`` at once);
+            ``"sync"`` (or ``MTP_VALIDATE=sync``) raises :class:`VocabRangeError` (a
+            ``ValueError`` and an ``IndexError``) naming the values, at the cost of a host
+            sync; ``False`` off. Skipped while tracing or capturing a CUDA graph.
         perform_initialization, group, dtype, device: as for :class:`ColumnParallelLinear`.
 
     Forward: integer ids of any shape -> ``[*ids.shape, h]`` (the sequence chunk under
@@ -541,7 +543,7 @@ class VocabParallelEmbedding(nn.Module):
         padding_idx: int | None = None,
         sequence_parallel: bool = False,
         seq_dim: int = 0,
-        validate: bool = True,
+        validate: bool | str = True,
         perform_initialization: bool = True,
         group: dist.ProcessGroup | None = None,
         dtype: torch.dtype | None = None,
@@ -549,6 +551,7 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         name = "VocabParallelEmbedding"
+        validation_mode(validate)  # a bad value fails here, naming validate
         check_positive_int(name, "num_embeddings", num_embeddings)
         check_positive_int(name, "embedding_dim", embedding_dim)
         check_layer_args(
@@ -619,13 +622,24 @@ class VocabParallelEmbedding(nn.Module):
 
     def _validate(self, ids: torch.Tensor) -> None:
         check_tensor("input_", ids, dtypes=(torch.int32, torch.int64))
-        if not ids.numel() or not data_checks_enabled(self.validate, ids):
+        mode = validation_mode(self.validate)
+        if not ids.numel() or mode == "off" or not data_checks_enabled(True, ids):
             return
-        if bool(((ids < 0) | (ids >= self.num_embeddings)).any()):
-            raise VocabRangeError(
-                f"VocabParallelEmbedding: input_ ids must be in [0, {self.num_embeddings}), "
-                f"got values in [{int(ids.min())}, {int(ids.max())}]"
-            )
+        outside = (ids < 0) | (ids >= self.num_embeddings)
+        if mode == "sync":
+            if bool(outside.any()):
+                raise VocabRangeError(
+                    f"VocabParallelEmbedding: input_ ids must be in [0, {self.num_embeddings}), "
+                    f"got values in [{int(ids.min())}, {int(ids.max())}]"
+                )
+            return
+        check_values(
+            ~outside.any(),
+            f"VocabParallelEmbedding: input_ ids must be in [0, {self.num_embeddings}) "
+            "(validate='sync' or MTP_VALIDATE=sync names the values)",
+            validate=mode,
+            tensors=(ids,),
+        )
 
     @collective_region("VocabParallelEmbedding.forward")
     def forward(self, input_: torch.Tensor) -> torch.Tensor:

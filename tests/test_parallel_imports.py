@@ -1,0 +1,136 @@
+"""Imports of mtp.parallel and the MoE layers: no cycle (module- or function-level), the
+Megatron getters are plain functions a reader and a type checker can see, and every name under
+``mtp.parallel``'s ``TYPE_CHECKING`` block is what the package hands out at run time."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHECKED = ("mtp.parallel", "mtp.moe", "mtp.tensor_parallel", "mtp.ops")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in (ROOT / "mtp").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
+    """The mtp modules ``name`` imports anywhere in its body (functions included, the
+    ``TYPE_CHECKING`` blocks left out), plus the packages those imports run."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(parts + ([child.module] if child.module else []))
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    edges = set()
+    for target in found:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        parts = target.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
+            dep = ".".join(parts[:i])
+            if dep in modules and dep != name and not name.startswith(dep + "."):
+                edges.add(dep)
+    return edges
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def strong(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return found
+
+
+def test_no_import_cycle_through_the_parallel_and_moe_layers():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    mine = [c for c in _cycles(graph) if any(m.startswith(CHECKED) for m in c)]
+    assert mine == [], mine
+
+
+def test_agreement_does_not_reach_into_parallel_state_privates():
+    text = (ROOT / "mtp" / "parallel" / "parallel_state.py").read_text()
+    assert "_ABORTED" not in text
+    assert "agreement" not in text.split('"""', 2)[2].split("\n__all__")[0]  # no import of it
+
+
+def test_megatron_getters_are_written_out():
+    from mtp.parallel import parallel_state as ps
+
+    getters = [n for n in ps.__all__ if n.startswith("get_") and n.endswith("_group")]
+    assert len(getters) >= 12
+    source = inspect.getsource(ps)
+    for name in ps.__all__:
+        fn = getattr(ps, name)
+        if callable(fn) and name.startswith(("get_", "is_")):
+            assert fn.__name__ == name and f"def {name}(" in source, name
+            assert fn.__module__ == ps.__name__ and fn.__doc__, name
+
+
+def test_type_checking_names_match_the_run_time_names():
+    import mtp.parallel as mp
+
+    tree = ast.parse((ROOT / "mtp" / "parallel" / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in
+                 ast.unparse(n.test))  # fmt: skip
+    seen = set()
+    for node in block.body:
+        module = __import__(f"mtp.parallel.{node.module}", fromlist=["x"])
+        names = module.__all__ if node.names[0].name == "*" else [a.name for a in node.names]
+        for name in names:
+            assert getattr(mp, name) is getattr(module, name), name
+            seen.add(node.module)
+    assert seen == set(mp._TORCH_MODULES)
+
+
+@pytest.mark.parametrize("module", ["mtp.parallel", "mtp.parallel.__main__"])
+def test_layout_modules_import_no_torch(module):
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch loaded'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
