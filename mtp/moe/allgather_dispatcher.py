@@ -14,8 +14,6 @@ With a capacity the router has already dropped the tokens; the dispatcher keeps 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -30,6 +28,7 @@ from mtp.moe.comm import (
     reduce_scatter_v,
     set_dispatch_groups,
 )
+from mtp import settings
 from mtp.ops.moe_permute import moe_permute_row_map, select_probs, unpermute
 from mtp.utils import data_checks_enabled, is_capturing
 
@@ -78,7 +77,7 @@ class AllGatherTokenDispatcher:
             return
         if not data_checks_enabled(True, hidden_states) or is_capturing():
             return
-        every = self.check_ranks or os.environ.get("MTP_CHECK_COLLECTIVES", "0") not in ("", "0")
+        every = self.check_ranks or settings.current().check_collectives
         if self._checked and not every:
             return
         self._checked = True

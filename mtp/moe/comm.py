@@ -91,7 +91,8 @@ def reduce_scatter_v(y: torch.Tensor, group, sizes: list[int], rank: int) -> tor
     return out.view(world, mine, *y.shape[1:]).sum(dim=0)
 
 
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+from mtp.dtypes import FLOATS, dtype_code  # noqa: E402
+_DTYPE_CODES = {dtype: dtype_code(dtype) for dtype in FLOATS}  # 1, 2, 3, 4
 _META_NAMES = ("token count", "hidden size", "hidden_states dtype", "probs dtype")
 
 

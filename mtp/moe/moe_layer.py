@@ -41,7 +41,7 @@ __all__ = ["MoELayer"]
 
 logger = logging.getLogger("mtp")
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from mtp.dtypes import KERNEL_FLOATS as _FLOAT_DTYPES  # noqa: E402
 
 
 class _IntoStatic(torch.autograd.Function):

@@ -43,7 +43,6 @@ in the combine. The backward runs one all-to-all per forward token/probs/combine
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -69,6 +68,7 @@ from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported (their f
     reduce_scatter_v,
     set_dispatch_groups,
 )
+from mtp import settings
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops.moe_permute import unpermute
 from mtp.parallel.errors import RankMismatchError
@@ -298,7 +298,7 @@ class AllToAllTokenDispatcher:
             return
         if not data_checks_enabled(True, hidden_states) or is_capturing():
             return
-        every = self.check_ranks or os.environ.get("MTP_CHECK_COLLECTIVES", "0") not in ("", "0")
+        every = self.check_ranks or settings.current().check_collectives
         if self._static_checked and not every:
             return
         self._static_checked = True

@@ -17,7 +17,7 @@ from mtp.utils import check_int, check_tensor, check_values, data_checks_enabled
 
 logger = logging.getLogger("mtp")
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+from mtp.dtypes import FLOATS as _FLOAT_DTYPES  # noqa: E402
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 

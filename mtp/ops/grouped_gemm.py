@@ -57,7 +57,7 @@ __all__ = [
 
 logger = logging.getLogger("mtp")
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from mtp.dtypes import KERNEL_FLOATS as _FLOAT_DTYPES  # noqa: E402
 _COUNT_DTYPES = (torch.int32, torch.int64)
 _NUM_STREAMS = 4  # Transformer Engine's default number of GEMM streams
 

@@ -73,7 +73,7 @@ __all__ = [
 logger = logging.getLogger("mtp")
 
 _BACKENDS = ("triton", "reference")
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+from mtp.dtypes import FLOATS as _FLOAT_DTYPES  # noqa: E402
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 

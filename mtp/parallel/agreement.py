@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from mtp import settings
 from mtp.utils import is_capturing
 
 from .errors import CollectiveAbortedError, RankMismatchError
@@ -88,7 +89,7 @@ def check_collectives_enabled() -> bool:
     """True when ``MTP_CHECK_COLLECTIVES`` is set (read once, then cached)."""
     global _check
     if _check is None:
-        _check = os.environ.get(CHECK_COLLECTIVES_ENV, "0").strip().lower() not in _OFF
+        _check = settings.reload().check_collectives
     return _check
 
 
@@ -103,7 +104,7 @@ def abort_on_error_mode() -> str:
     then cached; ``1``/``true`` mean ``abort``, ``0``/``false`` mean ``off``)."""
     global _abort
     if _abort is None:
-        _abort = _parse_mode(os.environ.get(ABORT_ON_ERROR_ENV, "abort"), ABORT_ON_ERROR_ENV)
+        _abort = settings.reload().abort_on_error
     return _abort
 
 
@@ -136,11 +137,7 @@ def set_abort_on_error(mode: bool | str | None) -> None:
 # Codes: dtypes and op names as int64 values every rank computes the same way
 # --------------------------------------------------------------------------------------------
 
-_DTYPE_NAMES = (
-    "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
-    "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32",
-    "uint64", "complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-)  # fmt: skip
+from mtp.dtypes import WIRE_DTYPE_NAMES as _DTYPE_NAMES  # noqa: E402
 _DTYPE_CODE = {getattr(torch, n): i + 1 for i, n in enumerate(_DTYPE_NAMES) if hasattr(torch, n)}
 _CODE_NAME: dict[int, str] = {}
 
