@@ -72,9 +72,9 @@ AUTO_BACKENDS: dict[str, str] = {
     "linear_cross_entropy": "``MTP_BACKEND`` if the op has it (``reference`` means its plain-"
         "PyTorch backend, ``torch``); else ``triton`` on CUDA, ``torch`` elsewhere; float64 "
         "inputs always take ``torch``",
-    "GroupedMLP / MoELayer experts": "as ``grouped_gemm``, except on CPU, where "
-        "``torch._grouped_mm`` (``torch``) is used when PyTorch has it and ``MTP_BACKEND`` does "
-        "not name a grouped GEMM backend",
+    "GroupedMLP / MoELayer experts": "as ``grouped_gemm``, except on CPU, where PyTorch's "
+        "grouped matmul (the ``torch`` backend: ``F.grouped_mm``) is used when PyTorch has it and "
+        "``MTP_BACKEND`` does not name a grouped GEMM backend",
 }
 
 _TRUE = ("1", "true", "yes", "on")
@@ -90,7 +90,9 @@ def _flag(name: str) -> Callable[[Any], bool]:
             return True
         if text in _FALSE:
             return False
-        raise ValueError(f"{name} must be a boolean (1/true/yes/on or 0/false/no/off), got {value!r}")
+        raise ValueError(
+            f"{name} must be a boolean (1/true/yes/on or 0/false/no/off), got {value!r}"
+        )
 
     return parse
 
@@ -138,7 +140,9 @@ def _text(value: Any) -> str | None:
     return text or None
 
 
-_VALIDATE = {"": "device", "device": "device", "sync": "sync", "off": "off", "0": "off", "false": "off"}
+_VALIDATE = {
+    "": "device", "device": "device", "sync": "sync", "off": "off", "0": "off", "false": "off",
+}
 _ABORT = {
     **{k: "off" for k in _FALSE}, False: "off",
     **{k: "abort" for k in (*_TRUE, "abort")}, True: "abort",

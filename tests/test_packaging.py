@@ -20,12 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 #: import hook of the venv's editable install): it prints where mtp and its two linked
 #: subpackages come from, and whether importing mtp added a finder to ``sys.meta_path``.
 _PROBE = """
-import importlib.util, site, sys
+import glob, importlib.util, site, sys
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
 sys.path[:] = [p for p in sys.path if "site-packages" not in p]
 where = sys.argv[1]
-if where.endswith("site-packages"):
-    site.addsitedir(where)
+if glob.glob(where + "/*.pth"):
+    site.addsitedir(where)  # an installed editable wheel: its .pth installs setuptools' finder
 else:
     sys.path.insert(0, where)
 before = list(sys.meta_path)
@@ -50,7 +50,8 @@ def _assert_found(lines: list[str], base: Path) -> None:
     assert Path(mtp_file) == base / "mtp" / "__init__.py"
     assert Path(kernels) == base / "mtp" / "kernels" / "__init__.py"
     assert Path(bench) == base / "mtp" / "bench" / "__init__.py"
-    assert Path(module).resolve().read_bytes() == (ROOT / "kernels" / "cross_entropy.py").read_bytes()
+    source = (ROOT / "kernels" / "cross_entropy.py").read_bytes()
+    assert Path(module).resolve().read_bytes() == source
     assert same_finders == "True", "importing mtp must not install an import hook"
 
 
@@ -65,24 +66,26 @@ def test_checkout_on_pythonpath(tmp_path):
     _assert_found(_probe(ROOT, tmp_path), ROOT)
 
 
-def _build(tmp_path: Path, *args: str, editable: bool = False) -> None:
-    env = {**os.environ, "MTP_BUILD_CUDA": "0", "PIP_NO_INDEX": "1"}
-    project = ["-e", str(ROOT)] if editable else [str(ROOT)]
-    out = subprocess.run([sys.executable, "-m", "pip", "-q", *args, "--no-deps",
-                          "--no-build-isolation", *project],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
+def _build(out: Path, hook: str) -> Path:
+    """The wheel setuptools' PEP 517 ``hook`` (``build_wheel``, ``build_editable``) builds from
+    the checkout, as pip would, without installing anything (``pip install --prefix`` would
+    uninstall the venv's own mtp)."""
+    code = "import sys; from setuptools import build_meta; print(build_meta.%s(sys.argv[1]))" % hook
+    env = {**os.environ, "MTP_BUILD_CUDA": "0"}
+    done = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out / done.stdout.split()[-1]
 
 
 def test_editable_install_and_wheel(tmp_path):
     """One test, so that two xdist workers never build in the checkout's build/ at once."""
-    prefix = tmp_path / "prefix"
-    _build(tmp_path, "install", "--prefix", str(prefix), editable=True)
-    [site_packages] = prefix.glob("lib/python*/site-packages")
-    _assert_found(_probe(site_packages, tmp_path), ROOT)
+    editable = tmp_path / "editable"
+    zipfile.ZipFile(_build(tmp_path / "dist-e", "build_editable")).extractall(editable)
+    assert not (editable / "mtp").exists()  # a finder and a .pth, not a copy
+    _assert_found(_probe(editable, tmp_path), ROOT)
 
-    _build(tmp_path, "wheel", "-w", str(tmp_path / "dist"))
-    [wheel] = (tmp_path / "dist").glob("mtp-*.whl")
+    wheel = _build(tmp_path / "dist", "build_wheel")
     names = zipfile.ZipFile(wheel).namelist()
     for folder in ("kernels", "bench"):
         for src in (ROOT / folder).glob("*.py"):
@@ -140,7 +143,8 @@ def imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             found |= {a.name for a in node.names if a.name in modules}
         elif isinstance(node, ast.ImportFrom):
             base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-            module = (base + "." + node.module if node.module else base) if node.level else node.module
+            module = node.module if not node.level else (
+                f"{base}.{node.module}" if node.module else base)
             for alias in node.names:
                 child = f"{module}.{alias.name}"
                 found |= {child} if child in modules else ({module} if module in modules else set())

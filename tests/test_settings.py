@@ -51,7 +51,8 @@ def test_the_table_covers_every_variable_and_field():
     assert sorted(names) == sorted(GOOD) == sorted(BAD)
     fields = [f.name for f in settings.Settings.__dataclass_fields__.values()]
     assert [v.field for v in settings.VARIABLES] == fields
-    assert settings.Settings() == settings.Settings(**{v.field: v.default for v in settings.VARIABLES})
+    defaults = {v.field: v.default for v in settings.VARIABLES}
+    assert settings.Settings() == settings.Settings(**defaults)
 
 
 @pytest.mark.parametrize("name", sorted(GOOD))
@@ -161,7 +162,8 @@ def test_ops_read_the_settings():
         assert mu.validation_mode(True) == "sync" and mu.validation_mode("device") == "device"
     cpu = torch.device("cpu")
     with settings.override(backend="sequential"):
-        assert resolve_backend("gg", "auto", cpu, ("triton", "sequential", "reference")) == "sequential"
+        choices = ("triton", "sequential", "reference")
+        assert resolve_backend("gg", "auto", cpu, choices) == "sequential"
         assert resolve_backend("gelu", "auto", cpu, ("triton", "reference")) == "reference"
     with settings.override(backend="reference"):  # linear CE's plain-PyTorch backend is "torch"
         assert auto_backend(("triton", "fused", "torch"), cpu, reference="torch") == "torch"
@@ -270,7 +272,8 @@ def env_reads(path: Path) -> list[str]:
 def test_the_env_scan_sees_each_form(tmp_path):
     src = tmp_path / "m.py"
     src.write_text('import os\nNAME = "MTP_X"\na = os.environ.get(NAME)\nb = os.environ["MTP_Y"]\n'
-                   'c = os.getenv("MTP_Z")\nos.environ.update(MTP_W="1")\nd = os.environ.get("HOME")\n')
+                   'c = os.getenv("MTP_Z")\nos.environ.update(MTP_W="1")\n'
+                   'd = os.environ.get("HOME")\n')
     assert [r.split(":")[0] for r in env_reads(src)] == ["3", "4", "5", "6"]
 
 
