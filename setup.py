@@ -1,7 +1,10 @@
 """Build script for mtp.
 
-The Triton kernels live in the top-level ``kernels/`` folder and are installed as ``mtp.kernels``
-(a ``package_dir`` mapping), so users only ever ``import mtp``.
+The Triton kernels live in the top-level ``kernels/`` folder and the microbenchmarks in
+``bench/``; ``mtp/kernels`` and ``mtp/bench`` are relative symbolic links to them, so they are the
+ordinary subpackages ``mtp.kernels`` and ``mtp.bench`` everywhere: a wheel (the files are copied
+through the links), an editable install and a checkout on ``PYTHONPATH``. Users only ever
+``import mtp``.
 
 An optional CUDA extension (``csrc/``, CUTLASS grouped GEMM) is built here when its sources exist,
 nvcc is available and its build inputs (nvidia-cutlass, pybind11, ninja) are importable; set
@@ -61,11 +64,7 @@ def _cuda_extensions() -> tuple[list, dict]:
 
 
 _ext_modules, _cmdclass = _cuda_extensions()
-packages = find_packages(include=["mtp", "mtp.*"])
-packages += ["mtp.kernels"] + ["mtp.kernels." + p for p in find_packages(where="kernels")]
-# The microbenchmarks (top-level bench/) install as mtp.bench, for the mtp-bench command; from a
-# checkout, `python -m bench` runs the same code.
-packages += ["mtp.bench"]
+packages = find_packages(include=["mtp", "mtp.*"])  # mtp.kernels, mtp.bench: through the links
 
 setup(
     name="mtp",
@@ -76,7 +75,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=packages,
-    package_dir={"mtp.kernels": "kernels", "mtp.bench": "bench"},
     install_requires=[
         "torch>=2.4",
         "triton>=3.2",

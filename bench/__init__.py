@@ -1,8 +1,8 @@
 """mtp microbenchmarks: one ``bench_<op>.py`` per op family, run by the ``mtp-bench`` CLI.
 
-Installed as ``mtp.bench`` (``setup.py`` maps the top-level ``bench/`` folder there, as it maps
-``kernels/`` to ``mtp.kernels``), so ``pip install -e .`` gives the ``mtp-bench`` command; from
-a checkout ``python -m bench`` runs the same code. Modules here import each other relatively
+Imported as ``mtp.bench`` (``mtp/bench`` links this folder, as ``mtp/kernels`` links
+``kernels/``), so ``pip install -e .`` gives the ``mtp-bench`` command; from a checkout
+``python -m bench`` runs the same code. Modules here import each other relatively
 and nothing in ``mtp`` imports them.
 
 On a CPU-only machine the CLI runs a smoke pass (tiny sizes through the reference and the Triton

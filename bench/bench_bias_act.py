@@ -102,7 +102,7 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
 
 
 def traffic_cases(dtype: torch.dtype) -> list[Case]:
-    """Mid-size shapes for the CPU bytes / floor figures (issue 11's 512 x 1024)."""
+    """Mid-size shapes for the CPU bytes / floor figures (512 x 1024)."""
     s = torch.empty((), dtype=dtype).element_size()
     out = []
     for op, formula, width in (("bias_gelu", bias_gelu_bytes, 1024),

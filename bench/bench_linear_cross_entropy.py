@@ -14,7 +14,7 @@ GEMMs and loss maths, without the all-gather of three fp32 per row). Compared wi
 - ``torch.compile`` of ``F.linear`` + ``F.cross_entropy(logits.float())``;
 - Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` when installed.
 
-The goal (issue 18): at least 1.2x faster than ``unfused`` at a tenth of its peak memory.
+The goal: at least 1.2x faster than ``unfused`` at a tenth of its peak memory.
 
 FLOPs: the op is GEMM-bound. Forward ``2*N*H*V`` (one GEMM); forward+backward ``6*N*H*V`` (the
 forward GEMM and the two gradient GEMMs). A fused loss that keeps no logits recomputes them in

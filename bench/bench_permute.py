@@ -93,7 +93,7 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
 
 
 def traffic_cases(dtype: torch.dtype) -> list[Case]:
-    """Mid-size shape for the CPU bytes / floor figures (issue 11's T=256, k=4, E=16, with a
+    """Mid-size shape for the CPU bytes / floor figures (T=256, k=4, E=16, with a
     hidden size where the token rows, not the indices, dominate)."""
     s = torch.empty((), dtype=dtype).element_size()
     T, H, E, k = 256, 512, 16, 4

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from mtp.testing.numerics import relative_error_limit
+
 __all__ = [
     "DTYPES",
     "Case",
@@ -190,11 +192,9 @@ def upcast(t: torch.Tensor | None, provider: str) -> torch.Tensor | None:
 
 #: Largest accepted ``||out - ref|| / ||ref||`` per dtype (METHOD.md: fp32 far under 1e-3, tf32
 #: near 3e-4, bf16 operands between 1e-3 and 1e-2; a bit of margin on top).
-_LIMITS = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float64: 1e-9}
-
-
 def check_limit(dtype: torch.dtype) -> float:
-    return _LIMITS.get(dtype, 0.0)
+    """The largest relative error a provider's output may have (``mtp.testing.numerics``)."""
+    return relative_error_limit(dtype)
 
 
 #: Elements per float64 chunk in :func:`rel_err` (32 MiB of float64 per operand): the check of

@@ -13,6 +13,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from mtp import settings
+
 __all__ = ["prepare_runtime", "environment", "device_folder", "git_revision"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,8 +48,8 @@ def git_revision() -> str | None:
     """``<sha>`` of the mtp checkout (``+dirty`` with uncommitted changes); outside git (the
     copy a lent GPU machine gets) ``$MTP_REVISION`` (``tools/gpu_check.py`` sets it to the
     commit the bundle was made at), else None."""
-    if os.environ.get("MTP_REVISION"):
-        return os.environ["MTP_REVISION"]
+    if settings.current().revision:
+        return settings.current().revision
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10

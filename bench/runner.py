@@ -21,14 +21,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
 import torch
+
+from mtp import settings
 
 from .core import FLOAT64, Case, Provider, Skip, check_limit, dtype_name, rel_err
 
@@ -125,22 +126,9 @@ class Progress:
             self.bar.close()
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def poisoned(on: bool = True):
     """Op outputs start as NaN (``mtp.utils.empty``) inside: unwritten elements fail the check."""
-    return _env("MTP_POISON_OUTPUTS", "1" if on else "0")
+    return settings.override(poison_outputs=on)
 
 
 def _detach(out) -> list[torch.Tensor]:

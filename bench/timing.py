@@ -7,7 +7,7 @@ For one :class:`~mtp.bench.core.Run`:
   flushes the L2 cache, so memory-bound ops are timed from HBM, not from the cache;
 - **host time per call**: the time to *issue* one call, on a host clock, from an idle device up
   to the return of the Python call, before synchronising (median of many calls): the CPU
-  overhead that decides multi-stream against one-launch grouped GEMM (seed 003);
+  overhead that decides multi-stream against one-launch grouped GEMM;
 - **launches per call**: kernels (and memcpy/memset) the profiler sees on the device for one
   call;
 - **peak memory**: ``torch.cuda.max_memory_allocated`` during one call, above what was allocated

@@ -18,11 +18,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator, Sequence
 
 import torch
+
+from mtp import settings
+from mtp.dtypes import dtype_name
 
 _state = threading.local()
 
@@ -77,25 +79,17 @@ def data_checks_enabled(validate: bool | str, *tensors: torch.Tensor) -> bool:
     return not any(_is_fake_or_traced(t) for t in tensors if isinstance(t, torch.Tensor))
 
 
-_MODES = {"device": "device", "sync": "sync", "off": "off", "0": "off", "false": "off"}
-
-
 def validation_mode(validate: bool | str) -> str:
     """``"device"``, ``"sync"`` or ``"off"`` for an op's ``validate`` argument.
 
-    ``True`` means the default, ``"device"``, unless ``MTP_VALIDATE`` says otherwise
-    (``sync``, ``device`` or ``off``); ``False`` is always ``"off"``; a string is taken as it is.
+    ``True`` means the ``validate`` setting (``MTP_VALIDATE``, default ``"device"``; see
+    :mod:`mtp.settings`); ``False`` is always ``"off"``; a string is taken as it is.
     Raises ``ValueError`` naming ``validate`` for anything else.
     """
     if validate is False:
         return "off"
     if validate is True:
-        env = os.environ.get("MTP_VALIDATE", "").strip().lower()
-        if not env:
-            return "device"
-        if env not in _MODES:
-            raise ValueError(f"MTP_VALIDATE must be one of sync, device, off; got {env!r}")
-        return _MODES[env]
+        return settings.current().validate
     if isinstance(validate, str) and validate in ("device", "sync", "off"):
         return validate
     raise ValueError(f"validate must be True, False, 'device', 'sync' or 'off'; got {validate!r}")
@@ -136,8 +130,9 @@ def check_values(
 
 
 def poison_enabled() -> bool:
-    """True when ``MTP_POISON_OUTPUTS`` asks for poisoned output buffers (tests and debugging)."""
-    return os.environ.get("MTP_POISON_OUTPUTS", "0") not in ("", "0")
+    """True when the ``poison_outputs`` setting (``MTP_POISON_OUTPUTS``) asks for poisoned output
+    buffers (tests and debugging)."""
+    return settings.current().poison_outputs
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
@@ -165,10 +160,6 @@ def empty(
 def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`empty` with ``t``'s shape and device (and dtype unless given)."""
     return empty(t.shape, dtype=dtype or t.dtype, device=t.device)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def check_tensor(
@@ -200,8 +191,8 @@ def check_tensor(
                 f"{name} must be {want}, got a {value.dim()}-D tensor of shape {tuple(value.shape)}"
             )
     if dtypes is not None and value.dtype not in dtypes:
-        want = ", ".join(_dtype_name(d) for d in dtypes)
-        raise TypeError(f"{name} must have dtype in ({want}), got {_dtype_name(value.dtype)}")
+        want = ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({want}), got {dtype_name(value.dtype)}")
     if device is not None and value.device != torch.device(device):
         raise ValueError(f"{name} must be on {device} (like the other inputs), got {value.device}")
     return value

@@ -1,4 +1,4 @@
-"""Before/after table of issue 11 for permute/unpermute/bias-act (not a test; run by hand):
+"""Bytes / floor table for permute/unpermute/bias-act (not a test; run by hand):
 
     TRITON_INTERPRET=1 PYTHONPATH=. python tests/_traffic_table_permute_bias_act.py
 

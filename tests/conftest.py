@@ -4,6 +4,10 @@ Without CUDA the Triton kernels run under the interpreter on CPU tensors: ``TRIT
 is set here, before anything imports triton. ``MTP_POISON_OUTPUTS=1`` makes every op output
 start as NaN (or a sentinel), so an element a kernel forgets to write fails the test.
 
+Every test starts and ends with :func:`mtp.settings.reset` (the autouse ``mtp_settings``
+fixture): ``MTP_*`` variables read afresh, no :func:`mtp.settings.configure` value left over. A
+test changes a setting with ``mtp.settings.override(...)`` or ``mtp.settings.configure(...)``.
+
 Markers: ``gpu`` (skipped without CUDA, with the reason) and ``slow`` (skipped unless
 ``--runslow`` or ``-m slow``).
 """
@@ -23,6 +27,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import pytest  # noqa: E402
 
+from mtp import settings  # noqa: E402
+
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
@@ -39,6 +45,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)
+
+
+@pytest.fixture(autouse=True)
+def mtp_settings():
+    """The settings of mtp (:mod:`mtp.settings`), reset before and after each test."""
+    settings.reset()
+    yield settings
+    settings.reset()
 
 
 @pytest.fixture

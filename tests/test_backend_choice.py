@@ -3,19 +3,21 @@
 import pytest
 import torch
 
+from mtp import settings
 from mtp.ops._backend import resolve_backend
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def test_auto_is_triton_on_cuda_and_reference_on_cpu(monkeypatch):
-    monkeypatch.delenv("MTP_BACKEND", raising=False)
+    settings.configure(backend=None)
     assert resolve_backend("op", "auto", CUDA, ("triton", "reference")) == "triton"
     assert resolve_backend("op", "auto", CPU, ("triton", "reference")) == "reference"
 
 
 def test_env_steers_auto_only_when_the_op_has_it(monkeypatch):
     monkeypatch.setenv("MTP_BACKEND", "multistream")
+    settings.reload()
     assert resolve_backend("gg", "auto", CUDA, ("triton", "multistream", "reference")) == "multistream"
     assert resolve_backend("gelu", "auto", CUDA, ("triton", "reference")) == "triton"
     assert resolve_backend("gg", "reference", CUDA, ("triton", "multistream", "reference")) == "reference"

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mtp import settings
 from mtp.bench import bench_bias_act, bench_grouped_gemm, bench_moe_layer, bench_permute, cli, core
 from mtp.bench import runner
 from mtp.bench.core import Case, Provider, Run, Skip
@@ -138,6 +139,7 @@ def test_revision_comes_from_the_bundle_where_there_is_no_git(monkeypatch):
     from mtp.bench import env
 
     monkeypatch.setenv("MTP_REVISION", "abc123def456")
+    settings.reload()
     assert env.git_revision() == "abc123def456"
     assert env.environment("cpu")["mtp_revision"] == "abc123def456"
 

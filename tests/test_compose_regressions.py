@@ -1,4 +1,4 @@
-"""Regression tests of issue 28's defects where parallelisms compose (each failed before):
+"""Regression tests of defects where parallelisms compose (each failed before its fix):
 
 1. the global grad norm at expert tensor parallelism (etp > 1) counted the experts' shards of
    expert-TP rank 0 only (``clip_grad_norm`` and ``DistributedOptimizer``);
@@ -194,7 +194,7 @@ def test_finish_grad_sync_holds_what_bytes_per_parameter_reports():
         opt.zero_grad()
         model(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).sum().backward()
         opt.step()
-        assert opt.bytes_per_parameter() == 18  # seed 004's figure, bf16 param + fp32 grad
+        assert opt.bytes_per_parameter() == 18  # 6 + 12/d at d=1, bf16 param + fp32 grad
         assert _held_bytes(model, opt) == 18 * n  # what is really held after the step
     opt.zero_grad()
     model(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).sum().backward()

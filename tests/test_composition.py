@@ -37,7 +37,7 @@ from compose_model import (
     reference_run,
     shard,
 )
-from mtp.testing import assert_close, run_distributed
+from mtp.testing import assert_close, own_error_atol, run_distributed
 
 FACTOR = 16  # allowed error: this many times PyTorch's own float32 error (plus a floor)
 
@@ -74,7 +74,8 @@ def draw_configs(world: int, n: int, seed: int) -> list[Config]:
     return out
 
 
-# The default suite's subset: every kind of parallelism and each defect of issue 28 at least once
+# The default suite's subset: every kind of parallelism and each defect of
+# tests/test_compose_regressions.py at least once
 FAST = [
     Config(2, tp=2, ep=1, etp=2, sp=True, optim="ddp", micro_batches=2, seed=1),
     Config(2, tp=2, ep=2, etp=1, sp=True, dispatcher="allgather", capacity=1.0,
@@ -91,9 +92,8 @@ def _tol(ref64: dict, ref32: dict, key: str) -> dict:
     """Per-tensor absolute tolerance: FACTOR x float32 PyTorch's error, at least a few ulps."""
     out = {}
     for name, want in ref64[key].items():
-        err = float((ref32[key][name].double() - want).abs().max())
         floor = 4 * 2.0**-23 * float(want.abs().max())
-        out[name] = FACTOR * max(err, floor) + 1e-12
+        out[name] = own_error_atol(ref32[key][name], want, FACTOR, floor=floor) + 1e-12
     return out
 
 
@@ -162,7 +162,7 @@ def _run_config(cfg: Config, exp: dict) -> dict:
         lce = VocabParallelLinearCrossEntropy.from_column_parallel(model.head)
         dp_rank, dp_group = mp.get_data_parallel_rank(), mp.get_data_parallel_group()
         mb = cfg.micro_batches
-        if mb > 1:  # the aux losses' gradient must be scaled like the main loss (issue 28, 4)
+        if mb > 1:  # the aux losses' gradient must be scaled like the main loss
             MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0 / mb)
         got = {"ce": [], "norm": []}
         for step in range(2):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtp import ops
+from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch
 from mtp.ops.grouped_gemm_config import make_config
 from mtp.moe import GroupedMLP
@@ -76,7 +76,7 @@ def test_tma_kernel_bias_epilogue():
 
 def test_bias_costs_no_extra_launch_or_aten_op(monkeypatch):
     """Triton: the bias is read in the epilogue (E x N elements), nothing else is added."""
-    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+    settings.configure(poison_outputs=False)
     x, w, bias, _ = _inputs(torch.float32, False, seed=5)
     counts = torch.tensor(SIZES)
     seen = []

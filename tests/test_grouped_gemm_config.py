@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mtp import settings
+
 from mtp.ops import grouped_gemm_config as gc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,16 +50,19 @@ def test_every_branch_says_why():
 
 def test_tma_only_where_the_operands_allow(monkeypatch):
     monkeypatch.delenv("MTP_TRITON_TMA", raising=False)
+    settings.reload()
     args = (torch.bfloat16, 8 * 512, 4096, 4096, 8)
     assert gc.make_config(9, *args, tma_ok=True, sms=132).kernel == "tma"
     assert gc.make_config(8, *args, tma_ok=True, sms=108).kernel == "pointer"  # pre-Hopper
     assert gc.make_config(0, *args, tma_ok=True).kernel == "pointer"  # interpreter default
     for setting in ("1", "0"):
         monkeypatch.setenv("MTP_TRITON_TMA", setting)
+        settings.reload()
         assert gc.make_config(0, *args, tma_ok=True).kernel == ("tma" if setting == "1"
                                                                  else "pointer")
         assert gc.make_config(9, *args, tma_ok=False, sms=132).kernel == "pointer"
     monkeypatch.setenv("MTP_TRITON_TMA", "1")
+    settings.reload()
     with gc.override(kernel="pointer"):  # the override wins over the setting
         assert gc.make_config(9, *args, tma_ok=True, sms=132).kernel == "pointer"
     with gc.override(kernel="tma"):  # never where the operands do not allow
@@ -66,6 +71,7 @@ def test_tma_only_where_the_operands_allow(monkeypatch):
 
 def test_override_nests_restores_and_reaches_other_threads(monkeypatch):
     monkeypatch.delenv("MTP_TRITON_TMA", raising=False)
+    settings.reload()
     args = (9, torch.bfloat16, 8 * 512, 4096, 4096, 8)
     default = gc.make_config(*args, tma_ok=True, sms=132)
     with gc.override(kernel="pointer"):
@@ -122,7 +128,9 @@ def test_environment_read_in_one_function():
         for where in _environ_reads(ast.parse(path.read_text())):
             reads.setdefault(f"{path.name}:{where}", 0)
             reads[f"{path.name}:{where}"] += 1
-    assert reads == {"grouped_gemm_config.py:_tma_setting": 1}, reads
+    # MTP_TRITON_TMA comes through mtp.settings (read once there); these files read nothing
+    assert reads == {}, reads
+    assert "settings.current().triton_tma" in (ROOT / "mtp/ops/grouped_gemm_config.py").read_text()
 
 
 def test_files_are_short_and_import_only_downward():

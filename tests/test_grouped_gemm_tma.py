@@ -18,7 +18,7 @@ import tempfile
 import pytest
 import torch
 
-from mtp import ops
+from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch, tiles
 from mtp.kernels.grouped_gemm_details import tma as tk
 from mtp.ops import grouped_gemm_config as gc
@@ -142,9 +142,11 @@ def test_op_forward_backward_through_tma(monkeypatch, trans_b, how):
     w.requires_grad_()
     if how == "env":
         monkeypatch.setenv("MTP_TRITON_TMA", "1")
+        settings.reload()
         y = ops.grouped_gemm(a, w, counts, trans_b=trans_b, backend="triton")
     else:
         monkeypatch.setenv("MTP_TRITON_TMA", "0")  # the override wins over the setting
+        settings.reload()
         with gc.override(kernel="tma"):
             y = ops.grouped_gemm(a, w, counts, trans_b=trans_b, backend="triton")
     b = _w_kn(w.detach(), trans_b)

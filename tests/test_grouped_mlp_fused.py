@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp import ops
+from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch, pointer
 from mtp.kernels.grouped_gemm_details import tma as ktma
 from mtp.kernels.grouped_gemm_details.epilogue import ACTIVATIONS
@@ -143,7 +143,7 @@ def test_kernels_write_every_element_and_zero_the_tail():
 
 
 def test_structure_four_gemm_launches_and_no_elementwise_pass(monkeypatch):
-    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")  # the suite's NaN fill is not the op's work
+    settings.configure(poison_outputs=False)  # the suite's NaN fill is not the op's work
     t, dout = _inputs(torch.float32, "swiglu", True, True, seed=5)
     leaves = [t[k].clone().requires_grad_() for k in ("x", "w1", "w2", "probs", "b1", "b2")]
     counts = torch.tensor(SIZES)
@@ -169,7 +169,7 @@ def test_bytes_fused_vs_unfused(monkeypatch):
     """The fused step moves less than the unfused chain: forward, its epilogue writes h and y
     once (the chain also re-reads h, writes and re-reads the activation and the scaled copy);
     backward, dh comes out of fc2's data-gradient epilogue."""
-    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+    settings.configure(poison_outputs=False)
     t, _ = _inputs(torch.float32, "swiglu", True, True, seed=6)
     counts = torch.tensor(SIZES)
     args = [t[k] for k in ("x", "w1", "w2")]

@@ -7,7 +7,6 @@ parameters over the expert-data-parallel group): no manual scaling."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mtp.parallel as mp
+from mtp import settings
 from mtp.moe import MoELayer, RankMismatchError
 from mtp.moe.experts import fc1_shard_columns
 from mtp.testing import assert_close, run_distributed
@@ -187,13 +187,10 @@ def _mismatch():
                 assert "rank 1" in str(info.value) or "rank 2" in str(info.value)
             else:  # capacity: a device-side assert (no sync); the sync mode names the values
                 assert "ranks [0, 1, 2, 3]" in str(info.value)
-                os.environ["MTP_VALIDATE"] = "sync"
-                try:
+                with settings.override(validate="sync"):
                     layer.token_dispatcher.check_ranks = True
                     with pytest.raises(RankMismatchError, match="rank 2: 7"):
                         layer(x)
-                finally:
-                    del os.environ["MTP_VALIDATE"]
     finally:
         mp.destroy_model_parallel()
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mtp import settings
 import mtp.ops
 from mtp.kernels import bias_act as kernels
 from mtp.testing import assert_close, assert_graph_safe, compile_for_targets
@@ -150,7 +151,7 @@ def test_empty(act, device):
 
 @pytest.mark.parametrize("act", ACTS)
 def test_reference_and_auto_backends(act, device, monkeypatch):
-    monkeypatch.delenv("MTP_BACKEND", raising=False)
+    settings.configure(backend=None)
     torch.manual_seed(4)
     x = torch.randn(7, 36, dtype=torch.bfloat16, device=device)
     bias = torch.randn(36, dtype=torch.bfloat16, device=device)

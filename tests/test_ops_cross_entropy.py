@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mtp import settings
 import mtp.tensor_parallel
 from mtp.kernels import cross_entropy as kernels
 from mtp.ops.cross_entropy import (
@@ -291,7 +292,7 @@ def test_all_rows_ignored(device):
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
 def test_reference_and_auto_backends(backend, device, monkeypatch):
-    monkeypatch.delenv("MTP_BACKEND", raising=False)
+    settings.configure(backend=None)
     logits, target = make_inputs((2, 3), 77, torch.bfloat16, device)
     check(logits, target, backend=backend, label_smoothing=0.2, z_loss_weight=1e-2)
     assert torch.equal(
@@ -446,7 +447,7 @@ def ce_floor(rows, vocab, elem, target_elem, grad=True):
 def test_bytes_launches_and_syncs(rows, vocab, dtype, reduction, inplace, monkeypatch):
     from mtp.testing.traffic import count_traffic
 
-    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")  # the NaN fill of outputs is a test extra
+    settings.configure(poison_outputs=False)  # the NaN fill of outputs is a test extra
     logits, target = make_inputs((rows,), vocab, dtype, "cpu", ignore_every=7)
     kwargs = dict(reduction=reduction, label_smoothing=0.1, inplace_backward=inplace,
                   backend="triton")
@@ -483,7 +484,7 @@ def test_bytes_launches_and_syncs(rows, vocab, dtype, reduction, inplace, monkey
 def test_forward_without_grad_reads_the_logits_once(monkeypatch):
     from mtp.testing.traffic import count_traffic
 
-    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+    settings.configure(poison_outputs=False)
     logits, target = make_inputs((32,), 4099, torch.float32, "cpu")
     with count_traffic() as t:
         loss = vocab_parallel_cross_entropy(logits, target, backend="triton", validate=False)

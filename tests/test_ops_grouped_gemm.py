@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from mtp import ops
+from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch, pointer
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
 from mtp.ops.grouped_gemm_config import make_config, override
@@ -209,12 +209,12 @@ def test_non_contiguous_inputs(device):
 def test_auto_and_env_choose_the_backend(monkeypatch, device):
     """``auto``: the Triton kernel on CUDA, the reference on CPU; ``MTP_BACKEND`` steers it."""
     x, w, counts, _ = make_inputs([3, 4], 9, 8, 8, torch.float32, False, device)
-    monkeypatch.delenv("MTP_BACKEND", raising=False)
+    settings.configure(backend=None)
     launches = _count_runs(monkeypatch, pointer.grouped_gemm_kernel)
     y = ops.grouped_gemm(x, w, counts)
     assert len(launches) == (1 if device.type == "cuda" else 0)
     assert_close(y, expected_forward(x, w, [3, 4], False))
-    monkeypatch.setenv("MTP_BACKEND", "sequential")
+    settings.configure(backend="sequential")
     assert _count_mm(lambda: ops.grouped_gemm(x, w, counts)) == 2
     assert len(launches) == (1 if device.type == "cuda" else 0)
 

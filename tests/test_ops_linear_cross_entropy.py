@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mtp import settings
 from mtp.ops.linear_cross_entropy import default_chunk_size, linear_cross_entropy
-from mtp.testing import compile_for_targets, count_collectives, count_host_syncs, run_distributed
+from mtp.testing import (
+    compile_for_targets, count_collectives, count_host_syncs, run_distributed, tolerance,
+)
 from test_ops_bias_act import ptxas_table
-
-TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
-
 
 def _reference(h, w, b, t, eps=0.0, ignore=-100, z=0.0, reduction="mean"):
     """float64 loss of the unfused pair; logits rounded to the input dtype first."""
@@ -66,7 +66,7 @@ def _reference_from_logits(logits, t, eps=0.0, ignore=-100, z=0.0, reduction="me
 
 
 def _close(a, b, dtype, what):
-    rtol, atol = TOL[dtype]
+    rtol, atol = tolerance(dtype, "linear_cross_entropy")
     torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
@@ -158,7 +158,7 @@ def test_triton_path_bytes_launches_and_syncs(monkeypatch):
     vocab-wide tensor; no host sync, no collective at tp = 1."""
     from mtp.testing.traffic import count_traffic
 
-    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+    settings.configure(poison_outputs=False)
     n, hsz, v, chunk = 96, 16, 1024, 32
     hidden, weight, _, target, _ = _inputs(n, hsz, v, torch.float32, seed=5, bias=False)
     leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
@@ -186,7 +186,7 @@ def test_fused_forward_writes_no_logits(monkeypatch):
     and vocab share, not the logits; the loss and gradients equal float64."""
     from mtp.testing.traffic import count_traffic
 
-    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+    settings.configure(poison_outputs=False)
     n, hsz, v, chunk = 64, 16, 512, 32
     hidden, weight, b, target, _ = _inputs(n, hsz, v, torch.float32, seed=8)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, b)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtp import settings
 import mtp.ops
 from mtp.kernels import moe_permute as kernels
 from mtp.ops import permute, unpermute
@@ -308,7 +309,7 @@ def test_validate_false_pads_or_truncates_like_megatron():
 
 
 def test_auto_backend_on_cpu_is_the_reference(monkeypatch):
-    monkeypatch.delenv("MTP_BACKEND", raising=False)
+    settings.configure(backend=None)
     routing_map, probs, _ = topk_routing(11, 4, 2)
     tokens = torch.randn(11, 5)
     auto = permute(tokens, routing_map, probs, 22)

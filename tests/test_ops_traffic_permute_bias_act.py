@@ -1,5 +1,5 @@
-"""Byte floor, launch counts and host syncs of permute / unpermute / bias-act (issue 11), plus
-their robustness cases (issue 17), AOT builds of the new kernels and the shared token map.
+"""Byte floor, launch counts and host syncs of permute / unpermute / bias-act, plus
+their robustness cases, AOT builds of the new kernels and the shared token map.
 
 Bytes are counted by address under the Triton interpreter (:mod:`mtp.testing.traffic`: unique
 bytes per program, summed) and divided by the fewest bytes each op must move (the formulas of
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtp import settings
 import mtp.ops
 from mtp.kernels import bias_act as bias_kernels
 from mtp.kernels import moe_permute as perm_kernels
@@ -27,7 +28,7 @@ MAX_RATIO = 1.10
 
 @pytest.fixture(autouse=True)
 def _no_poison(monkeypatch):
-    monkeypatch.setenv("MTP_POISON_OUTPUTS", "0")
+    settings.configure(poison_outputs=False)
 
 
 def _routing(seed=0, tokens=T):
@@ -237,7 +238,7 @@ def test_row_map_kernels_over_many_chunks(monkeypatch):
             assert torch.equal(a, b)
 
 
-# --- robustness (issue 17) --------------------------------------------------------------------
+# --- robustness --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

@@ -1,4 +1,4 @@
-"""mtp.optim on one process: the seed's index ranges and bytes-per-parameter table, the loss
+"""mtp.optim on one process: the index ranges and bytes-per-parameter table, the loss
 scaler, the optimizer at d=1 (ZeRO layout and the unsharded mixed-precision path) against plain
 PyTorch, checkpoints and full state dicts without torch.distributed, and bad input."""
 
@@ -40,7 +40,7 @@ def _train(model, opt, steps, start=0, dtype=torch.float32, scale=False):
 
 
 def test_seed_index_ranges():
-    # Seed 004's picture: 16 fp16 elements over 4 data-parallel ranks, 4 parameters laid out
+    # The ZeRO-1 picture: 16 fp16 elements over 4 data-parallel ranks, 4 parameters laid out
     # green (3), yellow (5), blue (6), red (2) in the buffer, i.e. the reverse of model order.
     sizes = {"green": 3, "yellow": 5, "blue": 6, "red": 2}
     params = {k: nn.Parameter(torch.zeros(n, dtype=torch.float16)) for k, n in sizes.items()}
@@ -99,7 +99,7 @@ def test_seed_index_ranges():
 
 def test_bytes_per_parameter_table():
     f16, f32 = torch.float16, torch.float32
-    # seed 004: 20 / 18 / 16 bytes without ZeRO; 4 + 16/d, 6 + 12/d, 8 + 8/d with it
+    # 20 / 18 / 16 bytes without ZeRO; 4 + 16/d, 6 + 12/d, 8 + 8/d with it
     for d in (1, 2, 4, 8):
         assert bytes_per_parameter_formula(f16, f16, "adam", d) == 4 + 16 / d
         assert bytes_per_parameter_formula(f16, f32, "adam", d) == 6 + 12 / d

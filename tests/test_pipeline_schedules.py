@@ -74,7 +74,7 @@ def test_hand_worked_orders():
     assert get_pp_rank_microbatches(5, 2, 3, 2, 0) == (10, False, 5, 5)
     assert get_pipeline_order(2, 0, 5, 2, 3) == [
         1, 1, 1, 2, 2, 2, -2, 1, -2, 1, -2, 2, -1, 2, -1, -1, -2, -2, -1, -1]
-    # Seed 003: PP4 VP2 M8 (group 4), rank 0: warm-up 10.
+    # PP4 VP2 M8 (group 4), rank 0: warm-up 10.
     assert get_pipeline_order(4, 0, 8, 2) == [
         1, 1, 1, 1, 2, 2, 2, 2, 1, 1,
         1, -2, 1, -2, 2, -2, 2, -2, 2, -1, 2, -1,

@@ -1,4 +1,4 @@
-"""Rank generator: seed 001's worked examples, an independent oracle, properties, validation."""
+"""Rank generator: worked examples (16 ranks), an independent oracle, properties, validation."""
 
 import itertools
 
@@ -35,7 +35,7 @@ def oracle_groups(sizes, mask):
     return arranged.reshape(world // group_size, group_size).tolist()
 
 
-# --- seed 001, worked examples (16 ranks) ---------------------------------------------------
+# --- worked examples (16 ranks) ------------------------------------------------------------
 
 
 def test_seed_dense_tp4_pp2_dp2():

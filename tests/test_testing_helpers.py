@@ -116,7 +116,7 @@ def test_run_distributed_retries_a_taken_rendezvous_port(monkeypatch):
     is retried on a new port instead of failing with EADDRINUSE."""
     import socket
 
-    import mtp.testing as testing
+    import mtp.testing.distributed as testing
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))

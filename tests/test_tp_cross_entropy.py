@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import mtp.parallel
 import mtp.tensor_parallel
+from mtp import settings
 from mtp.kernels.cross_entropy import LANES, vector_width
 from mtp.ops.cross_entropy import TargetOutOfRangeError, vocab_parallel_cross_entropy
 from mtp.parallel.errors import RankMismatchError
@@ -147,9 +148,7 @@ def _structure(rank, world, group):
     full = torch.randn(rows, shard * world, generator=gen)
     target = torch.randint(0, shard * world, (rows,), generator=gen)
     x = full[:, rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
-    import os
-
-    os.environ["MTP_POISON_OUTPUTS"] = "0"  # the NaN fill of outputs is a test-suite extra
+    settings.configure(poison_outputs=False)  # the NaN fill of outputs is a test-suite extra
     kwargs = dict(group=group, reduction="mean", backend="triton")
     vocab_parallel_cross_entropy(x, target, **kwargs)  # warm-up
     with count_traffic() as fwd, count_collectives() as coll:

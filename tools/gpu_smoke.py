@@ -36,10 +36,10 @@ def import_all() -> dict:
     import mtp
 
     ok, failed = [], {}
-    names = [m.name for m in pkgutil.walk_packages(mtp.__path__, "mtp.")]
-    names += ["mtp.kernels." + m.name for m in pkgutil.iter_modules([str(ROOT / "kernels")])]
-    names += ["mtp.bench." + m.name for m in pkgutil.iter_modules([str(ROOT / "bench")])
-              if not m.name.startswith(("test_", "conftest", "__main__"))]  # fmt: skip
+    # mtp.kernels and mtp.bench are subpackages (links to kernels/ and bench/): the walk finds
+    # them; the bench's pytest modules and its __main__ (which runs the CLI) are not imported.
+    names = [m.name for m in pkgutil.walk_packages(mtp.__path__, "mtp.")
+             if not m.name.rpartition(".")[2].startswith(("test_", "conftest", "__main__"))]
     for name in sorted(set(names) - {"mtp._cuda_gemm"}):
         try:
             importlib.import_module(name)

@@ -167,7 +167,7 @@ def _record(module: str, qualname: str, targets) -> None:
 
 
 def _instrument() -> None:
-    import mtp.testing as mt
+    import mtp.testing.aot as mt
 
     worker_compile = mt._WORKER.compile
     compile_here = mt._compile_here

@@ -4,7 +4,7 @@ CUDA graphs read their inputs from, and write their outputs to, fixed addresses.
 microbatch its own buffers makes their memory grow with the number of microbatches; but in a
 pipeline order a backward (``-c``) ends the life of its forward's activations, so the next
 forward of the chunk can take that forward's buffers (Transformer Engine's
-``_reuse_graph_input_output_buffers``; seed 003's rule). Simulating the order with a free list
+``_reuse_graph_input_output_buffers``). Simulating the order with a free list
 gives every forward a *slot*; the live slots at any time are the forwards in flight, so the
 number of slots is bounded by the pipeline depth, not by the microbatch count.
 

@@ -386,8 +386,9 @@ def apply_kernels(
             expert group of that size, a model that is already patched.
         TypeError: a model that is not a causal LM, non-bool flags.
     """
-    from . import hf
     from .hf_moe import MOE_BLOCKS, swap_moe_blocks
+    from .hf_parallel import parallelize_hf
+    from .hf_state import _INFO, _num_experts
 
     tp, ep = _check_size("tp", tp), _check_size("ep", ep)
     sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
@@ -412,13 +413,13 @@ def apply_kernels(
                 f"apply_kernels: at tp={tp} the experts are split over the tensor-parallel "
                 f"group, so ep must be {tp} (or 1 for the same), got {ep}"
             )
-        hf.parallelize_hf(model, tp, sequence_parallel=sequence_parallel,
+        parallelize_hf(model, tp, sequence_parallel=sequence_parallel,
                           ep=tp if moe else None)  # fmt: skip
-        group = getattr(model, hf._INFO)["group"]
+        group = getattr(model, _INFO)["group"]
     else:
         if sequence_parallel:
             raise ValueError("apply_kernels: sequence_parallel=True needs tp > 1")
-        if hasattr(model, hf._INFO):
+        if hasattr(model, _INFO):
             raise ValueError(
                 "apply_kernels: the model is already parallelized; call apply_kernels on the "
                 "plain model with tp=... (it runs parallelize_hf itself)"
@@ -428,8 +429,8 @@ def apply_kernels(
                                   split_tokens=False) if moe else {}  # fmt: skip
         group = None
         info = {"group": None, "ep_group": ep_group, "family": family, "conv1d": set(),
-                "renames": renames, "num_experts": hf._num_experts(model.config)}  # fmt: skip
-        setattr(model, hf._INFO, info)
+                "renames": renames, "num_experts": _num_experts(model.config)}  # fmt: skip
+        setattr(model, _INFO, info)
     apply_kernels_to_model(model, group, sequence_parallel=sequence_parallel,
                            fused_loss=fused_loss)  # fmt: skip
     return model

@@ -202,7 +202,7 @@ class Trainer(transformers.Trainer):
         Collective for a model split by mtp: call it on every rank."""
         if not self._split_by_mtp():
             return super().save_model(output_dir, _internal_call)
-        from .hf import hf_state_dict
+        from .hf_state import hf_state_dict
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         full = hf_state_dict(self.model)
@@ -250,13 +250,13 @@ class Trainer(transformers.Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self._split_by_mtp():
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from .hf import load_hf_state_dict
+        from .hf_state import load_hf_state_dict
 
         load_hf_state_dict(self.model, resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
         if not self._split_by_mtp():
             return super()._load_best_model()
-        from .hf import load_hf_state_dict
+        from .hf_state import load_hf_state_dict
 
         load_hf_state_dict(self.model, self.state.best_model_checkpoint)

@@ -6,7 +6,6 @@ the older flat form), when the ranks' agreement is checked, and the all-to-all d
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from mtp.moe.config import DispatcherConfig
 from mtp.moe.preprocess import MoEPreprocessResult
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops.moe_permute import TokenMap
+from mtp.parallel.agreement import check_collectives_enabled
 from mtp.parallel.dims import ParallelDims
 from mtp.utils import data_checks_enabled, is_capturing
 
@@ -127,7 +127,7 @@ class TokenDispatcherBase:
             return False
         if not data_checks_enabled(True, like) or is_capturing():
             return False
-        every = self.check_ranks or os.environ.get("MTP_CHECK_COLLECTIVES", "0") not in ("", "0")
+        every = self.check_ranks or check_collectives_enabled()
         if self._checked_once and not every:
             return False
         self._checked_once = True

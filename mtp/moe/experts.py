@@ -20,13 +20,11 @@ no-sync, graph-safe structure on the CPU too.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtp import ops
+from mtp import ops, settings
 from mtp.ops._backend import resolve_backend
 from mtp.ops.grouped_mlp import clamped_swiglu
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, torch_grouped_mm, grouped_gemm
@@ -405,7 +403,7 @@ class GroupedMLP(nn.Module):
         if (
             self.backend == "auto"
             and device.type == "cpu"
-            and os.environ.get("MTP_BACKEND", "").strip() not in GROUPED_GEMM_BACKENDS
+            and settings.current().backend not in GROUPED_GEMM_BACKENDS
             and torch_grouped_mm() is not None
         ):
             return "torch"

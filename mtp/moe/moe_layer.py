@@ -45,7 +45,7 @@ __all__ = ["MoELayer"]
 
 logger = logging.getLogger("mtp")
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from mtp.dtypes import KERNEL_FLOATS as _FLOAT_DTYPES  # noqa: E402
 _DISPATCHERS = {"alltoall": AllToAllTokenDispatcher, "allgather": AllGatherTokenDispatcher}
 
 

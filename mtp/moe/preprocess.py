@@ -38,7 +38,7 @@ from mtp.utils import check_tensor, data_checks_enabled, is_fake
 
 __all__ = ["MoEPreprocessResult", "preprocess"]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+from mtp.dtypes import FLOATS as _FLOAT_DTYPES  # noqa: E402
 
 
 @dataclasses.dataclass

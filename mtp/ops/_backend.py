@@ -1,13 +1,30 @@
-"""Backend choice shared by every op."""
+"""Backend choice shared by every op: what ``backend="auto"`` means (one rule, documented per op
+in :data:`mtp.settings.AUTO_BACKENDS` and ``docs/settings.md``)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
+from mtp import settings
 from mtp.kernels._common import interpreting
+
+
+def auto_backend(choices: Sequence[str], device: torch.device, reference: str = "reference") -> str:
+    """The backend ``"auto"`` picks among ``choices`` for inputs on ``device``.
+
+    The ``backend`` setting (``MTP_BACKEND``) when it names one of ``choices`` (``"reference"``
+    meaning this op's plain-PyTorch backend, ``reference``; a value this op does not have is
+    ignored, so one variable can steer several ops); otherwise ``"triton"`` on CUDA when the op
+    has it, and ``reference`` elsewhere.
+    """
+    wanted = settings.current().backend
+    if wanted == "reference":
+        wanted = reference
+    if wanted in choices:
+        return wanted
+    return "triton" if device.type == "cuda" and "triton" in choices else reference
 
 
 def resolve_backend(
@@ -22,10 +39,8 @@ def resolve_backend(
         choices: the concrete backends this op has; must include ``"reference"`` and usually
             ``"triton"``.
 
-    ``"auto"`` first honours ``MTP_BACKEND`` when it names one of ``choices`` (a value that this
-    op does not have is ignored, so one variable can steer several ops); otherwise it is
-    ``"triton"`` on CUDA and ``"reference"`` elsewhere. The Triton backend on CPU tensors needs
-    the interpreter (``TRITON_INTERPRET=1``).
+    ``"auto"`` is :func:`auto_backend`. The Triton backend on CPU tensors needs the interpreter
+    (``TRITON_INTERPRET=1``).
 
     Raises:
         ValueError: unknown backend, or ``"triton"`` on CPU without the interpreter.
@@ -33,11 +48,7 @@ def resolve_backend(
     if not isinstance(backend, str):
         raise TypeError(f"{op}: backend must be a str, got {type(backend).__name__}")
     if backend == "auto":
-        env = os.environ.get("MTP_BACKEND", "").strip()
-        if env in choices:
-            backend = env
-        else:
-            backend = "triton" if device.type == "cuda" and "triton" in choices else "reference"
+        backend = auto_backend(choices, device)
     if backend not in choices:
         raise ValueError(
             f"{op}: unknown backend {backend!r}; choose one of {['auto', *choices]}"

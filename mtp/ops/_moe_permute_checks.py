@@ -18,8 +18,8 @@ from mtp.ops._moe_token_map import TokenMap
 
 logger = logging.getLogger("mtp")
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+from mtp.dtypes import FLOATS as _FLOAT_DTYPES  # noqa: E402
+from mtp.dtypes import INDEX_DTYPES as _INDEX_DTYPES  # noqa: E402
 
 
 def routing_from_indices(indices: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mtp.dtypes import KERNEL_FLOATS
 from mtp.ops._backend import resolve_backend
 from mtp.utils import check_tensor, empty
 
@@ -29,7 +30,7 @@ __all__ = [
     "bias_swiglu_reference",
 ]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPES = KERNEL_FLOATS
 _BACKENDS = ("triton", "reference")
 _APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 # Where the activations are linear (or zero) in fp32: the maths runs on clamped values.

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mtp.dtypes import INDEX_DTYPES, KERNEL_FLOATS
 from mtp.ops._backend import resolve_backend
 from mtp.ops._cross_entropy_reference import reference_forward
 from mtp.parallel.agree import agreement
@@ -54,8 +55,8 @@ __all__ = [
     "REDUCTIONS",
 ]
 
-_LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_TARGET_DTYPES = (torch.int64, torch.int32)
+_LOGIT_DTYPES = KERNEL_FLOATS
+_TARGET_DTYPES = INDEX_DTYPES
 _BACKENDS = ("triton", "reference")
 REDUCTIONS = ("none", "mean", "sum")
 

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import os
 import threading
 from collections.abc import Iterator
 
@@ -28,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mtp import settings
 from mtp.kernels._common import interpreting, next_power_of_2
 from mtp.kernels.grouped_gemm_details.launch import tma_aligned
 
@@ -142,10 +142,9 @@ _FIELDS = {f.name for f in dataclasses.fields(GroupedGemmConfig)}
 
 
 def _tma_setting() -> bool | None:
-    """``MTP_TRITON_TMA``: ``"1"`` True, ``"0"`` False, otherwise None (the default choice).
-    The one place this module reads the environment."""
-    value = os.environ.get("MTP_TRITON_TMA", "")
-    return {"0": False, "1": True}.get(value)
+    """``MTP_TRITON_TMA`` through :mod:`mtp.settings`: True / False forced, None the default
+    choice. The one place this module reads it."""
+    return settings.current().triton_tma
 
 
 @contextlib.contextmanager

@@ -46,14 +46,14 @@ Backends (the GEMMs are cuBLAS / CPU ``torch.mm`` / ``addmm`` in both):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from mtp.kernels import linear_cross_entropy as lce_kernels
 from mtp.kernels import linear_cross_entropy_gemm as lce_gemm
 from mtp.kernels._common import interpreting
+from mtp.dtypes import FLOATS, INDEX_DTYPES
+from mtp.ops._backend import auto_backend
 from mtp.parallel.agree import agreement
 from mtp.parallel.agreement import check_collective
 from mtp.utils import check_tensor, check_values
@@ -61,8 +61,8 @@ from mtp.utils import check_tensor, check_values
 __all__ = ["linear_cross_entropy", "default_chunk_size", "REDUCTIONS", "BACKENDS"]
 
 REDUCTIONS = ("none", "mean", "sum")
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_TARGET_DTYPES = (torch.int64, torch.int32)
+_DTYPES = FLOATS
+_TARGET_DTYPES = INDEX_DTYPES
 _CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk in the default chunk size
 
 
@@ -385,9 +385,7 @@ def _resolve_backend(backend, hidden: torch.Tensor) -> str:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     fp64 = hidden.dtype == torch.float64
     if backend == "auto":
-        env = os.environ.get("MTP_BACKEND", "").strip()
-        env = "torch" if env == "reference" else env
-        backend = env if env in BACKENDS[1:] else ("triton" if hidden.is_cuda else "torch")
+        backend = auto_backend(BACKENDS[1:], hidden.device, reference="torch")
         if fp64:
             return "torch"
     if backend in _TRITON and fp64:

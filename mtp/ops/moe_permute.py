@@ -91,8 +91,8 @@ class RowMap:
     token_map: TokenMap | None
 
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+from mtp.dtypes import FLOATS as _FLOAT_DTYPES  # noqa: E402
+from mtp.dtypes import INDEX_DTYPES as _INDEX_DTYPES  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------

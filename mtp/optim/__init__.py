@@ -1,5 +1,5 @@
 """Data-parallel training pieces: gradient buffers, the distributed optimizer (ZeRO-1), loss
-scaling, gradient clipping and checkpoints (seed 004; Megatron-Core names).
+scaling, gradient clipping and checkpoints (Megatron-Core names).
 
 ================================  ===========================================================
 name                              what
@@ -17,7 +17,7 @@ name                              what
 :func:`load_checkpoint`           loadable at another data-parallel size (same TP/PP/EP)
 :func:`get_full_state_dict` /     unsharded ``state_dict`` with the original names from a
 :func:`load_full_state_dict`      tensor/expert-parallel model, and its inverse
-:func:`bytes_per_parameter_formula`  seed 004's table: ``P + G + (M + MG + S) / d``
+:func:`bytes_per_parameter_formula`  the bytes-per-parameter table: ``P + G + (M + MG + S) / d``
 ================================  ===========================================================
 
 A training loop (after ``mtp.parallel.initialize_model_parallel(...)``)::

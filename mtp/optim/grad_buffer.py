@@ -6,7 +6,7 @@ gradient dtype, dense or expert, same device). Parameters are laid out in **reve
 buckets of about ``bucket_size`` elements; a parameter never straddles two buckets. Each bucket
 is padded to a multiple of the data-parallel size ``d`` so that it splits into ``d`` equal
 shards: shard ``r`` of every bucket belongs to data-parallel rank ``r`` (its reduce-scatter
-output, its optimizer state, its all-gather input). With one bucket this is exactly seed 004's
+output, its optimizer state, its all-gather input). With one bucket this is the plain ZeRO-1
 picture: the whole buffer padded to a multiple of ``d``, rank ``r`` owning
 ``[r * n/d, (r+1) * n/d)``.
 
@@ -14,7 +14,7 @@ Every parameter's ``.main_grad`` is a view of its slice of ``grad_data``; with a
 (the distributed optimizer needs one) its ``.data`` becomes a view of ``param_data`` too, so
 the all-gather of the updated shards writes the parameters in place.
 
-Index ranges, per parameter and data-parallel rank (seed 004; Megatron's ``param_range_map``),
+Index ranges, per parameter and data-parallel rank (Megatron's ``param_range_map``),
 see :func:`param_range_map`:
 
 - ``gbuf_world``: the elements of the parameter this rank owns, in the coordinates of the whole

@@ -2,7 +2,7 @@
 
 Each data-parallel rank owns shard ``r`` of every bucket of the gradient buffers
 (:mod:`mtp.optim.grad_buffer`). For every parameter element in its shards it keeps an fp32 main
-parameter and the optimizer state; one step is (seed 004):
+parameter and the optimizer state; one step is:
 
 1. reduce-scatter of every bucket (started by the backward hooks of
    :class:`~mtp.optim.DistributedDataParallel`; :meth:`DistributedOptimizer.step` waits for them);
@@ -16,7 +16,7 @@ parameter and the optimizer state; one step is (seed 004):
    asynchronously and each module waits for its own buckets in a forward pre-hook.
 
 Main parameters are separate fp32 tensors for fp16/bf16 models; for fp32 parameters they are views
-of the parameter buffer (no copy), which is what seed 004's bytes-per-parameter table assumes:
+of the parameter buffer (no copy), which is what the bytes-per-parameter table assumes:
 
 ================================  ==================  ===============================
 parameter / gradient dtypes        without ZeRO (d=1)  distributed optimizer (d ranks)
@@ -60,7 +60,7 @@ def bytes_per_parameter_formula(
     optimizer: str | int = "adam",
     data_parallel_size: int = 1,
 ) -> float:
-    """Seed 004's bytes per parameter: ``P + G + (M + MG + S) / d`` (module docstring).
+    """Bytes per parameter: ``P + G + (M + MG + S) / d`` (module docstring).
 
     ``optimizer``: a key of :data:`OPTIMIZER_STATE_BYTES` or the state bytes per element.
     """
@@ -123,7 +123,7 @@ class DistributedOptimizer:
         optimizer: the inner torch optimizer (over the main parameters; give it to LR schedulers).
         shards: one :class:`ShardEntry` per parameter piece this rank owns.
         param_range_map: ``{param: {"gbuf_world", "gbuf_local", "param": Range, "bucket"}}``
-            (seed 004's world / local / param index ranges, :func:`mtp.optim.param_range_map`).
+            (the world / local / param index ranges, :func:`mtp.optim.param_range_map`).
     """
 
     def __init__(

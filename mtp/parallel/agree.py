@@ -52,11 +52,7 @@ __all__ = [
 # Codes: dtypes and texts as int64 values every rank computes the same way
 # --------------------------------------------------------------------------------------------
 
-_DTYPE_NAMES = (
-    "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
-    "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32",
-    "uint64", "complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-)  # fmt: skip
+from mtp.dtypes import WIRE_DTYPE_NAMES as _DTYPE_NAMES  # noqa: E402  (the one table)
 #: The one dtype table of rank agreement: ``dtype -> code`` (1-based; 0 is never a dtype).
 DTYPE_CODES: dict[torch.dtype, int] = {
     getattr(torch, n): i + 1 for i, n in enumerate(_DTYPE_NAMES) if hasattr(torch, n)

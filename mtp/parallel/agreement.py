@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from mtp import settings
 from mtp.utils import is_capturing
 
 from . import parallel_state
@@ -91,25 +92,22 @@ _ABORT_MODES = ("abort", "exit", "off")
 
 def check_collectives_enabled() -> bool:
     """True when ``MTP_CHECK_COLLECTIVES`` is set (read once, then cached)."""
-    global _check
-    if _check is None:
-        _check = os.environ.get(CHECK_COLLECTIVES_ENV, "0").strip().lower() not in _OFF
-    return _check
+    return settings.current().check_collectives if _check is None else _check
 
 
 def set_check_collectives(enabled: bool | None) -> None:
-    """Turn the debug checks on or off for this process (None: read the variable again)."""
+    """Turn the debug checks on or off for this process (None: read the variable again). The
+    MoE dispatchers read :func:`check_collectives_enabled` too."""
     global _check
+    if enabled is None:
+        settings.reload()
     _check = None if enabled is None else bool(enabled)
 
 
 def abort_on_error_mode() -> str:
     """``"abort"`` (default), ``"exit"`` or ``"off"``, from ``MTP_ABORT_ON_ERROR`` (read once,
     then cached; ``1``/``true`` mean ``abort``, ``0``/``false`` mean ``off``)."""
-    global _abort
-    if _abort is None:
-        _abort = _parse_mode(os.environ.get(ABORT_ON_ERROR_ENV, "abort"), ABORT_ON_ERROR_ENV)
-    return _abort
+    return settings.current().abort_on_error if _abort is None else _abort
 
 
 def abort_on_error_enabled() -> bool:
@@ -134,6 +132,8 @@ def set_abort_on_error(mode: bool | str | None) -> None:
     group stays usable after an error (what a test that expects an error on every rank and goes
     on using the group wants)."""
     global _abort
+    if mode is None:
+        settings.reload()
     _abort = None if mode is None else _parse_mode(mode, "set_abort_on_error(mode)")
 
 

@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtp.dtypes import FLOATS
+
 from .schedules import check_schedule_args, get_pipeline_order, order_to_steps
 
 __all__ = ["forward_backward_pipelining", "PipelineCommunicator"]
 
 _META_LEN = 10  # dtype code, ndim, up to 8 dims
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_DTYPES = FLOATS  # index = the dtype code in the metadata message
 _KIND_META, _KIND_ACT, _KIND_GRAD = 0, 1, 2
 
 

@@ -20,7 +20,7 @@ __all__ = ["ACTIVATIONS", "ParallelMLP", "apply_bias_activation"]
 
 #: Activations by name; ``swiglu`` makes fc1 twice as wide (``silu(gate) * up``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "relu", "silu")
-_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from mtp.dtypes import KERNEL_FLOATS as _FUSED_DTYPES  # noqa: E402
 
 
 def _fused_op(name: str) -> Callable | None:
