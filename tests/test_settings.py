@@ -172,7 +172,7 @@ def test_ops_read_the_settings():
 def test_every_op_backend_is_a_known_name():
     import importlib
 
-    from mtp.moe.moe_layer import _LAYER_BACKENDS
+    from mtp.moe.config import LAYER_BACKENDS as _LAYER_BACKENDS
     from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
 
     mods = [importlib.import_module(f"mtp.ops.{m}") for m in

@@ -90,24 +90,37 @@ _abort: str | None = None
 _ABORT_MODES = ("abort", "exit", "off")
 
 
+_stale = False  # set_*(None): read the environment again at the next look
+
+
+def _settings():
+    """:func:`mtp.settings.current`, re-read from the environment after a ``set_*(None)``
+    (a bad value then raises here, where the setting is used)."""
+    global _stale
+    if _stale:
+        settings.reload()
+        _stale = False
+    return settings.current()
+
+
 def check_collectives_enabled() -> bool:
     """True when ``MTP_CHECK_COLLECTIVES`` is set (read once, then cached)."""
-    return settings.current().check_collectives if _check is None else _check
+    return _settings().check_collectives if _check is None else _check
 
 
 def set_check_collectives(enabled: bool | None) -> None:
     """Turn the debug checks on or off for this process (None: read the variable again). The
     MoE dispatchers read :func:`check_collectives_enabled` too."""
-    global _check
+    global _check, _stale
     if enabled is None:
-        settings.reload()
+        _stale = True
     _check = None if enabled is None else bool(enabled)
 
 
 def abort_on_error_mode() -> str:
     """``"abort"`` (default), ``"exit"`` or ``"off"``, from ``MTP_ABORT_ON_ERROR`` (read once,
     then cached; ``1``/``true`` mean ``abort``, ``0``/``false`` mean ``off``)."""
-    return settings.current().abort_on_error if _abort is None else _abort
+    return _settings().abort_on_error if _abort is None else _abort
 
 
 def abort_on_error_enabled() -> bool:
@@ -131,9 +144,9 @@ def set_abort_on_error(mode: bool | str | None) -> None:
     True), ``"exit"``, ``"off"`` (or False); None reads ``MTP_ABORT_ON_ERROR`` again. Off, the
     group stays usable after an error (what a test that expects an error on every rank and goes
     on using the group wants)."""
-    global _abort
+    global _abort, _stale
     if mode is None:
-        settings.reload()
+        _stale = True
     _abort = None if mode is None else _parse_mode(mode, "set_abort_on_error(mode)")
 
 
