@@ -24,6 +24,7 @@ from mtp.testing import (
     assert_graph_safe,
     compile_for_targets,
     count_host_syncs,
+    own_error_atol,
     tolerance,
 )
 
@@ -90,7 +91,7 @@ def _fp32_atols(x, w, sizes, trans_b, dy, want) -> dict[str, float]:
     own = (expected_forward(x, w, sizes, trans_b, torch.float32),
            *expected_grads(x, w, sizes, trans_b, dy, torch.float32))
     table = tolerance(torch.float32)[1]
-    return {name: max(table, FP32_OWN_ERROR_FACTOR * (o.double() - e).abs().max().item())
+    return {name: max(table, own_error_atol(o, e, FP32_OWN_ERROR_FACTOR))
             for name, o, e in zip(("y", "dx", "dw"), own, want)}
 
 

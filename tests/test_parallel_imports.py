@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from import_graph import cycles
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHECKED = ("mtp.parallel", "mtp.moe", "mtp.tensor_parallel", "mtp.ops")
@@ -58,40 +59,10 @@ def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
     return edges
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    index, low, stack, on, found = {}, {}, [], set(), []
-
-    def strong(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            part = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                part.append(w)
-                if w == v:
-                    break
-            if len(part) > 1:
-                found.append(sorted(part))
-
-    for v in graph:
-        if v not in index:
-            strong(v)
-    return found
-
-
 def test_no_import_cycle_through_the_parallel_and_moe_layers():
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    mine = [c for c in _cycles(graph) if any(m.startswith(CHECKED) for m in c)]
+    mine = [c for c in cycles(graph) if any(m.startswith(CHECKED) for m in c)]
     assert mine == [], mine
 
 

@@ -45,9 +45,28 @@ def rel(a, b) -> float:
     return float("inf") if d != d else d / max(b.norm().item(), 1e-30)
 
 
-def main() -> int:
+def measure(row: dict, launch, out, ref) -> dict:
+    """Poison ``out``, run ``launch(out)``, count unwritten (NaN) elements and the error against
+    ``ref``, and time it when it is right; prints and returns ``row``."""
     import torch
     from triton.testing import do_bench
+
+    try:
+        out.fill_(float("nan"))
+        launch(out)
+        torch.cuda.synchronize()
+        row["nan"] = int(torch.isnan(out).sum())
+        row["rel_err"] = rel(out, ref)
+        if row["rel_err"] < 2e-2:
+            row["ms"] = do_bench(lambda: launch(out), warmup=5, rep=20)
+    except Exception as exc:  # noqa: BLE001 - one broken variant must not stop the rest
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+    return row
+
+
+def main() -> int:
+    import torch
 
     from mtp.kernels.grouped_gemm_details import launch as L
     from mtp.ops.grouped_gemm_config import device_arch, make_config
@@ -81,35 +100,14 @@ def main() -> int:
             ref[start:start + m] = x[start:start + m].float() @ w[e].float()
             start += m
         base = make_config(arch, torch.bfloat16, M, N, Kd, E, tma_ok=True, sms=sms)
+        out = torch.empty((M, N), device=dev, dtype=torch.bfloat16)
         for vname, make in fwd_variants.items():
             cfg = make(base)
             row = dict(kernel="fwd", shape=name, variant=vname, config=dataclasses.asdict(cfg))
-            try:
-                out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                L.forward(x, w, counts, out, cfg)
-                torch.cuda.synchronize()
-                row["nan"] = int(torch.isnan(out).sum())
-                row["rel_err"] = rel(out, ref)
-                if row["rel_err"] < 2e-2:
-                    row["ms"] = do_bench(lambda: L.forward(x, w, counts, out, cfg), warmup=5,
-                                         rep=20)
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
-        # pointer kernel for comparison
-        try:
-            out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-            ptr = make_config(arch, torch.bfloat16, M, N, Kd, E, sms=sms)
-            L.forward(x, w, counts, out, ptr)
-            torch.cuda.synchronize()
-            row = dict(kernel="fwd", shape=name, variant="pointer", rel_err=rel(out, ref),
-                       nan=int(torch.isnan(out).sum()))
-            row["ms"] = do_bench(lambda: L.forward(x, w, counts, out, ptr), warmup=5, rep=20)
-        except Exception as exc:  # noqa: BLE001
-            row = dict(kernel="fwd", shape=name, variant="pointer", error=str(exc)[:200])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            rows.append(measure(row, lambda o, c=cfg: L.forward(x, w, counts, o, c), out, ref))
+        ptr = make_config(arch, torch.bfloat16, M, N, Kd, E, sms=sms)  # for comparison
+        row = dict(kernel="fwd", shape=name, variant="pointer", config=dataclasses.asdict(ptr))
+        rows.append(measure(row, lambda o: L.forward(x, w, counts, o, ptr), out, ref))
         # weight gradient: dw[e] = x_e^T @ dy_e
         dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
         dref = torch.zeros(E, Kd, N, device=dev)
@@ -124,21 +122,10 @@ def main() -> int:
             "no_ws": dataclasses.replace(wbase, warp_specialize=False),
             "ws_8warps": dataclasses.replace(wbase, num_warps=8),
         }
+        dw = torch.empty((E, Kd, N), device=dev, dtype=torch.bfloat16)
         for vname, cfg in wvariants.items():
             row = dict(kernel="wgrad", shape=name, variant=vname, config=dataclasses.asdict(cfg))
-            try:
-                out = torch.full((E, Kd, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                L.wgrad(x, dy, counts, out, cfg)
-                torch.cuda.synchronize()
-                row["nan"] = int(torch.isnan(out).sum())
-                row["rel_err"] = rel(out, dref)
-                if row["rel_err"] < 2e-2:
-                    row["ms"] = do_bench(lambda: L.wgrad(x, dy, counts, out, cfg), warmup=5,
-                                         rep=20)
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+            rows.append(measure(row, lambda o, c=cfg: L.wgrad(x, dy, counts, o, c), dw, dref))
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1) + "\n")
     for tma in ("0", "1"):
