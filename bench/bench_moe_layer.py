@@ -118,19 +118,30 @@ def providers(op: str = "moe_layer") -> list[Provider]:
 
 def build_layer(case: Case, backend: str, device: torch.device, dtype: torch.dtype) -> MoELayer:
     """The case's layer with ``backend`` (or :data:`UNFUSED`); the same weights for every
-    backend (seeded fp32 init rounded to the case dtype, then held in ``dtype``)."""
+    backend, drawn on ``device`` from a seeded generator (fp32, rounded to the case dtype, then
+    held in ``dtype``).
+
+    Not the layer's own initialisation: that draws every expert's ``nn.Linear`` on the CPU
+    (the single-process equivalence it promises), minutes for the DeepSeek-like layer's 3.2 G
+    weights and once per provider; on the first lease that case never finished. The scales are
+    the same: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for the experts, ``N(0, 0.02)`` for the
+    router."""
     p = case.params
     fused = backend != UNFUSED
     backend = "triton" if backend == UNFUSED else backend
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(1234)
-        layer = MoELayer(
-            p["H"], p["F"], p["E"], p["k"], activation="swiglu", backend=backend,
-            bias_activation_fusion=fused, router_dtype=torch.float32,
-            params_dtype=torch.float32, device=device,
-        )  # fmt: skip
+    layer = MoELayer(
+        p["H"], p["F"], p["E"], p["k"], activation="swiglu", backend=backend,
+        bias_activation_fusion=fused, router_dtype=torch.float32,
+        params_dtype=torch.float32, device=device, perform_initialization=False,
+    )  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(1234)
     with torch.no_grad():
-        for param in layer.parameters():
+        for name, param in sorted(layer.named_parameters()):
+            if name.startswith("router."):
+                param.normal_(0.0, 0.02, generator=gen)
+            else:  # [E, fan_in, out] weights, [E, out] biases (fan_in: the hidden size)
+                fan_in = param.shape[1] if param.dim() == 3 else p["H"]
+                param.uniform_(-(fan_in**-0.5), fan_in**-0.5, generator=gen)
             param.copy_(param.to(case.dtype))
     return layer.to(dtype)
 

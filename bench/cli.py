@@ -227,10 +227,14 @@ class _Saver:
             return result
         return self.report.merge_records(self.previous, result)
 
-    def __call__(self, records: list[dict]) -> None:
-        self.records += records
+    def __call__(self, records: list[dict], final: bool = True) -> None:
+        """Write the finished cases plus ``records``; ``final=False``: ``records`` are the
+        providers of a case still running (written, not kept: the case's final call has
+        them all)."""
+        if final:
+            self.records += records
         tmp = self.path.with_suffix(".json.tmp")
-        self.report.write_json(tmp, self.merged(self.records))
+        self.report.write_json(tmp, self.merged(self.records + ([] if final else records)))
         tmp.replace(self.path)  # atomic: a kill mid-write leaves the previous version
 
 

@@ -51,6 +51,7 @@ MODULES = ("bench_bias_act", "bench_cross_entropy", "bench_linear_cross_entropy"
 OP_NAMES = ("bias_act", "bias_gelu", "bias_swiglu", "cross_entropy", "linear_cross_entropy",
             "permute", "unpermute", "grouped_gemm", "moe_layer")  # fmt: skip
 
+BUDGET_SPENT = "not run: the time budget (--budget-s) was spent"
 GPU_EXPECTED = "reference"  # the GPU check compares with mtp's reference (fp32 math)
 
 
@@ -179,9 +180,11 @@ def _no_kernels(case: Case):
     return triton_launch_hook(lambda *a: None, execute=False)
 
 
-def _each_provider(module, case, providers, device, progress, body) -> list[dict[str, Any]]:
+def _each_provider(module, case, providers, device, progress, body,
+                   after=None) -> list[dict[str, Any]]:
     """One record per provider: skipped with the reason when it cannot run on ``device``, else
-    filled by ``body(rec, provider)``; an exception marks only that record failed."""
+    filled by ``body(rec, provider)``; an exception marks only that record failed.
+    ``after(records)`` is called as each provider ends (the GPU run saves them)."""
     records = []
     for provider in providers:
         rec = _record(module, case, provider)
@@ -201,6 +204,8 @@ def _each_provider(module, case, providers, device, progress, body) -> list[dict
             _free(device)
         if progress is not None:
             progress.step(f"{case.op} {provider.name}")
+        if after is not None:
+            after(records)
     return records
 
 
@@ -334,10 +339,12 @@ def _figures(rec, timing, peak, ceilings) -> dict[str, Any]:
 
 
 def run_gpu_case(module, case, providers, timer, peak=None, ceilings=None, progress=None,
-                 untimed=()):
+                 untimed=(), deadline: float | None = None, after=None):
     """Records of one case on the GPU: check each provider, then time it (``timer`` is a
     :class:`mtp.bench.timing.GpuTimer` or anything with its ``measure(run)``). Providers named
-    in ``untimed`` are not run (the reference still computes the expected result)."""
+    in ``untimed`` are not run (the reference still computes the expected result), nor any
+    provider once ``deadline`` (``time.monotonic()``) has passed; ``after(records)`` is called
+    as each provider ends."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     setup = module.SETUP[case.op]
     expected, expected_error = None, ""
@@ -350,11 +357,13 @@ def run_gpu_case(module, case, providers, timer, peak=None, ceilings=None, progr
     def check_and_time(rec, provider):
         if provider.name in untimed:
             raise Skip("not timed in this run (--untimed); the reference is still the check")
+        if deadline is not None and time.monotonic() > deadline:
+            raise Skip(BUDGET_SPENT)
         _time_one(rec, setup, case, provider, device, expected, timer, peak, ceilings)
         if expected is None:
             rec["note"] = f"unchecked: the reference failed ({expected_error})"
 
-    records = _each_provider(module, case, providers, device, progress, check_and_time)
+    records = _each_provider(module, case, providers, device, progress, check_and_time, after)
     expected = None  # free the reference outputs before the next case
     _free(device)
     _speedups(records)
@@ -398,18 +407,19 @@ def _speedups(records: list[dict]) -> None:
 
 def run_gpu(planned, timer, peak=None, ceilings=None, progress=None, on_records=None,
             deadline: float | None = None, untimed=()) -> dict[str, Any]:
-    """Every planned case on the GPU. ``on_records(records)`` is called as each case ends (the
-    CLI appends them to ``records.jsonl``, so a killed run keeps its finished cases); past
-    ``deadline`` (``time.monotonic()``) the remaining cases are recorded as skipped."""
+    """Every planned case on the GPU. ``on_records(records)`` is called as each case ends and
+    ``on_records(records, final=False)`` as each of its providers ends (the CLI rewrites
+    ``results.json``, so a killed run keeps every finished provider); past ``deadline``
+    (``time.monotonic()``) the remaining providers are recorded as skipped."""
     records = []
+    partial = None if on_records is None else (lambda recs: on_records(recs, final=False))
     for module, case, providers in planned:
         if deadline is not None and time.monotonic() > deadline:
-            recs = [dict(_record(module, case, p), status="skipped",
-                         note="not run: the time budget (--budget-s) was spent")
+            recs = [dict(_record(module, case, p), status="skipped", note=BUDGET_SPENT)
                     for p in providers]  # fmt: skip
         else:
             recs = run_gpu_case(module, case, providers, timer, peak, ceilings, progress,
-                                untimed)  # fmt: skip
+                                untimed, deadline, partial)  # fmt: skip
         records += recs
         if on_records is not None:
             on_records(recs)

@@ -108,13 +108,30 @@ def test_failed_check_marks_the_row_failed_and_others_still_time():
 def test_run_gpu_reports_each_case_and_stops_at_the_budget():
     module, case, providers = _fake_module()
     planned = [(module, case, providers)] * 3
-    seen = []
-    body = runner.run_gpu(planned, _Timer(), on_records=seen.append, deadline=None)
+    seen, partial = [], []
+
+    def on_records(recs, final=True):
+        (seen if final else partial).append([r["provider"] for r in recs])
+
+    body = runner.run_gpu(planned, _Timer(), on_records=on_records, deadline=None)
     assert len(seen) == 3 and len(body["records"]) == 3 * len(providers)
+    # each provider's end is reported with the case's providers so far (a kill keeps them)
+    names = [p.name for p in providers]
+    assert partial[: len(names)] == [names[: i + 1] for i in range(len(names))]
     seen.clear()
-    body = runner.run_gpu(planned, _Timer(), on_records=seen.append, deadline=0.0)
+    body = runner.run_gpu(planned, _Timer(), on_records=on_records, deadline=0.0)
     assert len(seen) == 3
     assert all(r["status"] == "skipped" and "time budget" in r["note"] for r in body["records"])
+
+
+def test_the_budget_stops_a_case_between_its_providers(monkeypatch):
+    module, case, providers = _fake_module()
+    clock = iter(range(100))
+    monkeypatch.setattr(runner.time, "monotonic", lambda: next(clock))
+    # the first provider starts before the deadline, the later ones after it
+    recs = runner.run_gpu_case(module, case, providers, _Timer(), deadline=0.5)
+    assert recs[0]["status"] == "ok"
+    assert all(r["status"] == "skipped" and "time budget" in r["note"] for r in recs[1:])
 
 
 def test_results_are_saved_after_every_case(tmp_path, monkeypatch):
@@ -129,9 +146,12 @@ def test_results_are_saved_after_every_case(tmp_path, monkeypatch):
     saver([{"op": "fake", "provider": "a"}])
     first = json.loads(path.read_text())
     assert not first["complete"] and [r["provider"] for r in first["records"]] == ["triton", "a"]
-    saver([{"op": "fake", "provider": "b"}])
+    saver([{"op": "fake", "provider": "b"}], final=False)  # a provider of a running case
+    partial = json.loads(path.read_text())
+    assert [r["provider"] for r in partial["records"]] == ["triton", "a", "b"]
+    saver([{"op": "fake", "provider": "b"}, {"op": "fake", "provider": "c"}])
     second = json.loads(path.read_text())
-    assert [r["provider"] for r in second["records"]] == ["triton", "a", "b"]
+    assert [r["provider"] for r in second["records"]] == ["triton", "a", "b", "c"]
     assert second["records"][-1]["run_date"] == "today"
 
 

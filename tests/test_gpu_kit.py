@@ -627,3 +627,49 @@ def test_find_python_prefers_gpu_python_then_pyenv(tmp_path, monkeypatch):
     exe.write_text("")
     monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
     assert gpu_bundle.find_python() == exe
+
+
+# --------------------------------------------------------------------------------------------
+# tools/gpu_ncu.py: one profiler reading per slow kernel
+# --------------------------------------------------------------------------------------------
+
+NCU_DETAILS = '''==PROF== Connected to process 1
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python3","h","_permute_rows","1","7","(256, 1, 1)","(8192, 1, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","41.20"
+"0","1","python3","h","_permute_rows","1","7","(256, 1, 1)","(8192, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","us","98.1"
+"0","1","python3","h","_permute_rows","1","7","(256, 1, 1)","(8192, 1, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","38"
+"1","1","python3","h","_histogram","1","7","(128, 1, 1)","(1, 1, 1)","0","9.0","Occupancy","Achieved Occupancy","%","6.1"
+'''
+
+
+def test_ncu_summary_keeps_one_row_per_launch_with_units():
+    ncu = _load("gpu_ncu")
+    rows = ncu.summarise(NCU_DETAILS)
+    assert rows == [
+        {"kernel": "_permute_rows", "dram_pct": "41.20 %", "duration": "98.1 us",
+         "registers": "38 register/thread"},
+        {"kernel": "_histogram", "occupancy_pct": "6.1 %"},
+    ]
+    assert ncu.summarise("==ERROR== no kernels were profiled") == []
+
+
+def test_ncu_targets_are_bench_cases_and_bad_ones_are_named():
+    ncu = _load("gpu_ncu")
+    for target in ncu.DEFAULT_TARGETS:
+        _, case = ncu._case(*ncu.parse_target(target))
+        assert case.bytes and case.pass_ == ncu.parse_target(target)[1]
+    with pytest.raises(ValueError, match="target must be op:pass"):
+        ncu.parse_target("permute:backward")
+
+
+def test_ncu_without_ncu_profiles_the_smoke_case_on_cpu(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run(
+        [sys.executable, "tools/gpu_ncu.py", "--out", str(tmp_path), "--no-ncu", "--size",
+         "smoke", "--targets", "unpermute:fwd", "--timeout", "120"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads((tmp_path / "kernels.json").read_text())
+    assert row["rc"] == 0 and row["tool"] == "torch.profiler", row
+    assert any("moe_unpermute" in k["kernel"] for k in row["kernels"]), row
