@@ -10,6 +10,7 @@ allocator) and then once between ``cudaProfilerStart``/``Stop``, so ``ncu
 
 Writes ``ncu-<op>.csv`` (the details page: one row per kernel, section and metric),
 ``kernels.json`` (per target: kernel names, durations and the headline metrics) and a log.
+``--with-profiler`` adds the torch.profiler table next to each ncu reading.
 ``--clock-control none`` leaves the clocks alone (the lending notes ask for it).
 """
 
@@ -168,6 +169,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("ncu-out"))
     parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS))
     parser.add_argument("--no-ncu", action="store_true", help="torch.profiler only")
+    parser.add_argument("--with-profiler", action="store_true",
+                        help="with ncu: also a torch.profiler table of the same call")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per target")
     parser.add_argument("--size", default="quick", help="the bench's case size (smoke: tests)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -182,7 +185,7 @@ def main(argv=None) -> int:
     rows = []
     for target in args.targets:
         rows.append(run_target(target, args.out, use_ncu, args.timeout, args.size))
-        if use_ncu:  # kernel times without the profiler's replays, for the same call
+        if use_ncu and args.with_profiler:  # kernel times without ncu's replays
             rows.append(run_target(target, args.out, False, args.timeout, args.size))
         (args.out / "kernels.json").write_text(json.dumps(rows, indent=1))
     return 0
