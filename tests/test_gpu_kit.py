@@ -23,6 +23,7 @@ import sys
 import tarfile
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -210,10 +211,11 @@ def test_plan_orders_steps_by_value_within_540_s():
     lines = [line.split() for line in proc.stdout.strip().splitlines()]
     steps = [name for name, _ in lines[:-1]]
     assert steps == ["env", "smoke", "build", "graphs", "grouped_gemm", "linear_cross_entropy",
-                     "moe_layer", "pytest", "cross_entropy", "bias_act", "permute"]
+                     "moe_layer", "pytest", "cross_entropy", "bias_act", "permute", "ncu"]
     total = sum(int(s) for _, s in lines[:-1])
     assert lines[-1] == ["total", str(total)] and total <= 540
     assert int(dict(lines[:-1])["build"]) == 0  # only when the carried module fails to load
+    assert int(dict(lines[:-1])["ncu"]) == 0  # only on time left over
 
 
 def test_dry_run_walks_every_step(bundle, tmp_path):
@@ -222,9 +224,9 @@ def test_dry_run_walks_every_step(bundle, tmp_path):
     proc = _dry_run(dest.parent, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("== mtp gpu-check") :]
-    rows = {line.split()[0]: line for line in table.splitlines()[2:13]}
+    rows = {line.split()[0]: line for line in table.splitlines()[2:14]}
     assert list(rows) == [name for name, _ in gpu_check.PLAN], table
-    for name in gpu_check.BENCH_STEPS + ("graphs",):
+    for name in gpu_check.BENCH_STEPS + ("graphs", "ncu"):
         assert "not run: no GPU" in rows[name], rows[name]
     assert "tests: not run: no GPU" in table and "bench: not run: no GPU" in table
     collected = re.search(r"\((\d+) of (\d+) tests collected with -m gpu\)", rows["pytest"])
@@ -673,3 +675,22 @@ def test_ncu_without_ncu_profiles_the_smoke_case_on_cpu(tmp_path):
     (row,) = json.loads((tmp_path / "kernels.json").read_text())
     assert row["rc"] == 0 and row["tool"] == "torch.profiler", row
     assert any("moe_unpermute" in k["kernel"] for k in row["kernels"]), row
+
+
+def test_smoke_counts_a_missing_peer_as_skipped_and_a_broken_module_as_failed(monkeypatch):
+    """A GPU machine without torchtitan: ``mtp.integrations.torchtitan`` is skipped (the first
+    H200 run of this module counted it as a failed import, and the step as failed)."""
+    smoke = _load("gpu_smoke")
+    real = smoke.importlib.import_module
+
+    def fake_import(name, *args):
+        if name == "mtp.integrations.torchtitan":
+            raise ModuleNotFoundError("No module named 'torchtitan'", name="torchtitan")
+        if name == "mtp.ops.bias_act":
+            raise ModuleNotFoundError("No module named 'mtp.ops._gone'", name="mtp.ops._gone")
+        return real(name, *args)
+
+    monkeypatch.setattr(smoke, "importlib", types.SimpleNamespace(import_module=fake_import))
+    report = smoke.import_all()
+    assert set(report["skipped"]) == {"mtp.integrations.torchtitan"}
+    assert set(report["failed"]) == {"mtp.ops.bias_act"}

@@ -107,10 +107,11 @@ def test_opcheck_with_bias():
     x, w, bias, _ = _inputs(torch.float32, False)
     counts = torch.tensor(SIZES)
     torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,
-                          (x, w, counts, torch.empty(M, N), False, "reference", bias))  # fmt: skip
+                          (x, w, counts, torch.empty(M, N), False, "reference", bias, None,
+                           None, "none", 7.0, 1.702))  # fmt: skip
     torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,  # bias before an activation
                           (x, w, counts, torch.empty(M, N), False, "reference", bias,
-                           torch.empty(M, N), None, "gelu"))  # fmt: skip
+                           torch.empty(M, N), None, "gelu", 7.0, 1.702))  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

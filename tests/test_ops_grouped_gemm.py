@@ -381,11 +381,12 @@ def test_opcheck_custom_ops():
     x, w = x.detach(), w.detach()
     out = torch.empty(10, 6)
     torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,
-                          (x, w, counts, out, False, "reference"))  # fmt: skip
+                          (x, w, counts, out, False, "reference", None, None, None, "none",
+                           7.0, 1.702))  # fmt: skip
     torch.library.opcheck(  # the activation epilogue: h and the activation's output
         torch.ops.mtp.grouped_gemm_out.default,
         (x, w, counts, torch.empty(10, 3), False, "reference", None, torch.empty(10, 6),
-         torch.rand(10), "swiglu"),
+         torch.rand(10), "swiglu", 7.0, 1.702),
     )  # fmt: skip
     for accumulate in (False, True):
         torch.library.opcheck(

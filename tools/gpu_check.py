@@ -21,6 +21,8 @@ GPU (its time comes out of the later steps).
 ``pytest``: ``-m gpu``, no ``-x``, a per-test timeout, xdist workers, the Triton tests before
 the CUTLASS ones, failing test ids written to ``failures.txt`` as they happen.
 ``cross_entropy``, ``bias_act``, ``permute``: the memory-bound families.
+``ncu``: only on time left over (share 0): ``tools/gpu_ncu.py``, one Nsight Compute reading of
+each of the slowest kernels against their floor (``ncu/`` in the tarball).
 
 Where it writes: with ``--out DIR`` or ``$OUT`` set (the device tool), everything goes to a
 scratch folder laid out as ``<device>/...`` (bench files) and ``<device>/gpu-check/...`` (the
@@ -59,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: tool's 600 s command limit less Python's start, the wheel install and the last pack).
 PLAN = (("env", 15), ("smoke", 30), ("build", 0), ("graphs", 40), ("grouped_gemm", 110),
         ("linear_cross_entropy", 55), ("moe_layer", 75), ("pytest", 120), ("cross_entropy", 30),
-        ("bias_act", 30), ("permute", 30))  # fmt: skip
+        ("bias_act", 30), ("permute", 30), ("ncu", 0))  # fmt: skip
 BENCH_STEPS = ("grouped_gemm", "linear_cross_entropy", "moe_layer", "cross_entropy", "bias_act",
                "permute")  # fmt: skip
 BUILD_CAP_S = 150  # the CUTLASS build when the carried module does not load (16 cores: ~100 s)
@@ -318,6 +320,20 @@ class Checker:
         if self.args.dry_step_s:  # stands in for the step's work (the kill test)
             time.sleep(self.args.dry_step_s)
         self.step(name, NO_GPU, 0, "command in the log")
+
+    def step_ncu(self) -> None:
+        log, folder = self.own / "ncu.log", self.own / "ncu"
+        cap = self.step_deadline("ncu") - time.monotonic() - 5
+        cmd = [sys.executable, "tools/gpu_ncu.py", "--out", str(folder), "--timeout",
+               f"{max(min(cap / 3, 60), 1):.0f}"]  # fmt: skip
+        if self.dry or not self.has_gpu:
+            return self.dry_bench("ncu", cmd, log)
+        status, _, seconds = self.run(cmd, log, cap)
+        data = folder / "kernels.json"
+        rows = json.loads(data.read_text()) if data.exists() else []
+        read = sum(r.get("rc") == 0 for r in rows)
+        self.step("ncu", status, seconds, f"{read} of {len(rows)} targets read "
+                  f"({rows[0]['tool'] if rows else 'none'})", log)  # fmt: skip
 
     # -- pytest -----------------------------------------------------------------------------
 

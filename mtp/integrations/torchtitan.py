@@ -54,8 +54,9 @@ class _GateUp(torch.autograd.Function):
     def forward(ctx, x, w1, w3, counts, backend):
         f = w1.shape[1]
         h = x.new_empty(x.shape[0], 2 * f)
-        torch.ops.mtp.grouped_gemm_out(x, w1, counts, h[:, :f], True, backend, None)
-        torch.ops.mtp.grouped_gemm_out(x, w3, counts, h[:, f:], True, backend, None)
+        for w, cols in ((w1, slice(None, f)), (w3, slice(f, None))):
+            torch.ops.mtp.grouped_gemm_out(x, w, counts, h[:, cols], True, backend, None, None,
+                                           None, "none", 7.0, 1.702)  # fmt: skip
         ctx.save_for_backward(x, w1, w3, counts)
         ctx.backend = backend
         return h

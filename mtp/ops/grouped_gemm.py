@@ -84,15 +84,19 @@ def _forward_op(
     out: torch.Tensor,
     trans_b: bool,
     backend: str,
-    bias: torch.Tensor | None = None,
-    h: torch.Tensor | None = None,
-    probs: torch.Tensor | None = None,
-    activation: str = "none",
-    limit: float = 7.0,
-    alpha: float = 1.702,
+    bias: torch.Tensor | None,
+    h: torch.Tensor | None,
+    probs: torch.Tensor | None,
+    activation: str,
+    limit: float,
+    alpha: float,
 ) -> None:
     """``out = x @ w[e] (+ bias[e])`` per expert; with an ``activation``: ``h`` gets that
-    pre-activation and ``out = act(h) * probs``. Zeros past ``sum(tokens_per_expert)``."""
+    pre-activation and ``out = act(h) * probs``. Zeros past ``sum(tokens_per_expert)``.
+
+    No argument has a default: torch 2.11's in-place kernel of a custom op finds a mutated
+    argument by its position in a list whose trailing defaults were dropped (``h`` at 7 was
+    out of range whenever ``h, probs, ...`` were all defaults: IndexError on the H200)."""
     impl = GROUPED_GEMM_BACKENDS[backend]
     counts = tokens_per_expert
     if activation == "none":
@@ -114,8 +118,7 @@ def _forward_op(
 
 
 @_forward_op.register_fake
-def _(x, w, tokens_per_expert, out, trans_b, backend, bias=None, h=None, probs=None,
-      activation="none", limit=7.0, alpha=1.702):  # fmt: skip
+def _(x, w, tokens_per_expert, out, trans_b, backend, bias, h, probs, activation, limit, alpha):
     return None
 
 
