@@ -24,8 +24,8 @@ Kernels (fp32 math; logits fp32 / fp16 / bf16; targets int32 / int64), one progr
 - ``_ce_finish_kernel`` (tp > 1, pass 2): combines the gathered statistics into the loss, checks
   the metadata (program 0 writes ``info``), and when ``GRAD`` reads the shard again to write the
   gradient.
-- ``_ce_scale_kernel`` (backward): ``grad *= dloss`` per row; a program whose ``dloss`` is 1
-  returns at once (the usual ``loss.backward()`` of a sum or mean moves no data).
+- ``_ce_scale_kernel`` (backward): ``grad *= dloss`` per row; a row whose ``dloss`` is 1
+  is skipped (the usual ``loss.backward()`` of a sum or mean moves no data).
 
 Loads of the row are 16-byte vectors whatever ``V`` is: the row is split into a head (up to
 ``VEC - 1`` elements before the first 16-byte boundary), unmasked ``BLOCK``-wide aligned tiles,
@@ -55,6 +55,10 @@ VECTOR_BYTES = 16
 #: Lanes (rows of the ``[NT, VEC]`` tile) per tile and warps per program.
 LANES = 512
 NUM_WARPS = 8
+#: Register cap of the kernels that write the gradient (``maxnreg``): two programs of 8 warps
+#: per SM. Uncapped, triton 3.9 gives the no-reduce variants 190 registers (one program per SM);
+#: capped, neither 3.6 (113-115 uncapped) nor 3.9 spills.
+GRAD_MAX_REGISTERS = 128
 #: Most programs of a launch (programs loop over rows beyond it).
 MAX_PROGRAMS = 1024
 #: Elements per program of the backward scale kernel.
@@ -127,10 +131,10 @@ def _row_stats(logits_ptr, row_off, V, SMOOTHING: tl.constexpr, NT: tl.constexpr
 
 
 @triton.jit
-def _grad_tile(x, cols, local_t, m_ref, a, coef_target, coef_uniform, scale):
-    # softmax * factor = exp(x - m_ref) * a (see _row_grad)
+def _grad_tile(x, hit, m_ref, a, coef_target, coef_uniform, scale):
+    # softmax * factor = exp(x - m_ref) * a (see _row_grad); ``hit``: the target's column
     g = tl.exp(x - m_ref) * a - coef_uniform
-    g = g - tl.where(cols == local_t, coef_target, 0.0)
+    g = g - tl.where(hit, coef_target, 0.0)
     return g * scale
 
 
@@ -163,9 +167,9 @@ def _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, local_t, m_ref, a, co
               coef_uniform, scale, SAME_LAYOUT: tl.constexpr, NT: tl.constexpr,
               VEC: tl.constexpr):
     """Write ``scale * dloss/dx`` of one row (reads the row again), rounded once at the store;
-    ``softmax * factor = exp(x - m_ref) * a``: ``(m_ref, a) = (lse, factor)`` in the
-    cross-entropy kernels, ``(max, factor / sum)`` (:func:`_softmax_coefs`, PyTorch's
-    precision at large logits) in the fused linear cross-entropy."""
+    ``softmax * factor = exp(x - m_ref) * a`` with ``(m_ref, a) = (max, factor / sum)``
+    (:func:`_softmax_coefs`): PyTorch's order, so the gradient keeps PyTorch's precision at large
+    logits (``exp(x - lse)`` would carry ``lse``'s rounding, ulp(lse), into every element)."""
     BLOCK: tl.constexpr = NT * VEC
     flat = _tile(NT, VEC)
     head, main_start, n_full, tail_start = _split(row_off, V, VEC, BLOCK)
@@ -174,15 +178,19 @@ def _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, local_t, m_ref, a, co
     else:
         g_main = g_row_off + head
     out_ty = grad_ptr.dtype.element_ty
+    # the target's offset inside full tile k as one int32 scalar (-1: not in that tile), so the
+    # loop compares int32 offsets, not a tile of int64 columns (triton 3.6: 237 -> ... registers)
+    t_main = local_t - head
     for k in range(0, n_full):
         x = tl.load(logits_ptr + (main_start + k * BLOCK) + flat).to(tl.float32)
-        cols = head + k * BLOCK + flat
-        g = _grad_tile(x, cols, local_t, m_ref, a, coef_target, coef_uniform, scale)
+        t_k = t_main - k * BLOCK
+        t_k = tl.where((t_k >= 0) & (t_k < BLOCK), t_k, -1).to(tl.int32)
+        g = _grad_tile(x, flat == t_k, m_ref, a, coef_target, coef_uniform, scale)
         tl.store(grad_ptr + (g_main + k * BLOCK) + flat, _round_to(g, out_ty))
     for k in range(0, tl.cdiv(head + V - tail_start, BLOCK)):
         cols, mask = _ragged_cols(k, head, tail_start, V, flat, BLOCK)
         x = tl.load(logits_ptr + row_off + cols, mask=mask, other=0.0).to(tl.float32)
-        g = _grad_tile(x, cols, local_t, m_ref, a, coef_target, coef_uniform, scale)
+        g = _grad_tile(x, cols == local_t, m_ref, a, coef_target, coef_uniform, scale)
         tl.store(grad_ptr + g_row_off + cols, _round_to(g, out_ty), mask=mask)
 
 
@@ -272,11 +280,10 @@ def _ce_fused_kernel(
             tl.store(loss_ptr + row, loss)
         if GRAD:
             g_row_off = _row_offset(row, g_n_inner, g_stride_outer, g_stride_inner)
-            # (lse, factor): _softmax_coefs's (max, factor / sum) spills 8 B on sm_90a in the
-            # label-smoothing variant of this kernel (at its 128 registers)
-            _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, target, lse,
-                      1.0 + 2.0 * z_loss_weight * lse, coef_target, coef_uniform,
-                      tl.where(valid, scale, 0.0), SAME_LAYOUT, NT, VEC)
+            m_ref, a = _softmax_coefs(M, log_s, 1.0 + 2.0 * z_loss_weight * lse)
+            _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V, target, m_ref, a,
+                      coef_target, coef_uniform, tl.where(valid, scale, 0.0), SAME_LAYOUT, NT,
+                      VEC)  # fmt: skip
     if REDUCE:
         _reduce_epilogue(loss_ptr, partial_ptr, counter_ptr, pid, n_programs, partial, denom,
                          target_ptr, n_rows, ignore_index, V, MEAN and not GRAD, MAX_G)
@@ -393,27 +400,33 @@ def _ce_finish_kernel(
         if GRAD:
             row_off = _row_offset(row, n_inner, stride_outer, stride_inner)
             g_row_off = _row_offset(row, g_n_inner, g_stride_outer, g_stride_inner)
-            # (lse, factor), as in _ce_fused_kernel (_softmax_coefs spills 12 B on sm_90a here)
+            m_ref, a = _softmax_coefs(m, log_s, 1.0 + 2.0 * z_loss_weight * lse)
             _row_grad(logits_ptr, grad_ptr, row_off, g_row_off, V_local, target - vocab_start,
-                      lse, 1.0 + 2.0 * z_loss_weight * lse, coef_target, coef_uniform,
-                      tl.where(valid, scale, 0.0), SAME_LAYOUT, NT, VEC)
+                      m_ref, a, coef_target, coef_uniform, tl.where(valid, scale, 0.0),
+                      SAME_LAYOUT, NT, VEC)  # fmt: skip
     if REDUCE:
         _reduce_epilogue(loss_ptr, partial_ptr, counter_ptr, pid, n_programs, partial, denom,
                          target_ptr, n_rows, ignore_index, 0, False, MAX_G)
 
 
 @triton.jit
-def _ce_scale_kernel(grad_ptr, dloss_ptr, dloss_stride, n_inner, stride_outer, stride_inner, V,
-                     BLOCK: tl.constexpr):
-    """``grad[row] *= dloss[row]``; a program whose ``dloss`` is 1 returns at once."""
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
-    if d != 1.0:
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < V
-        at = grad_ptr + _row_offset(row, n_inner, stride_outer, stride_inner) + cols
-        g = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-        tl.store(at, (g * d).to(grad_ptr.dtype.element_ty), mask=mask)
+def _ce_scale_kernel(grad_ptr, dloss_ptr, dloss_stride, n_rows, n_inner, stride_outer,
+                     stride_inner, V, BLOCK: tl.constexpr):
+    """``grad[row] *= dloss[row]``, programs striding over the rows; a row whose ``dloss`` is 1
+    moves no data (one load of ``dloss`` per row: with a mean or sum loss the whole launch
+    reads ``R`` floats, where a program per row and column block spent 160 us on the H200
+    launching 262,144 programs that all returned at once)."""
+    pid = tl.program_id(0)
+    for row32 in range(pid, n_rows, tl.num_programs(0)):
+        row = row32 * tl.full([], 1, tl.int64)
+        d = tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
+        if d != 1.0:
+            base = grad_ptr + _row_offset(row, n_inner, stride_outer, stride_inner)
+            for start in range(0, V, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < V
+                g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(base + cols, (g * d).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,6 +491,12 @@ def _reduce_buffers(loss, reduction, rows, device):
     return torch.empty((g,), dtype=torch.float32, device=device), reduction_counter(device), g
 
 
+def _register_cap(grad: bool) -> dict:
+    """The ``maxnreg`` launch option of a gradient-writing launch (none under the interpreter,
+    which has no registers)."""
+    return {"maxnreg": GRAD_MAX_REGISTERS} if grad and not interpreting() else {}
+
+
 def cross_entropy_fused(
     logits: torch.Tensor,
     layout: tuple[int, int, int],
@@ -509,7 +528,7 @@ def cross_entropy_fused(
         SMOOTHING=label_smoothing > 0.0, GRAD=grad is not None, REDUCE=reduction != "none",
         MEAN=reduction == "mean", CHECK=check, SAME_LAYOUT=grad_layout in (None, layout),
         NT=LANES, VEC=vector_width(logits.dtype), MAX_G=next_power_of_2(g),
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **_register_cap(grad is not None),
     )  # fmt: skip
 
 
@@ -565,6 +584,7 @@ def cross_entropy_finish(
         GRAD=grad is not None, REDUCE=reduction != "none", MEAN=reduction == "mean",
         SAME_LAYOUT=grad_layout in (None, layout), NT=LANES, VEC=vector_width(logits.dtype),
         MAX_G=next_power_of_2(g), WB=next_power_of_2(world), num_warps=NUM_WARPS,
+        **_register_cap(grad is not None),
     )  # fmt: skip
 
 
@@ -579,6 +599,6 @@ def cross_entropy_scale(
         return
     stride = dloss.stride(0) if dloss.dim() else 0
     block = min(next_power_of_2(vocab), SCALE_BLOCK)
-    _ce_scale_kernel[(rows, triton.cdiv(vocab, block))](
-        grad, dloss, stride, *layout, vocab, BLOCK=block, num_warps=NUM_WARPS
+    _ce_scale_kernel[(num_programs(rows),)](
+        grad, dloss, stride, rows, *layout, vocab, BLOCK=block, num_warps=NUM_WARPS
     )

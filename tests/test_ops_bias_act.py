@@ -252,8 +252,9 @@ def aot_cases(dtype: str = "bf16"):
 def ptxas_table(cases):
     """``[(name, sm, registers, spill stores, spill loads)]``; asserts each build is sane."""
     rows = []
-    for name, kernel, signature, constexprs, num_warps in cases:
-        builds = compile_for_targets(kernel, signature, constexprs, num_warps=num_warps)
+    for name, kernel, signature, constexprs, num_warps, *options in cases:
+        builds = compile_for_targets(kernel, signature, constexprs, num_warps=num_warps,
+                                     **(options[0] if options else {}))  # fmt: skip
         for cc, build in builds.items():
             assert build.arch == f"sm_{cc}a" and build.fits_shared_memory, (name, cc)
             info = build.ptxas()

@@ -131,7 +131,8 @@ def _divisibility_attrs(full: dict[str, str], aligned: bool, divisible: Sequence
 
 
 def _compile_here(
-    kernel, signature, constexprs, targets, num_warps, num_stages, aligned, divisible
+    kernel, signature, constexprs, targets, num_warps, num_stages, aligned, divisible,
+    maxnreg=None,
 ) -> list[dict]:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -146,7 +147,8 @@ def _compile_here(
             compiled = triton.compile(
                 src,
                 target=GPUTarget("cuda", int(cc), 32),
-                options={"num_warps": num_warps, "num_stages": num_stages},
+                options={"num_warps": num_warps, "num_stages": num_stages,
+                         **({} if maxnreg is None else {"maxnreg": maxnreg})},
             )
         except Exception as exc:
             raise KernelCompileError(
@@ -267,6 +269,7 @@ def compile_for_targets(
     num_stages: int = 3,
     aligned: bool = True,
     divisible_by_16: Sequence[str] = (),
+    maxnreg: int | None = None,
 ) -> dict[int, KernelBuild]:
     """Compile a ``@triton.jit`` kernel ahead of time for each target, without a GPU.
 
@@ -278,6 +281,7 @@ def compile_for_targets(
         constexprs: value of each ``tl.constexpr`` argument, e.g. ``{"BLOCK": 1024}``.
         targets: compute capabilities (90 = Hopper sm_90a, 100 = Blackwell sm_100a).
         num_warps, num_stages: launch options, as at a real launch.
+        maxnreg: the ``maxnreg`` launch option (a register cap per thread), or None.
         aligned: tell the compiler every pointer is 16-byte aligned, as Triton specialises a
             launch on torch tensors. Without it loads stay scalar and software pipelining is
             off, so registers, spills and shared memory would not be those of a real launch.
@@ -293,7 +297,7 @@ def compile_for_targets(
     constexprs = dict(constexprs or {})
     args = (
         signature, constexprs, tuple(targets), num_warps, num_stages, aligned,
-        tuple(divisible_by_16),
+        tuple(divisible_by_16), maxnreg,
     )
     fn = getattr(kernel, "fn", None)
     import triton
