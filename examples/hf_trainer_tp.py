@@ -3,6 +3,11 @@
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer_tp.py --tp 2
     torchrun --standalone --nproc-per-node 4 examples/hf_trainer_tp.py --tp 2   # tp=2 x dp=2
     python examples/hf_trainer_tp.py --reference   # the same run: one process, plain HF
+    torchrun --standalone --nproc-per-node 4 examples/hf_trainer_tp.py --tp 2 --moe --ep 4
+    python examples/hf_trainer_tp.py --reference --moe
+
+``--moe``: a tiny Mixtral instead (4 experts, top-2); ``--ep N`` splits its experts over N ranks
+(tp, or a multiple of tp: the experts then span the data-parallel replicas too).
 
 A tiny random Llama is split with ``mtp.integrations.hf.apply_kernels(model, tp=...)`` (mtp's
 tensor-parallel layers, SwiGLU and vocab-parallel fused linear cross-entropy) and trained by
@@ -22,14 +27,19 @@ import os
 import torch
 
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, moe: bool = False):
     import transformers
 
-    config = transformers.LlamaConfig(
+    common = dict(
         vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=2, intermediate_size=48, max_position_embeddings=64,
         attn_implementation="eager",
     )
+    if moe:
+        config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                            experts_implementation="eager", **common)
+    else:
+        config = transformers.LlamaConfig(**common)
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).float()
 
@@ -96,6 +106,8 @@ def main() -> None:
     p.add_argument("--reference", action="store_true", help="one process, plain HF model/Trainer")
     p.add_argument("--plain-trainer", action="store_true")
     p.add_argument("--resume-check", action="store_true")
+    p.add_argument("--moe", action="store_true", help="a tiny Mixtral (4 experts, top-2)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (--moe)")
     a = p.parse_args()
 
     import transformers
@@ -104,7 +116,7 @@ def main() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.reference:
-        trainer, records = _train(transformers.Trainer, _model(),
+        trainer, records = _train(transformers.Trainer, _model(moe=a.moe),
                                   _args(a.out, a.global_batch, a.steps, a.steps // 2))
     else:
         import torch.distributed as dist
@@ -112,15 +124,21 @@ def main() -> None:
         from mtp.parallel import initialize_model_parallel
 
         dist.init_process_group("gloo")
-        initialize_model_parallel(tensor_model_parallel_size=a.tp)
+        ep = a.ep or (a.tp if a.moe else 1)
+        initialize_model_parallel(tensor_model_parallel_size=a.tp,
+                                  expert_model_parallel_size=ep,
+                                  expert_tensor_parallel_size=1)  # fmt: skip
         dp = world // a.tp
         args = _args(a.out, a.global_batch // dp, a.steps, a.steps // 2)
         cls = transformers.Trainer if a.plain_trainer else Trainer
-        trainer, records = _train(cls, apply_kernels(_model(), tp=a.tp), args)
+
+        def split(seed: int = 0):
+            return apply_kernels(_model(seed, a.moe), tp=a.tp, ep=ep)
+
+        trainer, records = _train(cls, split(), args)
         if a.resume_check:
             checkpoint = os.path.join(a.out, f"checkpoint-{a.steps // 2}")
-            resumed, _ = _train(Trainer, apply_kernels(_model(seed=5), tp=a.tp), args,
-                                resume=checkpoint)  # fmt: skip
+            resumed, _ = _train(Trainer, split(seed=5), args, resume=checkpoint)
             same = _fingerprint(resumed.model) == _fingerprint(trainer.model)
             if dist.get_rank() == 0:
                 print(json.dumps({"resumed_equal": same}), flush=True)

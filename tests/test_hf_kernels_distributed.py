@@ -177,3 +177,78 @@ def test_apply_kernels_ep2_tp1_equals_single_process():
         assert r["local"] == [[2 * rank, 2 * rank + 1]] * 2, r
         assert r["loss"] <= 1e-6 and r["grad"] <= 1e-5, r
         assert r["load_exact"] and r["slice_exact"], r
+
+
+def _ep_over_tp_worker(rank, world):
+    """tp=2 x dp=2 with the experts over all four ranks (ep=4 > tp): each tensor-parallel pair
+    runs its half of the batch, each of its ranks routes a share of those tokens to the four
+    experts; data-parallel sums of the dense gradients and the expert gradients as they are
+    equal the single-process model on the whole batch."""
+    import torch.distributed as dist
+
+    from mtp import parallel
+    from mtp.integrations.hf import apply_kernels, hf_state_dict, load_hf_state_dict
+    from mtp.moe import MoELayer
+
+    parallel.initialize_model_parallel(tensor_model_parallel_size=2,
+                                       expert_model_parallel_size=4,
+                                       expert_tensor_parallel_size=1)  # fmt: skip
+    ref = _model("mixtral")
+    ours = apply_kernels(copy.deepcopy(ref), tp=2, ep=4)
+    local = [list(m.local_expert_indices) for m in ours.modules() if isinstance(m, MoELayer)]
+    ids, labels = _batch()
+    items = (labels[..., 1:] != -100).sum()
+    out_ref = ref(input_ids=ids, labels=labels, num_items_in_batch=items)
+    out_ref.loss.backward()
+    dp_group = parallel.get_data_parallel_group()
+    dp = dist.get_rank(dp_group)
+    half = slice(2 * dp, 2 * dp + 2)
+    out = ours(input_ids=ids[half], labels=labels[half], num_items_in_batch=items)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss, group=dp_group)
+    for p in ours.parameters():
+        if getattr(p, "allreduce", True):  # dense: the data-parallel sum
+            dist.all_reduce(p.grad, group=dp_group)
+    grads = hf_state_dict(ours, grads=True)
+    ref_grads = dict(ref.named_parameters())
+    result = {"local": local, "loss": _rel(loss, out_ref.loss), "names": sorted(grads)}
+    result["grad"] = max(_rel(grads[n], ref_grads[n].grad) for n in grads)
+    other = apply_kernels(_model("mixtral", seed=3), tp=2, ep=4)
+    load_hf_state_dict(other, ref.state_dict())
+    result["load_exact"] = all(
+        torch.equal(v, ref.state_dict()[k]) for k, v in hf_state_dict(other).items())
+    return result
+
+
+def test_apply_kernels_experts_over_tp_and_dp_ranks_equal_single_process():
+    """Issue 26: ``ep`` independent of ``tp`` (it had to equal tp at tp > 1)."""
+    results = run_distributed(_ep_over_tp_worker, 4, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["local"] == [[rank]] * 2, r
+        assert r["loss"] <= 1e-6 and r["grad"] <= 1e-5, r
+        assert r["load_exact"], r
+        assert any("experts" in n for n in r["names"]), r["names"]
+
+
+def _ep_bad_sizes_worker(rank, world):
+    from mtp import parallel
+    from mtp.integrations.hf import apply_kernels
+
+    out = {}
+    parallel.initialize_model_parallel(tensor_model_parallel_size=2,
+                                       expert_model_parallel_size=2,
+                                       expert_tensor_parallel_size=1)  # fmt: skip
+    for ep in (3, 4):
+        try:
+            apply_kernels(_model("mixtral"), tp=2, ep=ep)
+            out[ep] = "no error"
+        except ValueError as exc:
+            out[ep] = str(exc)
+    return out
+
+
+def test_apply_kernels_ep_sizes_that_do_not_fit_raise():
+    for r in run_distributed(_ep_bad_sizes_worker, 2, timeout=240):
+        assert "multiple" in r[3], r[3]
+        assert "expert-parallel group to have 4 ranks" in r[4], r[4]

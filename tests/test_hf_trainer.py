@@ -62,6 +62,22 @@ def test_trainer_tp2_and_tp2_dp2_equal_single_process(tmp_path):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (name, (got - want).abs().max())
 
 
+def test_trainer_moe_with_experts_over_tp_and_dp_ranks_equals_single_process(tmp_path):
+    """A Mixtral under mtp.integrations.hf.Trainer at tp=2 x dp=2 with its experts over all four
+    ranks (ep=4): every step (loss, clipped grad norm, weights) equals the single-process run,
+    a resumed run ends with the same weights, and the saved model loads in from_pretrained."""
+    ref, _ = _run(0, "--reference", "--moe", "--out", str(tmp_path / "ref"))
+    run, _ = _run(4, "--tp", "2", "--moe", "--ep", "4", "--resume-check",
+                  "--out", str(tmp_path / "ep4"))  # fmt: skip
+    assert run[0] == {"resumed_equal": True}, run[0]
+    assert [r["step"] for r in run[1:]] == [r["step"] for r in ref] == [1, 2, 3, 4]
+    for r, e in zip(run[1:], ref):
+        assert _close([r["loss"], r["grad_norm"]], [e["loss"], e["grad_norm"]]), (r, e)
+        assert _close(r["weights"], e["weights"]), r["step"]
+    got, want = _logits(tmp_path / "ep4" / "final"), _logits(tmp_path / "ref" / "final")
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+
+
 def test_plain_transformers_trainer_over_split_model_raises(tmp_path):
     _, out = _run(2, "--tp", "2", "--plain-trainer", "--out", str(tmp_path), expect_ok=False)
     assert "RuntimeError" in out and "Use mtp.integrations.hf.Trainer" in out, out[-3000:]

@@ -13,7 +13,8 @@ Supported families (``config.model_type``): ``llama``, ``mistral``, ``qwen2``, `
 (q/k/v and gate/up column-parallel, o/down row-parallel, embedding vocab-parallel, ``lm_head``
 column-parallel with gathered logits), ``mixtral``, ``qwen2_moe`` and ``qwen3_moe`` (the same
 attention; each sparse MoE block swapped for :class:`mtp.moe.MoELayer` with the family's routing
-and shared expert, experts split over the group, ``ep == tp``: :mod:`mtp.integrations.hf_moe`),
+and shared expert, experts split over the group or, ``ep`` a multiple of tp, over mtp.parallel's
+expert group: :mod:`mtp.integrations.hf_moe`),
 ``deepseek_v3`` (the MoE blocks and dense MLPs as above; multi-head latent attention split by
 heads: ``q_proj``/``q_b_proj`` and ``kv_b_proj`` column-parallel, ``o_proj`` row-parallel, the
 latent down-projections and norms replicated with their gradients summed over tp) and ``gpt2`` (its ``Conv1D``

@@ -369,8 +369,10 @@ def apply_kernels(
             group first (call :func:`mtp.parallel.initialize_model_parallel` before).
         ep: expert-parallel size of an MoE family. At ``tp=1``: the experts are split over
             ``mtp.parallel``'s expert-parallel group (data-parallel ranks: each routes its own
-            batch, tokens travel by all-to-all). At ``tp > 1`` the experts are split over the
-            tensor-parallel group, so ``ep`` must equal ``tp``.
+            batch, tokens travel by all-to-all). At ``tp > 1``: ``tp`` (or 1, the same) splits
+            the experts over the tensor-parallel group; a multiple of ``tp`` over
+            ``mtp.parallel``'s expert-parallel group of that size (whole tensor-parallel groups
+            of several data-parallel replicas; ``expert_tensor_parallel_size=1``).
         sequence_parallel: Megatron sequence parallelism (``tp > 1``, Llama-like families).
         fused_loss: compute the loss with :func:`mtp.ops.linear_cross_entropy` (vocab-parallel
             at ``tp > 1``); False keeps HF's loss on the logits.
@@ -408,13 +410,13 @@ def apply_kernels(
             f"blocks); {qualified_name(model)} has none"
         )
     if tp > 1:
-        if moe and ep not in (1, tp):
+        if moe and ep != 1 and ep % tp:
             raise ValueError(
-                f"apply_kernels: at tp={tp} the experts are split over the tensor-parallel "
-                f"group, so ep must be {tp} (or 1 for the same), got {ep}"
+                f"apply_kernels: at tp={tp} the experts are split over whole tensor-parallel "
+                f"groups, so ep must be 1 (the same as {tp}), {tp} or a multiple of it, got {ep}"
             )
         parallelize_hf(model, tp, sequence_parallel=sequence_parallel,
-                          ep=tp if moe else None)  # fmt: skip
+                       ep=max(ep, tp) if moe else None)  # fmt: skip
         group = getattr(model, _INFO)["group"]
     else:
         if sequence_parallel:

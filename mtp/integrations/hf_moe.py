@@ -4,7 +4,8 @@ Used by :func:`mtp.integrations.hf.parallelize_hf` for the Mixtral, Qwen2-MoE, Q
 DeepSeek-V3 families: each ``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock`` /
 ``Qwen3MoeSparseMoeBlock`` / ``DeepseekV3MoE`` becomes an :class:`HFMoEBlock` (a ``MoELayer``
 with the family's routing, SwiGLU experts) whose experts are split over the expert-parallel
-group, which is the tensor-parallel group here (``ep == tp``):
+group: the tensor-parallel group (``ep == tp``) or a larger group of whole tensor-parallel
+groups (``ep`` a multiple of ``tp``: experts over tensor- and data-parallel ranks):
 
 - Mixtral, Qwen2/3-MoE with ``norm_topk_prob``: softmax over the top-k logits; without it the
   top-k of the softmax over all experts (``pre_softmax``).
@@ -17,8 +18,9 @@ group, which is the tensor-parallel group here (``ep == tp``):
 
 Without sequence parallelism every tensor-parallel rank holds the same tokens; the block keeps
 this rank's share of them (split forward, all-gather backward), routes it through the experts
-(token all-to-all over the group) and all-gathers the outputs, so each expert sees every token
-once. With sequence parallelism the tokens are already distinct sequence chunks.
+(token all-to-all over the expert-parallel group) and all-gathers the outputs over the
+tensor-parallel group, so each expert sees every token of its group once. With sequence
+parallelism the tokens are already distinct sequence chunks.
 """
 
 from __future__ import annotations
@@ -144,18 +146,22 @@ def _copy_weights(new: HFMoEBlock, block, name: str, renames: dict) -> None:
 
 
 def swap_moe_blocks(
-    model: nn.Module, group, *, sequence_parallel: bool, split_tokens: bool | None = None
+    model: nn.Module, group, *, sequence_parallel: bool, split_tokens: bool | None = None,
+    tp_group=None,
 ) -> dict:
     """Replace every HF sparse MoE block (:data:`MOE_BLOCKS`) in place; returns ``{mtp
     tensor name: (HF name, kind)}`` for the state-dict translation (kinds: see
     ``_copy_weights``; an ``"fc1"`` entry's HF name is a ``(gate, up)`` pair).
 
     ``group``: the expert-parallel group (None: one process holds every expert).
-    ``split_tokens``: the ranks of ``group`` hold the same tokens (it is the tensor-parallel
-    group) and each routes a share; default: ``group is not None and not sequence_parallel``.
-    False with a group: the ranks hold different tokens (experts over data-parallel ranks)."""
+    ``tp_group``: the tensor-parallel group when the model is split (default: ``group``); it
+    may be part of a larger ``group`` (experts over tensor- and data-parallel ranks).
+    ``split_tokens``: the ranks of ``tp_group`` hold the same tokens and each routes a share;
+    default: ``tp_group is not None and not sequence_parallel``. False: the ranks hold
+    different tokens (experts over data-parallel ranks only, or sequence parallelism)."""
+    tp_group = group if tp_group is None else tp_group
     if split_tokens is None:
-        split_tokens = group is not None and not sequence_parallel
+        split_tokens = tp_group is not None and not sequence_parallel
     config = model.config
     renames: dict[str, tuple] = {}
     names = [n for n, m in model.named_modules() if n and type(m).__name__ in MOE_BLOCKS]
@@ -173,7 +179,7 @@ def swap_moe_blocks(
             params_dtype=w.dtype,
             device=w.device,
             perform_initialization=False,
-            tp_group=group if split_tokens or sequence_parallel else None,
+            tp_group=tp_group if split_tokens or sequence_parallel else None,
             split_tokens=split_tokens,
             **_routing_kwargs(block, config),
         )

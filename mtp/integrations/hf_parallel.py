@@ -214,6 +214,32 @@ def _refuse_ddp_over_tp_peers(model: nn.Module, args) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _expert_group_over(tp_group, ep: int):
+    """``mtp.parallel``'s expert-parallel group of ``ep`` ranks, which must hold the whole
+    tensor-parallel group ``tp_group`` and have no expert tensor parallelism."""
+    from mtp import parallel
+
+    if not parallel.model_parallel_is_initialized():
+        raise ValueError(
+            f"parallelize_hf: ep={ep} > tp needs mtp.parallel.initialize_model_parallel("
+            f"expert_model_parallel_size={ep}, expert_tensor_parallel_size=1) first (the "
+            "experts are split over its expert-parallel group)"
+        )
+    ep_group = parallel.get_expert_model_parallel_group()
+    ranks = dist.get_process_group_ranks(ep_group)
+    tp_ranks = dist.get_process_group_ranks(tp_group)
+    etp = parallel.get_expert_tensor_parallel_world_size()
+    if len(ranks) != ep or etp != 1 or not set(tp_ranks) <= set(ranks):
+        raise ValueError(
+            f"parallelize_hf: ep={ep} needs mtp.parallel's expert-parallel group to have {ep} "
+            f"ranks, hold the tensor-parallel group {tp_ranks} and no expert tensor "
+            f"parallelism; it is {ranks} with expert tensor parallel size {etp} "
+            f"(initialize_model_parallel(expert_model_parallel_size={ep}, "
+            "expert_tensor_parallel_size=1))"
+        )
+    return ep_group
+
+
 def parallelize_hf(
     model: nn.Module,
     tp: int | None = None,
@@ -233,9 +259,12 @@ def parallelize_hf(
             :func:`mtp.parallel.initialize_model_parallel`'s).
         sequence_parallel: Megatron sequence parallelism between the blocks (Llama-like
             families; the sequence length must divide by tp; not for ``generate()``).
-        ep: expert parallelism, for MoE families (Mixtral, Qwen2/3-MoE, DeepSeek-V3): the
-            experts are split over the tensor-parallel group, so ``ep`` must be None or equal
-            to tp.
+        ep: expert parallelism, for MoE families (Mixtral, Qwen2/3-MoE, DeepSeek-V3). None or
+            tp: the experts are split over the tensor-parallel group. A multiple of tp: over
+            ``mtp.parallel``'s expert-parallel group of that size (tensor- and data-parallel
+            ranks; ``initialize_model_parallel(expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1)`` first), each tensor-parallel group routing its
+            share of the tokens to every expert of the group.
 
     Raises:
         ValueError: an unsupported family, sizes that do not divide by tp, ``tp`` different
@@ -255,10 +284,10 @@ def parallelize_hf(
             f"parallelize_hf: ep={ep} needs a mixture-of-experts family; {family!r} is dense"
         )
     group, _, world = group_rank_and_size(group)
-    if moe and ep not in (None, world):
+    if moe and ep not in (None, world) and (not isinstance(ep, int) or ep % world):
         raise ValueError(
-            f"parallelize_hf: {family!r} splits its experts over the tensor-parallel group: "
-            f"ep must be None or tp ({world}), got {ep}"
+            f"parallelize_hf: {family!r} splits its experts over whole tensor-parallel groups: "
+            f"ep must be None, tp ({world}) or a multiple of it, got {ep}"
         )
     if tp is not None and tp != world:
         raise ValueError(f"parallelize_hf: tp={tp} but the tensor-parallel group has {world} ranks")
@@ -272,7 +301,9 @@ def parallelize_hf(
     if moe:  # before the plan: the shared experts' gate_proj must not be taken for dense MLPs
         from .hf_moe import swap_moe_blocks
 
-        renames = swap_moe_blocks(model, group, sequence_parallel=sequence_parallel)
+        ep_group = group if ep in (None, world) else _expert_group_over(group, ep)
+        renames = swap_moe_blocks(model, ep_group, sequence_parallel=sequence_parallel,
+                                  tp_group=group)  # fmt: skip
         if not sequence_parallel:  # router and shared expert see this rank's share of tokens
             replicated = [
                 model.get_parameter(n)
@@ -295,7 +326,7 @@ def parallelize_hf(
         )
     info = {"group": group, "family": family, "conv1d": set(conv1d), "renames": renames}
     info["num_experts"] = _num_experts(config)
-    info["ep_group"] = group if moe else None
+    info["ep_group"] = ep_group if moe else None
     setattr(model, _INFO, info)
     model.register_forward_pre_hook(_refuse_ddp_over_tp_peers, with_kwargs=False)
     return model

@@ -68,6 +68,17 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _native_format() -> dict:
+    """``save_pretrained`` keywords that keep the model's own tensor names and layouts:
+    transformers 5 otherwise writes MoE experts in the legacy per-expert format
+    (``block_sparse_moe.experts.0.w1.weight``), which ``load_hf_state_dict`` (resume) does not
+    read; ``from_pretrained`` reads both."""
+    import inspect
+
+    params = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters
+    return {"save_original_format": False} if "save_original_format" in params else {}
+
+
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` for models parallelized by mtp (see the module docstring).
 
@@ -213,7 +224,7 @@ class Trainer(transformers.Trainer):
                 if id(value) in seen:
                     full[key] = value.clone()
                 seen.add(id(value))
-            self.model.save_pretrained(output_dir, state_dict=full)
+            self.model.save_pretrained(output_dir, state_dict=full, **_native_format())
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
