@@ -16,7 +16,7 @@ from torch import nn
 
 from mtp.parallel.mappings import gather_along
 from mtp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from mtp.tensor_parallel.layers import VocabParallelEmbedding
+from mtp.tensor_parallel.embedding import VocabParallelEmbedding
 
 __all__ = ["hf_state_dict", "load_hf_state_dict"]
 

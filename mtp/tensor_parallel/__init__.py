@@ -39,13 +39,8 @@ from mtp.parallel.random import (
 from .attention import ParallelSelfAttention
 from .cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from .linear_cross_entropy import VocabParallelLinearCrossEntropy
-from .layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabRangeError,
-    linear_with_grad_reduction,
-)
+from .embedding import VocabParallelEmbedding, VocabRangeError
+from .layers import ColumnParallelLinear, RowParallelLinear, linear_with_grad_reduction
 from .mlp import ACTIVATIONS, ParallelMLP, apply_bias_activation
 from .parallelize import STYLES, from_embedding, from_linear, parallelize
 from .siblings import enter_tensor_parallel_region, scatter_module_input, share_module_input

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .embedding import VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear
 from .siblings import scatter_module_input, share_module_input
 from .utils import group_rank_and_size, mark_sequence_parallel_parameters, shard
 

@@ -263,3 +263,20 @@ def check_float_input(layer: str, name: str, x: object, weight: torch.Tensor) ->
             f"the input (or the layer with .to(dtype)), or run under torch.autocast"
         )
     return x
+
+
+def master_then_shard(
+    full_shape: tuple[int, ...],
+    dim: int,
+    blocks: list[int],
+    rank: int,
+    world: int,
+    init: InitMethod | None,
+    factory: dict,
+) -> torch.Tensor:
+    """Build the full tensor with ``init`` and return this rank's shard (or an empty shard)."""
+    full = torch.empty(full_shape, **factory)
+    if init is not None:
+        with torch.no_grad():
+            init(full)
+    return shard(full, dim, blocks, rank, world) if world > 1 else full
