@@ -330,26 +330,6 @@ def _check_size(name: str, value) -> int:
     return value
 
 
-def _expert_group(ep: int):
-    """mtp.parallel's expert-parallel group, which must have ``ep`` ranks."""
-    from mtp import parallel
-
-    if not parallel.model_parallel_is_initialized():
-        raise ValueError(
-            f"apply_kernels: ep={ep} needs mtp.parallel.initialize_model_parallel("
-            f"expert_model_parallel_size={ep}) first (the experts are split over its "
-            "expert-parallel group)"
-        )
-    group = parallel.get_expert_model_parallel_group()
-    size = torch.distributed.get_world_size(group)
-    if size != ep:
-        raise ValueError(
-            f"apply_kernels: ep={ep} but mtp.parallel's expert-parallel group has {size} ranks "
-            "(initialize_model_parallel(expert_model_parallel_size=...))"
-        )
-    return group
-
-
 def apply_kernels(
     model: nn.Module,
     *,
@@ -389,7 +369,7 @@ def apply_kernels(
         TypeError: a model that is not a causal LM, non-bool flags.
     """
     from .hf_moe import MOE_BLOCKS, swap_moe_blocks
-    from .hf_parallel import parallelize_hf
+    from .hf_parallel import expert_group, parallelize_hf
     from .hf_state import _INFO, _num_experts
 
     tp, ep = _check_size("tp", tp), _check_size("ep", ep)
@@ -426,7 +406,7 @@ def apply_kernels(
                 "apply_kernels: the model is already parallelized; call apply_kernels on the "
                 "plain model with tp=... (it runs parallelize_hf itself)"
             )
-        ep_group = _expert_group(ep) if ep > 1 else None
+        ep_group = expert_group(ep, "apply_kernels") if ep > 1 else None
         renames = swap_moe_blocks(model, ep_group, sequence_parallel=False,
                                   split_tokens=False) if moe else {}  # fmt: skip
         group = None

@@ -214,30 +214,38 @@ def _refuse_ddp_over_tp_peers(model: nn.Module, args) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _expert_group_over(tp_group, ep: int):
-    """``mtp.parallel``'s expert-parallel group of ``ep`` ranks, which must hold the whole
-    tensor-parallel group ``tp_group`` and have no expert tensor parallelism."""
+def expert_group(ep: int, caller: str, tp_group=None):
+    """``mtp.parallel``'s expert-parallel group, which must have ``ep`` ranks; with
+    ``tp_group`` (experts over whole tensor-parallel groups) it must also hold ``tp_group`` and
+    have no expert tensor parallelism. ``caller`` starts the error messages."""
     from mtp import parallel
 
+    etp_arg = "" if tp_group is None else ", expert_tensor_parallel_size=1"
     if not parallel.model_parallel_is_initialized():
         raise ValueError(
-            f"parallelize_hf: ep={ep} > tp needs mtp.parallel.initialize_model_parallel("
-            f"expert_model_parallel_size={ep}, expert_tensor_parallel_size=1) first (the "
-            "experts are split over its expert-parallel group)"
+            f"{caller}: ep={ep} needs mtp.parallel.initialize_model_parallel("
+            f"expert_model_parallel_size={ep}{etp_arg}) first (the experts are split over its "
+            "expert-parallel group)"
         )
-    ep_group = parallel.get_expert_model_parallel_group()
-    ranks = dist.get_process_group_ranks(ep_group)
+    group = parallel.get_expert_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    if tp_group is None:
+        if len(ranks) != ep:
+            raise ValueError(
+                f"{caller}: ep={ep} but mtp.parallel's expert-parallel group has {len(ranks)} "
+                "ranks (initialize_model_parallel(expert_model_parallel_size=...))"
+            )
+        return group
     tp_ranks = dist.get_process_group_ranks(tp_group)
     etp = parallel.get_expert_tensor_parallel_world_size()
     if len(ranks) != ep or etp != 1 or not set(tp_ranks) <= set(ranks):
         raise ValueError(
-            f"parallelize_hf: ep={ep} needs mtp.parallel's expert-parallel group to have {ep} "
+            f"{caller}: ep={ep} needs mtp.parallel's expert-parallel group to have {ep} "
             f"ranks, hold the tensor-parallel group {tp_ranks} and no expert tensor "
             f"parallelism; it is {ranks} with expert tensor parallel size {etp} "
-            f"(initialize_model_parallel(expert_model_parallel_size={ep}, "
-            "expert_tensor_parallel_size=1))"
+            f"(initialize_model_parallel(expert_model_parallel_size={ep}{etp_arg}))"
         )
-    return ep_group
+    return group
 
 
 def parallelize_hf(
@@ -301,7 +309,7 @@ def parallelize_hf(
     if moe:  # before the plan: the shared experts' gate_proj must not be taken for dense MLPs
         from .hf_moe import swap_moe_blocks
 
-        ep_group = group if ep in (None, world) else _expert_group_over(group, ep)
+        ep_group = group if ep in (None, world) else expert_group(ep, "parallelize_hf", group)
         renames = swap_moe_blocks(model, ep_group, sequence_parallel=sequence_parallel,
                                   tp_group=group)  # fmt: skip
         if not sequence_parallel:  # router and shared expert see this rank's share of tokens
