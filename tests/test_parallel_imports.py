@@ -1,6 +1,6 @@
 """Imports of mtp.parallel and the MoE layers: no cycle (module- or function-level), the
-Megatron getters are plain functions a reader and a type checker can see, and every name under
-``mtp.parallel``'s ``TYPE_CHECKING`` block is what the package hands out at run time."""
+Megatron getters are plain functions a reader and a type checker can see, and mtp.parallel binds
+its names with plain imports (no module ``__getattr__``)."""
 
 from __future__ import annotations
 
@@ -85,23 +85,38 @@ def test_megatron_getters_are_written_out():
             assert fn.__module__ == ps.__name__ and fn.__doc__, name
 
 
-def test_type_checking_names_match_the_run_time_names():
+def test_package_names_are_plain_imports():
+    """No module-level ``__getattr__`` anywhere in mtp, and every name ``mtp.parallel``
+    hands out is the one object of the module that defines it."""
+    for path in (ROOT / "mtp").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        lazy = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+                and n.name == "__getattr__"]  # fmt: skip
+        assert lazy == [], path
     import mtp.parallel as mp
+    from mtp.parallel import agreement, device_mesh, dims, mappings, parallel_state, params
+    from mtp.parallel import random, rank_generator
 
-    tree = ast.parse((ROOT / "mtp" / "parallel" / "__init__.py").read_text())
-    block = next(n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in
-                 ast.unparse(n.test))  # fmt: skip
-    seen = set()
-    for node in block.body:
-        module = __import__(f"mtp.parallel.{node.module}", fromlist=["x"])
-        names = module.__all__ if node.names[0].name == "*" else [a.name for a in node.names]
-        for name in names:
+    for module in (device_mesh, dims, mappings, parallel_state, params, random, rank_generator):
+        for name in module.__all__:
             assert getattr(mp, name) is getattr(module, name), name
-            seen.add(node.module)
-    assert seen == set(mp._TORCH_MODULES)
+            assert name in mp.__all__, name
+    assert mp.set_check_collectives is agreement.set_check_collectives
 
 
 @pytest.mark.parametrize("module", ["mtp.parallel", "mtp.parallel.__main__"])
-def test_layout_modules_import_no_torch(module):
-    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch loaded'"
+def test_layout_tool_imports_no_torch(module):
+    """``python -m mtp.parallel`` answers without importing torch (``-X importtime`` lists
+    every module the run imports)."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", module, "--world-size", "8",
+                          "--tp", "2"], capture_output=True, text=True, timeout=120, check=True)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines()}
+    assert "tp 2" in run.stdout and "mtp.parallel.rank_generator" in imported
+    assert not {m for m in imported if m.split(".")[0] == "torch"}, "torch loaded"
+
+
+def test_importing_the_package_binds_the_torch_names():
+    """A plain ``import mtp.parallel`` (or ``python -m`` of anything else) binds every name."""
+    code = ("import sys; sys.argv[0] = '-m'; import mtp.parallel as mp; "
+            "assert mp.initialize_model_parallel and mp.ParallelDims and mp.params")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from .hf_kernels import apply_kernels
 from .hf_parallel import SUPPORTED_FAMILIES, parallelize_hf
 from .hf_state import hf_state_dict, load_hf_state_dict
+from .hf_trainer import Trainer
 
 __all__ = [
     "SUPPORTED_FAMILIES",
@@ -42,10 +43,3 @@ __all__ = [
     "parallelize_hf",
 ]
 
-
-def __getattr__(name: str):
-    if name == "Trainer":  # imports transformers.Trainer (and accelerate) on first use only
-        from .hf_trainer import Trainer
-
-        return Trainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,24 +16,43 @@
   (tensor-parallel, expert, expert-tensor-parallel, sequence-parallel, already reduced), read by
   DDP, clipping, the optimizer, checkpoints and sequence-parallel marking alike.
 
-Imports: the rank generator and the errors need no torch and are imported here; the names of
-the torch-dependent modules listed in ``_TORCH_MODULES`` (process groups, mappings, RNG,
-parameter attributes) are the ones under ``TYPE_CHECKING`` below, and are bound from their
-module on first use, so that ``python -m mtp.parallel`` answers without importing torch.
+Imports are plain. The rank generator and the errors need no torch; the other modules do. The
+one exception is the layout tool: while ``python -m mtp.parallel`` locates its ``__main__``,
+this package is imported with ``sys.argv[0] == "-m"`` (Python's documented behaviour of ``-m``)
+and the target named in ``sys.orig_argv``; then only the torch-free modules are imported, so the
+tool answers on a machine without torch.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING
+import sys
 
 from .errors import CollectiveAbortedError, RankMismatchError
 from .rank_generator import *  # noqa: F401,F403
 from .rank_generator import __all__ as _rank_all
 
-if TYPE_CHECKING:  # the torch-dependent names, as a reader and a type checker see them
-    from .agreement import check_collectives_enabled, set_check_collectives  # noqa: F401
+#: The module names ``python -m`` takes for the layout tool.
+_LAYOUT_TOOL = ("mtp.parallel", "mtp.parallel.__main__")
+
+
+def _run_as_layout_tool() -> bool:
+    """Whether this import is ``python -m mtp.parallel`` locating its ``__main__``."""
+    if sys.argv[:1] != ["-m"]:
+        return False
+    argv = list(getattr(sys, "orig_argv", ()))
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg == "-m":
+            return i + 1 < len(argv) and argv[i + 1] in _LAYOUT_TOOL
+        if arg.startswith("-m"):  # python -mmtp.parallel
+            return arg[2:] in _LAYOUT_TOOL
+    return False
+
+
+__all__ = [*_rank_all, "CollectiveAbortedError", "RankMismatchError"]
+
+if not _run_as_layout_tool():
+    from . import agree, agreement, device_mesh, dims, mappings, parallel_state, params, random
+    from .agreement import check_collectives_enabled, set_check_collectives
     from .device_mesh import *  # noqa: F401,F403
     from .dims import *  # noqa: F401,F403
     from .mappings import *  # noqa: F401,F403
@@ -41,28 +60,6 @@ if TYPE_CHECKING:  # the torch-dependent names, as a reader and a type checker s
     from .params import *  # noqa: F401,F403
     from .random import *  # noqa: F401,F403
 
-#: module -> the names this package takes from it (None: the module's ``__all__``).
-_TORCH_MODULES: dict[str, tuple[str, ...] | None] = {
-    "parallel_state": None,
-    "device_mesh": None,
-    "dims": None,
-    "mappings": None,
-    "random": None,
-    "params": None,
-    "agreement": ("check_collectives_enabled", "set_check_collectives"),
-}
-
-__all__ = [*_rank_all, "CollectiveAbortedError", "RankMismatchError"]
-
-
-def __getattr__(name: str):
-    """Bind a torch-dependent name from its module (see the module docstring)."""
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule itself
-        return importlib.import_module(f"{__name__}.{name}")
-    for module_name, names in _TORCH_MODULES.items():
-        module = importlib.import_module(f"{__name__}.{module_name}")
-        if name in (names if names is not None else module.__all__):
-            value = getattr(module, name)
-            globals()[name] = value
-            return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    __all__ += ["check_collectives_enabled", "set_check_collectives"]
+    __all__ += device_mesh.__all__ + dims.__all__ + mappings.__all__
+    __all__ += parallel_state.__all__ + params.__all__ + random.__all__
