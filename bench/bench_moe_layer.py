@@ -89,8 +89,8 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
         T, H, F = _SMOKE
         return [_case("Mixtral-like", 8, 2, T, H, F, dtype, p) for p in ("fwd", "fwd+bwd")]
     T = _TOKENS[size]
-    # Mixtral first: on the first lease (H200) the DeepSeek-like case did not finish within the
-    # family's 176 s, so nothing came back; the cheaper case now lands before it.
+    # The cheaper case first, so that its rows land even if the family's time share runs out
+    # during the DeepSeek-like case.
     quick = ("Mixtral-like", "DeepSeek-like")
     models = MODELS if size == "full" else {k: MODELS[k] for k in quick}
     return [
@@ -123,7 +123,7 @@ def build_layer(case: Case, backend: str, device: torch.device, dtype: torch.dty
 
     Not the layer's own initialisation: that draws every expert's ``nn.Linear`` on the CPU
     (the single-process equivalence it promises), minutes for the DeepSeek-like layer's 3.2 G
-    weights and once per provider; on the first lease that case never finished. The scales are
+    weights and once per provider. The scales are
     the same: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for the experts, ``N(0, 0.02)`` for the
     router."""
     p = case.params

@@ -222,7 +222,7 @@ def _ep_over_tp_worker(rank, world):
 
 
 def test_apply_kernels_experts_over_tp_and_dp_ranks_equal_single_process():
-    """Issue 26: ``ep`` independent of ``tp`` (it had to equal tp at tp > 1)."""
+    """``ep`` independent of ``tp``: experts over tp and dp ranks equal one process."""
     results = run_distributed(_ep_over_tp_worker, 4, timeout=300)
     for rank, r in enumerate(results):
         assert r["local"] == [[rank]] * 2, r

@@ -1,5 +1,5 @@
 """The MoE layer's nested configuration, its groups as one ParallelDims value, and the
-dispatchers' explicit metadata (issue 27, items 2 and 5)."""
+dispatchers' explicit metadata."""
 
 from __future__ import annotations
 

@@ -95,9 +95,9 @@ def test_matches_float64(dtype, case, device):
                                           (torch.bfloat16, 1.0), (torch.bfloat16, 30.0)])
 def test_gradient_is_as_precise_as_pytorchs(dtype, scale, device):
     """The gradient's error against float64 is PyTorch's own (``F.cross_entropy`` in ``dtype``
-    on the same logits) within 3x, large logits included. Issue 28, item 8: computed as
-    ``exp(x - lse)``, the fp32 gradient at x30 logits was 20x PyTorch's error (lse rounds at
-    ulp(lse)); it is now ``exp(x - max) / sum`` as PyTorch does, rounded once."""
+    on the same logits) within 3x, large logits included. Computed as
+    ``exp(x - lse)``, the fp32 gradient at x30 logits would be 20x PyTorch's error (lse rounds at
+    ulp(lse)); ``exp(x - max) / sum``, PyTorch's order, rounds once."""
     worst = 0.0
     for seed in range(3):
         gen = torch.Generator().manual_seed(seed)

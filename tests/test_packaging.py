@@ -101,10 +101,7 @@ def test_editable_install_and_wheel(tmp_path):
 # The import graph
 # --------------------------------------------------------------------------------------------
 
-#: Cycles that other work items of issue 27 remove (then this list must shrink: the test fails
-#: on an entry that is no longer a cycle).
-#: Import cycles still tolerated (none: the agreement / parallel_state and the activation
-#: kernels' cycles went with the explicit-state and one-entry grouped GEMM changes).
+#: Import cycles tolerated: none (the test fails on an entry that is no longer a cycle).
 KNOWN_CYCLES: list[list[str]] = []
 
 

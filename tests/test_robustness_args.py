@@ -1,4 +1,4 @@
-"""Bad arguments in one process (issue 17): each case raises the exact error type with a message
+"""Bad arguments in one process: each case raises the exact error type with a message
 naming the argument, or gives the right result; plus the rank generator and CLIs at scale."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Two ranks that disagree: every rank ends quickly with a clear error (or the right result),
-none hangs or dies by a signal (issue 17).
+none hangs or dies by a signal.
 
 Each spawn runs many scenarios; each rank records what every scenario gave it (the error type
 and message, or the result) and how long it took, and the parent checks both ranks' records.

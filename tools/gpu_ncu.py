@@ -29,8 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: The three slowest against their floor on the first lease (H200, bench/README.md), then one
-#: more: permute fwd+bwd 12 %, unpermute fwd 14 %, cross_entropy fwd+bwd 28 %, bias_gelu fwd+bwd 45 %.
+#: The memory-bound cases furthest from their floor in bench/results/ (bench/README.md has the
+#: figures), slowest first.
 DEFAULT_TARGETS = (
     "permute:fwd+bwd:Mixtral-like",
     "unpermute:fwd:Mixtral-like",
