@@ -50,10 +50,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bundle import EXT_FOLDER, WHEEL_MODULES  # noqa: E402
-from gpu_probe import TORCH_PROBE, nvidia_smi, smi, which_nvcc  # noqa: E402
+from gpu_probe import TORCH_PROBE, first_line, kill_group, nvidia_smi, smi, which_nvcc  # noqa: E402
 from gpu_report import (  # noqa: E402
     NO_GPU, bench_table, collected_text, failures_text, graphs_table, junit_counts,
-    progress_text, tests_text, text_table,
+    merge_counts, merge_junit, progress_text, tests_text, text_table,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,7 +146,7 @@ class Checker:
             try:
                 rc = self.child.wait(timeout=limit)
             except subprocess.TimeoutExpired:
-                _kill_group(self.child)
+                kill_group(self.child)
                 f.write(f"\n[gpu-check] killed after {limit:.0f} s (time box)\n")
                 return f"timeout ({limit:.0f} s)", None, time.monotonic() - t0
             finally:
@@ -220,7 +220,7 @@ class Checker:
         clocks = smi(["-q", "-d", "CLOCK,PERFORMANCE,POWER"])
         if clocks:
             (self.own / "nvidia-smi.txt").write_text(clocks)
-        rec["nvcc"] = _first_line([which_nvcc(), "--version"], pick="release")
+        rec["nvcc"] = first_line([which_nvcc(), "--version"], pick="release")
         self.write_env()
         detail = ", ".join(
             f"{k} {rec.get(k)}" for k in ("device", "torch", "triton", "cuda") if rec.get(k)
@@ -367,8 +367,8 @@ class Checker:
             statuses.append(status)
             counts.append(junit_counts(junit) if junit.exists()
                           else {"note": f"{progress_text(log)} before the {status}"})
-        self.tests = _merge_counts(counts)
-        _merge_junit([self.own / f"junit-{i}.xml" for i in range(len(parts))],
+        self.tests = merge_counts(counts)
+        merge_junit([self.own / f"junit-{i}.xml" for i in range(len(parts))],
                      self.own / "junit.xml")  # fmt: skip
         status = next((s for s in statuses if s != "ok"), "ok")
         self.step("pytest", status, time.monotonic() - t0, tests_text(self.tests), log)
@@ -454,62 +454,11 @@ class Checker:
     def on_signal(self, signum, _frame) -> None:
         """SIGTERM/SIGINT: stop the running step, record it, pack, exit."""
         if self.child is not None:
-            _kill_group(self.child)
+            kill_group(self.child)
         self.steps.append(dict(step="(signal)", status=f"killed by signal {signum}",
                                seconds=round(time.monotonic() - self.start, 1), detail=""))
         self.pack()
         os._exit(128 + signum)
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def _merge_counts(parts: list[dict]) -> dict:
-    notes = [p["note"] for p in parts if "note" in p]
-    full = [p for p in parts if "note" not in p]
-    if not full:
-        return {"note": "; ".join(notes)}
-    total = {k: sum(p[k] for p in full) for k in ("tests", "passed", "failed", "errors", "skipped")}
-    total["first_failure"] = next((p["first_failure"] for p in full if p["first_failure"]), None)
-    if notes:
-        total["first_failure"] = (total["first_failure"] or "") + f" [{'; '.join(notes)}]"
-    return total
-
-
-def _merge_junit(parts: list[Path], dest: Path) -> None:
-    """One JUnit file of the parts' test suites (the flat file that comes back)."""
-    import xml.etree.ElementTree as ET
-
-    root = ET.Element("testsuites")
-    for part in parts:
-        if part.exists():
-            tree = ET.parse(part).getroot()
-            root.extend([tree] if tree.tag == "testsuite" else list(tree))
-    ET.ElementTree(root).write(dest, encoding="utf-8", xml_declaration=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _first_line(cmd: list[str], pick: str = "") -> str | None:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = [ln.strip() for ln in out.stdout.splitlines() if pick in ln]
-    return lines[0] if out.returncode == 0 and lines else None
 
 
 def plan_text() -> str:

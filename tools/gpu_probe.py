@@ -1,13 +1,17 @@
 """What ``tools/gpu_check.py`` reads off the machine: versions and the GPU (in a child process,
-so a broken torch or CUDA cannot take the checker down), and nvidia-smi's fields."""
+so a broken torch or CUDA cannot take the checker down) and nvidia-smi's fields; and how it ends
+a child's whole process group."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import textwrap
 
-__all__ = ["SMI_FIELDS", "TORCH_PROBE", "nvidia_smi", "smi", "which_nvcc"]
+__all__ = ["SMI_FIELDS", "TORCH_PROBE", "first_line", "kill_group", "nvidia_smi", "smi",
+           "which_nvcc"]
 
 SMI_FIELDS = ("name", "driver_version", "pci.bus_id", "memory.total", "power.limit",
               "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
@@ -61,3 +65,27 @@ def nvidia_smi() -> dict | None:
         one = smi([f"--query-gpu={field}", fmt])
         fields[field] = one.splitlines()[0].strip() if one else None
     return fields
+
+
+def first_line(cmd: list[str], pick: str = "") -> str | None:
+    """The first line of ``cmd``'s output that contains ``pick`` (None when it fails)."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln.strip() for ln in out.stdout.splitlines() if pick in ln]
+    return lines[0] if out.returncode == 0 and lines else None
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Terminate ``proc``'s whole process group, then kill it if it does not end in 5 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 __all__ = ["NO_GPU", "bench_table", "collected_text", "failures_text", "graphs_table",
-           "junit_counts", "progress_text", "tests_text", "text_table"]  # fmt: skip
+           "junit_counts", "merge_counts", "merge_junit", "progress_text", "tests_text", "text_table"]  # fmt: skip
 
 NO_GPU = "not run: no GPU"
 
@@ -158,3 +158,26 @@ def _num(value, digits: int = 3) -> str:
     except (TypeError, ValueError):
         return "?"
     return "nan" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def merge_counts(parts: list[dict]) -> dict:
+    """One count of several pytest runs' counts (a part that did not run gives a note)."""
+    notes = [p["note"] for p in parts if "note" in p]
+    full = [p for p in parts if "note" not in p]
+    if not full:
+        return {"note": "; ".join(notes)}
+    total = {k: sum(p[k] for p in full) for k in ("tests", "passed", "failed", "errors", "skipped")}
+    total["first_failure"] = next((p["first_failure"] for p in full if p["first_failure"]), None)
+    if notes:
+        total["first_failure"] = (total["first_failure"] or "") + f" [{'; '.join(notes)}]"
+    return total
+
+
+def merge_junit(parts: list[Path], dest: Path) -> None:
+    """One JUnit file of the parts' test suites (the flat file that comes back)."""
+    root = ET.Element("testsuites")
+    for part in parts:
+        if part.exists():
+            tree = ET.parse(part).getroot()
+            root.extend([tree] if tree.tag == "testsuite" else list(tree))
+    ET.ElementTree(root).write(dest, encoding="utf-8", xml_declaration=True)
