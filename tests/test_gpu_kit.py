@@ -588,7 +588,7 @@ def test_smoke_imports_everything_and_runs_one_call_per_family(tmp_path):
                           env=_clean_env(TRITON_INTERPRET="1"))  # fmt: skip
     data = json.loads(report.read_text())
     assert not data["imports"]["failed"] and len(data["imports"]["ok"]) > 60, data["imports"]
-    assert {"mtp.kernels.grouped_mm_fill", "mtp.bench.cli"} <= set(data["imports"]["ok"])
+    assert {"mtp.kernels.grouped_gemm_details.fill", "mtp.bench.cli"} <= set(data["imports"]["ok"])
     families = {c["family"] for c in data["calls"]}
     assert families == {"bias_act", "cross_entropy", "linear_cross_entropy", "permute",
                         "grouped_gemm", "moe_layer"}  # fmt: skip

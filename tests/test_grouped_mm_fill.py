@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mtp.bench.counting import count_ops
-from mtp.kernels import grouped_mm_fill as fill
+from mtp.kernels.grouped_gemm_details import fill
 from mtp.ops.grouped_gemm import grouped_gemm, torch_grouped_mm
 from mtp.testing import compile_for_targets
 

@@ -19,6 +19,8 @@ Modules, bottom to top:
 - :mod:`.launch`: launchers that take tensors, preallocated outputs and a config object (tiles,
   pointer or TMA, persistent grid, split). They decide nothing: the config does
   (:func:`mtp.ops.grouped_gemm_config.make_config`).
+- :mod:`.fill`: the zeros that ``torch.nn.functional.grouped_mm`` leaves unwritten (the rows
+  past the routed ones, the weight gradient of an empty group), for the ``torch`` backend.
 
 Nothing here imports the rest of mtp above ``mtp.kernels``.
 """

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mtp.kernels import grouped_mm_fill as _fill
+from mtp.kernels.grouped_gemm_details import fill as _fill
 from mtp.kernels._common import interpreting
 from mtp.kernels.grouped_gemm_details import launch as _launch
 from mtp.ops.bias_act import bias_gelu, bias_swiglu
