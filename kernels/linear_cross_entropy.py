@@ -4,8 +4,8 @@ The chunk's logits shard ``x`` (``[rows, V_local]``, contiguous, fp32 / fp16 / b
 one GEMM; these kernels replace the fp32 PyTorch passes over it (an fp32 copy, max, exp, sum,
 gather, ...: five to eight reads and writes of a vocab-wide tensor) with one read forward and
 one read plus one in-place write backward. The row machinery (16-byte vector loads whatever
-``V_local`` is, per-lane online softmax) is the cross-entropy kernel's
-(:mod:`mtp.kernels.cross_entropy`).
+``V_local`` is, per-lane online softmax) is the cross-entropy kernels'
+(:mod:`mtp.kernels.cross_entropy_rows`).
 
 - ``_lce_stats_kernel``: per row ``(m, s, c)``: max, ``sum exp(x - m)`` and
   ``c = coef_target * x[t] + coef_uniform * sum(x)`` (``t`` this rank's local target id, or -1
@@ -26,15 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mtp.kernels.cross_entropy import (
-    LANES,
-    NUM_WARPS,
-    _row_grad,
-    _softmax_coefs,
-    _store_row_stats,
-    num_programs,
-    vector_width,
-)
+from mtp.kernels.cross_entropy import LANES, NUM_WARPS, num_programs, vector_width
+from mtp.kernels.cross_entropy_rows import _row_grad, _softmax_coefs, _store_row_stats
 
 
 @triton.jit

@@ -42,6 +42,11 @@ Backends (the GEMMs are cuBLAS / CPU ``torch.mm`` / ``addmm`` in both):
 
 ``MTP_BACKEND=triton`` / ``fused`` / ``torch`` (``reference`` is an alias of ``torch``) steers
 ``"auto"``.
+
+The argument checks and the backend choice are in :mod:`mtp.ops._linear_cross_entropy_checks`,
+the per-chunk PyTorch maths (the ``"torch"`` backend's, and the GEMMs every backend runs) in
+:mod:`mtp.ops._linear_cross_entropy_maths`; this module holds the chunking, the collectives and
+the autograd function.
 """
 
 from __future__ import annotations
@@ -51,18 +56,29 @@ import torch.distributed as dist
 
 from mtp.kernels import linear_cross_entropy as lce_kernels
 from mtp.kernels import linear_cross_entropy_gemm as lce_gemm
-from mtp.kernels._common import interpreting
-from mtp.dtypes import FLOATS, INDEX_DTYPES
-from mtp.ops._backend import auto_backend
+from mtp.ops._linear_cross_entropy_checks import (
+    BACKENDS,
+    REDUCTIONS,
+    TRITON_BACKENDS,
+    check_args,
+    resolve_backend,
+)
+from mtp.ops._linear_cross_entropy_maths import (
+    accumulation_dtype,
+    add_weight_grad,
+    chunk_grad,
+    chunk_logits,
+    chunk_stats,
+    combine,
+    merge_stats,
+    mm_fp32,
+)
 from mtp.parallel.agree import agreement
 from mtp.parallel.agreement import check_collective
-from mtp.utils import check_tensor, check_values
+from mtp.utils import check_values
 
 __all__ = ["linear_cross_entropy", "default_chunk_size", "REDUCTIONS", "BACKENDS"]
 
-REDUCTIONS = ("none", "mean", "sum")
-_DTYPES = FLOATS
-_TARGET_DTYPES = INDEX_DTYPES
 _CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk in the default chunk size
 
 
@@ -72,94 +88,6 @@ def default_chunk_size(rows: int, vocab_local: int) -> int:
     budget = max(64, _CHUNK_BYTES // (4 * max(vocab_local, 1)))
     chunk = 1 << (budget.bit_length() - 1)
     return max(1, min(rows, chunk))
-
-
-# --------------------------------------------------------------------------------------------
-# Per-chunk maths (fp32, plain PyTorch)
-# --------------------------------------------------------------------------------------------
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype: fp32, or fp64 for fp64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``[rows, V/tp]`` logits in the input dtype; the bias is added in the GEMM's epilogue."""
-    return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-
-
-def _chunk_stats(x, local_t, owns, coef_target, coef_uniform) -> torch.Tensor:
-    """``[rows, 3]`` fp32 ``(max, sum exp(x - max), (1-eps) x_t + eps/V sum x)`` of a shard."""
-    x = x.to(_acc(x.dtype))
-    m = x.amax(-1)
-    m_ref = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    s = torch.exp(x - m_ref[:, None]).sum(-1)
-    x_t = torch.where(owns, x.gather(1, local_t[:, None])[:, 0], torch.zeros_like(m))
-    c = coef_target * x_t + coef_uniform * x.sum(-1)
-    return torch.stack([m, s, c], dim=-1)
-
-
-def _merge_stats(parts: torch.Tensor) -> torch.Tensor:
-    """``[rows, 3]`` statistics of whole rows from ``[k, rows, 3]`` ones of ``k`` column shares
-    (the ranks' vocab shards, or the fused GEMM's vocab splits)."""
-    if parts.shape[0] == 1:
-        return parts[0]
-    m_all, s_all, c_all = parts.unbind(-1)
-    m = m_all.amax(0)
-    m_ref = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    return torch.stack([m, (s_all * torch.exp(m_all - m_ref)).sum(0), c_all.sum(0)], dim=-1)
-
-
-def _combine(gathered, valid, z_loss_weight):
-    """``(loss [rows], rowstat [rows, 2])`` from every rank's ``[world, rows, 3]`` statistics."""
-    m, s, c = _merge_stats(gathered).unbind(-1)
-    log_s = torch.log(s)
-    lse = m + log_s
-    loss = (m - c) + log_s + z_loss_weight * lse * lse
-    return torch.where(valid, loss, torch.zeros_like(loss)), torch.stack([m, s], dim=-1)
-
-
-def _chunk_grad(x, rowstat, local_t, owns, dloss, valid, coef_target, coef_uniform, z):
-    """``dloss * d loss / d logits`` of a chunk, fp32 ``[rows, V/tp]``; the softmax as PyTorch
-    computes it, ``exp(x - m) * (1 / s)`` (not ``exp(x - lse)``, whose rounded ``lse`` costs
-    precision at large logits)."""
-    m, s = rowstat.unbind(-1)
-    lse = m + torch.log(s)
-    m_ref = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    p = torch.exp(x.to(_acc(x.dtype)) - m_ref[:, None]) * (1.0 / s)[:, None]
-    g = p * (1.0 + 2.0 * z * lse)[:, None] - coef_uniform
-    hit = torch.where(owns, -coef_target, torch.zeros_like(lse))
-    g.scatter_add_(1, local_t[:, None], hit[:, None].to(g.dtype))
-    scale = torch.where(valid, dloss.to(lse.dtype), torch.zeros_like(lse))
-    return g * scale[:, None]
-
-
-_HALF = (torch.float16, torch.bfloat16)
-_FUSED_ADDMM: list[bool] = []  # whether addmm(out_dtype=float32, out=C) works here (CUDA)
-
-
-def _add_weight_grad(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
-    """``dw += g^T h`` with fp32 accumulation (``dw`` fp32; ``g``, ``h`` in the input dtype)."""
-    if dw.is_cuda and g.dtype in _HALF and _FUSED_ADDMM != [False]:
-        try:  # cuBLAS: half inputs, fp32 C read and written in the epilogue
-            torch.addmm(dw, g.t(), h, out_dtype=torch.float32, out=dw)
-            _FUSED_ADDMM[:] = [True]
-            return
-        except (RuntimeError, TypeError):
-            _FUSED_ADDMM[:] = [False]
-    if dw.is_cuda and g.dtype in _HALF:
-        dw.add_(torch.mm(g.t(), h, out_dtype=torch.float32))
-    else:
-        dw.addmm_(g.t().to(dw.dtype), h.to(dw.dtype))
-
-
-def _mm_fp32(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``g @ weight`` with an fp32 result (``d_hidden`` rows)."""
-    if g.is_cuda and g.dtype in _HALF:
-        return torch.mm(g, weight, out_dtype=torch.float32)
-    acc = _acc(g.dtype)
-    return torch.mm(g.to(acc), weight.to(acc))
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,8 +183,9 @@ class _Setup:
         self.owns = (local >= 0) & (local < self.v_local)
         self.local_t = local.clamp(0, self.v_local - 1)
         self.coef_target = 1.0 - eps
-        self.coef_uniform = eps / vocab.to(_acc(hidden.dtype))
-        if backend in _TRITON:  # the kernels' view: local id or -1, coefficients on the device
+        self.coef_uniform = eps / vocab.to(accumulation_dtype(hidden.dtype))
+        # the kernels' view: local id or -1, coefficients on the device
+        if backend in TRITON_BACKENDS:
             self.local_k = torch.where(self.owns, local, torch.full_like(local, -1))
             self.coefs = torch.stack(
                 [torch.ones_like(self.coef_uniform) * self.coef_target, self.coef_uniform]
@@ -266,24 +195,24 @@ class _Setup:
     def forward_stats(self, h: torch.Tensor, weight, bias, rows) -> torch.Tensor:
         """:meth:`stats` of the chunk ``h @ weight^T (+ bias)``; ``"fused"``: in the GEMM."""
         if self.backend == "fused":
-            return _merge_stats(lce_gemm.gemm_stats(h, weight, bias, self.local_k[rows],
-                                                    self.coefs, self.eps > 0.0))  # fmt: skip
-        return self.stats(_logits(h, weight, bias), rows)
+            return merge_stats(lce_gemm.gemm_stats(h, weight, bias, self.local_k[rows],
+                                                   self.coefs, self.eps > 0.0))  # fmt: skip
+        return self.stats(chunk_logits(h, weight, bias), rows)
 
     def stats(self, x: torch.Tensor, rows) -> torch.Tensor:
         """``[rows, 3]`` ``(max, sum exp(x - max), target term)`` of a chunk's logits ``x``."""
-        if self.backend in _TRITON:
+        if self.backend in TRITON_BACKENDS:
             return lce_kernels.chunk_stats(x, self.local_k[rows], self.coefs, self.eps > 0.0)
-        return _chunk_stats(x, self.local_t[rows], self.owns[rows], self.coef_target,
-                            self.coef_uniform)  # fmt: skip
+        return chunk_stats(x, self.local_t[rows], self.owns[rows], self.coef_target,
+                           self.coef_uniform)  # fmt: skip
 
     def grad(self, x: torch.Tensor, rows, rowstat: torch.Tensor, dloss: torch.Tensor):
         """``dloss * d loss / d x`` of a chunk (Triton: written over ``x``, in its dtype)."""
-        if self.backend in _TRITON:
+        if self.backend in TRITON_BACKENDS:
             scale = torch.where(self.valid[rows], dloss.float(), torch.zeros_like(rowstat[:, 0]))
             return lce_kernels.chunk_grad_(x, self.local_k[rows], self.coefs, rowstat, scale,
                                            self.z)  # fmt: skip
-        return _chunk_grad(
+        return chunk_grad(
             x, rowstat, self.local_t[rows], self.owns[rows], dloss, self.valid[rows],
             self.coef_target, self.coef_uniform, self.z,
         )  # fmt: skip
@@ -314,7 +243,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, setup: _Setup):
         h2d = hidden.reshape(-1, setup.hidden_size)
-        acc = _acc(hidden.dtype)
+        acc = accumulation_dtype(hidden.dtype)
         loss = torch.empty(setup.rows, dtype=acc, device=hidden.device)
         rowstat = torch.empty((setup.rows, 2), dtype=acc, device=hidden.device)
         for local, rows in setup.chunks():
@@ -323,7 +252,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 gathered = _all_gather(stats, setup.group, setup.world)
             else:
                 gathered = stats[None]
-            loss[rows], rowstat[rows] = _combine(gathered, setup.valid[rows], setup.z)
+            loss[rows], rowstat[rows] = combine(gathered, setup.valid[rows], setup.z)
         ctx.setup = setup
         ctx.has_bias = bias is not None
         ctx.save_for_backward(hidden, weight, bias, rowstat)
@@ -336,21 +265,21 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         s: _Setup = ctx.setup
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         h2d = hidden.reshape(-1, s.hidden_size)
-        acc = _acc(hidden.dtype)
+        acc = accumulation_dtype(hidden.dtype)
         dh = torch.empty((s.rows, s.hidden_size), dtype=acc, device=hidden.device) if need_h else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
         dloss = dloss.reshape(-1)
         for local, rows in s.chunks():
             hc = s.rows_of(h2d, local)
-            g = s.grad(_logits(hc, weight, bias), rows, rowstat[rows], dloss[rows])
+            g = s.grad(chunk_logits(hc, weight, bias), rows, rowstat[rows], dloss[rows])
             if need_b:
                 db += g.sum(0, dtype=acc)
             g = g.to(weight.dtype)
             if need_h:
-                dh[rows] = _mm_fp32(g, weight)
+                dh[rows] = mm_fp32(g, weight)
             if need_w:
-                _add_weight_grad(dw, g, hc)
+                add_weight_grad(dw, g, hc)
         grad_hidden = _reduce_hidden_grad(dh, s) if need_h else None
         grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype).view(hidden.shape)
         grad_weight = None if dw is None else dw.to(weight.dtype)
@@ -373,71 +302,6 @@ def _reduce_hidden_grad(dh: torch.Tensor, s: _Setup) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-
-BACKENDS = ("auto", "triton", "fused", "torch")
-_TRITON = ("triton", "fused")
-
-
-def _resolve_backend(backend, hidden: torch.Tensor) -> str:
-    """``"triton"``, ``"fused"`` or ``"torch"`` for ``backend`` (see
-    :func:`linear_cross_entropy`)."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    fp64 = hidden.dtype == torch.float64
-    if backend == "auto":
-        backend = auto_backend(BACKENDS[1:], hidden.device, reference="torch")
-        if fp64:
-            return "torch"
-    if backend in _TRITON and fp64:
-        raise ValueError(f"backend={backend!r} takes fp32 / fp16 / bf16 inputs; fp64 needs 'torch'")
-    if backend in _TRITON and not hidden.is_cuda and not interpreting():
-        raise ValueError(
-            f"backend={backend!r} needs CUDA tensors; on CPU use backend='torch' or set "
-            "TRITON_INTERPRET=1 to run the kernels in the interpreter"
-        )
-    return backend
-
-
-def _check_args(hidden, weight, target, bias, group, sp, eps, ignore_index, z, reduction, chunk):
-    check_tensor("hidden", hidden, dtypes=_DTYPES)
-    check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden must be [..., H] with H = weight.shape[1] = {weight.shape[1]}, got shape "
-            f"{tuple(hidden.shape)}"
-        )
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have at least one vocab row (its shape is [V/tp, H])")
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=(hidden.dtype,), device=hidden.device)
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
-    if isinstance(target, torch.Tensor) and target.dtype.is_floating_point:
-        raise TypeError(f"target must hold class indices (int64 or int32), got {target.dtype}")
-    check_tensor("target", target, dtypes=_TARGET_DTYPES, device=hidden.device)
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {group!r}")
-    world = 1 if group is None else dist.get_world_size(group)
-    lead = tuple(hidden.shape[:-1])
-    want = lead if not (sp and world > 1) else ((lead[0] * world,) + lead[1:] if lead else None)
-    if want is None or tuple(target.shape) != want:
-        extra = " (sequence_parallel: hidden's first dim is this rank's chunk)" if sp else ""
-        raise ValueError(
-            f"target must have shape {want} for hidden of shape {tuple(hidden.shape)}{extra}, "
-            f"got {tuple(target.shape)}"
-        )
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 <= eps <= 1.0:
-        raise ValueError(f"label_smoothing must be a float in [0, 1], got {eps!r}")
-    if not isinstance(z, (int, float)) or isinstance(z, bool) or not 0.0 <= z < float("inf"):
-        raise ValueError(f"z_loss_weight must be a finite float >= 0, got {z!r}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk!r}")
-    if not isinstance(sp, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {sp!r}")
 
 
 def linear_cross_entropy(
@@ -499,7 +363,7 @@ def linear_cross_entropy(
     all-gather of ``12 * rows`` bytes forward (plus the chunk's hidden rows with sequence
     parallel, forward and backward), one all-reduce (reduce-scatter) of ``d_hidden`` backward.
     """
-    _check_args(
+    check_args(
         hidden, weight, target, bias, group, sequence_parallel, label_smoothing, ignore_index,
         z_loss_weight, reduction, chunk_size,
     )  # fmt: skip
@@ -509,7 +373,7 @@ def linear_cross_entropy(
     setup = _Setup(
         hidden, weight, target, group, float(label_smoothing), int(ignore_index),
         float(z_loss_weight), chunk, sequence_parallel and world > 1, validate,
-        _resolve_backend(backend, hidden),
+        resolve_backend(backend, hidden),
     )  # fmt: skip
     loss, _ = _LinearCrossEntropyFn.apply(hidden, weight, bias, setup)
     if reduction == "sum":

@@ -1,0 +1,83 @@
+"""Argument checks of :func:`mtp.ops.linear_cross_entropy` (types, shapes, dtypes, devices,
+the scalar options: free, always on) and the choice of its backend."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mtp.dtypes import FLOATS, INDEX_DTYPES
+from mtp.kernels._common import interpreting
+from mtp.ops._backend import auto_backend
+from mtp.utils import check_tensor
+
+__all__ = ["BACKENDS", "REDUCTIONS", "TRITON_BACKENDS", "check_args", "resolve_backend"]
+
+REDUCTIONS = ("none", "mean", "sum")
+BACKENDS = ("auto", "triton", "fused", "torch")
+#: The backends whose loss maths are Triton kernels.
+TRITON_BACKENDS = ("triton", "fused")
+_DTYPES = FLOATS
+_TARGET_DTYPES = INDEX_DTYPES
+
+
+def resolve_backend(backend, hidden: torch.Tensor) -> str:
+    """``"triton"``, ``"fused"`` or ``"torch"`` for ``backend`` (see
+    :func:`mtp.ops.linear_cross_entropy`)."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    fp64 = hidden.dtype == torch.float64
+    if backend == "auto":
+        backend = auto_backend(BACKENDS[1:], hidden.device, reference="torch")
+        if fp64:
+            return "torch"
+    if backend in TRITON_BACKENDS and fp64:
+        raise ValueError(f"backend={backend!r} takes fp32 / fp16 / bf16 inputs; fp64 needs 'torch'")
+    if backend in TRITON_BACKENDS and not hidden.is_cuda and not interpreting():
+        raise ValueError(
+            f"backend={backend!r} needs CUDA tensors; on CPU use backend='torch' or set "
+            "TRITON_INTERPRET=1 to run the kernels in the interpreter"
+        )
+    return backend
+
+
+def check_args(hidden, weight, target, bias, group, sp, eps, ignore_index, z, reduction, chunk):
+    check_tensor("hidden", hidden, dtypes=_DTYPES)
+    check_tensor("weight", weight, ndim=2, dtypes=(hidden.dtype,), device=hidden.device)
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [..., H] with H = weight.shape[1] = {weight.shape[1]}, got shape "
+            f"{tuple(hidden.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one vocab row (its shape is [V/tp, H])")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(hidden.dtype,), device=hidden.device)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if isinstance(target, torch.Tensor) and target.dtype.is_floating_point:
+        raise TypeError(f"target must hold class indices (int64 or int32), got {target.dtype}")
+    check_tensor("target", target, dtypes=_TARGET_DTYPES, device=hidden.device)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {group!r}")
+    world = 1 if group is None else dist.get_world_size(group)
+    lead = tuple(hidden.shape[:-1])
+    want = lead if not (sp and world > 1) else ((lead[0] * world,) + lead[1:] if lead else None)
+    if want is None or tuple(target.shape) != want:
+        extra = " (sequence_parallel: hidden's first dim is this rank's chunk)" if sp else ""
+        raise ValueError(
+            f"target must have shape {want} for hidden of shape {tuple(hidden.shape)}{extra}, "
+            f"got {tuple(target.shape)}"
+        )
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 <= eps <= 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {eps!r}")
+    if not isinstance(z, (int, float)) or isinstance(z, bool) or not 0.0 <= z < float("inf"):
+        raise ValueError(f"z_loss_weight must be a finite float >= 0, got {z!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk!r}")
+    if not isinstance(sp, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sp!r}")
