@@ -40,16 +40,24 @@ and reads each token row once, writing it to its rows; the token-major map built
 each, eagerly and compiled alike. Without one (Megatron's ``sorted_indices``, a three-output
 ``permute``), ``row_id_map`` is inverted on the device with a sort (logged once) and handled by
 the row kernels of :mod:`mtp.kernels.moe_permute`.
+
+This module holds the two entry points; the pieces behind them, all importable from here too:
+the row map on its own (:func:`moe_permute_row_map`, :class:`RowMap`, :func:`select_probs`) in
+:mod:`mtp.ops._moe_row_map`, the references (:func:`permute_reference`,
+:func:`unpermute_reference`) in :mod:`mtp.ops._moe_permute_reference`, the argument and data
+checks in :mod:`mtp.ops._moe_permute_checks`, the fused custom ops and :class:`TokenMap` in
+:mod:`mtp.ops._moe_token_map` and the row-kernel custom ops in :mod:`mtp.ops._moe_row_ops`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 
 import torch
 
+from mtp.dtypes import FLOATS as _FLOAT_DTYPES
+from mtp.dtypes import INDEX_DTYPES as _INDEX_DTYPES
 from mtp.ops import _moe_row_ops  # noqa: F401 - registers mtp::moe_gather_rows & co.
 from mtp.ops._backend import resolve_backend
 from mtp.ops._moe_permute_checks import (
@@ -62,6 +70,13 @@ from mtp.ops._moe_permute_checks import (
     resolve_sizes,
     routing_from_indices,
 )
+from mtp.ops._moe_permute_reference import (
+    combine_reference,
+    permute_reference,
+    unpermute_reference,
+)
+from mtp.ops._moe_row_map import PERMUTE_BACKENDS as _BACKENDS
+from mtp.ops._moe_row_map import RowMap, moe_permute_row_map, row_pairs, select_probs
 from mtp.ops._moe_token_map import TokenMap, say_once
 from mtp.utils import check_tensor, check_values, data_checks_enabled, validation_mode
 
@@ -77,128 +92,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mtp")
-
-_BACKENDS = ("triton", "reference")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RowMap:
-    """:func:`moe_permute_row_map` with ``token_map=True``: ``row_id_map`` and ``pair`` (int64
-    ``[N]``) and the :class:`TokenMap` built with them (None on the reference backend)."""
-
-    row_id_map: torch.Tensor
-    pair: torch.Tensor
-    token_map: TokenMap | None
-
-
-from mtp.dtypes import FLOATS as _FLOAT_DTYPES  # noqa: E402
-from mtp.dtypes import INDEX_DTYPES as _INDEX_DTYPES  # noqa: E402
-
-
-# --------------------------------------------------------------------------------------------
-# Row maps (device, static shapes)
-# --------------------------------------------------------------------------------------------
-
-
-def moe_permute_row_map(
-    routing_map: torch.Tensor,
-    num_out_tokens: int,
-    drop_and_pad: bool = False,
-    capacity: int | None = None,
-    *,
-    backend: str = "auto",
-    token_map: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor] | RowMap:
-    """The row map of :func:`permute`, computed on the device without a host sync.
-
-    Args:
-        routing_map: ``[T, E]`` bool.
-        num_out_tokens: ``N``, the number of permuted rows (``E * capacity`` when dropping).
-        drop_and_pad: keep the first ``capacity`` tokens (token order) of each expert, in slots
-            ``[e * capacity, (e + 1) * capacity)``.
-        capacity: slots per expert (with ``drop_and_pad``).
-        backend: ``"triton"`` (two launches, no sort; it also builds the token-major map that
-            lets :func:`unpermute` run in one launch), ``"reference"`` (cumulative sums and
-            ``searchsorted``) or ``"auto"``.
-        token_map: return a :class:`RowMap` (with the :class:`TokenMap`, None on the
-            reference backend) instead of the pair.
-
-    Returns:
-        ``(row_id_map, pair)``, both int64 ``[N]``: the token of each row (``-1``: no token) and
-        its flat ``(token, expert)`` index ``t * E + e`` (``T * E`` for an empty row); a
-        :class:`RowMap` of them and the token map with ``token_map=True``.
-    """
-    if resolve_backend("permute", backend, routing_map.device, _BACKENDS) == "triton":
-        cap = capacity if drop_and_pad else None
-        row_id_map, pair, rows, experts_, count = torch.ops.mtp.moe_row_map(
-            routing_map, num_out_tokens, -1 if cap is None else cap
-        )
-        if not token_map:
-            return row_id_map, pair
-        tm = TokenMap(rows, experts_, count, routing_map.shape[1], drop_and_pad)
-        return RowMap(row_id_map, pair, tm)
-    row_id_map, pair = _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity)
-    return RowMap(row_id_map, pair, None) if token_map else (row_id_map, pair)
-
-
-def _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity):
-    tokens, experts = routing_map.shape
-    device = routing_map.device
-    if drop_and_pad:
-        # Position of each token among the tokens of its expert, then the (s+1)-th one per slot.
-        ranks = torch.cumsum(routing_map.t(), dim=1, dtype=torch.int32)  # [E, T]
-        want = torch.arange(1, capacity + 1, device=device, dtype=torch.int32)
-        token = torch.searchsorted(ranks, want.expand(experts, capacity).contiguous())  # [E, C]
-        valid = token < tokens
-        expert = torch.arange(experts, device=device, dtype=torch.int64).unsqueeze(1)
-        pair = torch.where(valid, token * experts + expert, tokens * experts)
-        row_id_map = torch.where(valid, token, -1)
-        return row_id_map.reshape(-1), pair.reshape(-1)
-    if tokens * experts == 0:
-        none = torch.full((num_out_tokens,), -1, device=device, dtype=torch.int64)
-        return none, torch.full_like(none, tokens * experts)
-    # Cumulative count over the expert-major flattening (e * T + t): row i is the pair where the
-    # count first reaches i + 1 (Megatron's stable argsort of routing_map.T, without the sort).
-    count_dtype = torch.int32 if tokens * experts < 2**31 else torch.int64
-    counts = torch.cumsum(routing_map.t().reshape(-1), dim=0, dtype=count_dtype)
-    want = torch.arange(1, num_out_tokens + 1, device=device, dtype=count_dtype)
-    flat = torch.searchsorted(counts, want)
-    valid = flat < tokens * experts
-    flat = torch.where(valid, flat, 0)
-    token, expert = flat % tokens, flat // tokens
-    row_id_map = torch.where(valid, token, -1)
-    pair = torch.where(valid, token * experts + expert, tokens * experts)
-    return row_id_map, pair
-
-
-def _row_pairs(
-    row_id_map: torch.Tensor,
-    num_tokens: int,
-    num_experts: int,
-    routing_map: torch.Tensor | None,
-    drop_and_pad: bool,
-) -> torch.Tensor:
-    """Flat ``(token, expert)`` index of each permuted row (``T * E`` where it has none), from
-    ``row_id_map`` and the expert layout: ``capacity`` slots per expert, or the per-expert
-    counts of ``routing_map``."""
-    n = row_id_map.shape[0]
-    device = row_id_map.device
-    rows = torch.arange(n, device=device, dtype=torch.int64)
-    if drop_and_pad:
-        expert = rows // max(n // max(num_experts, 1), 1)
-    else:
-        ends = torch.cumsum(routing_map.sum(dim=0, dtype=torch.int64), dim=0)
-        expert = torch.searchsorted(ends, rows, right=True)
-    token = row_id_map.to(torch.int64)
-    valid = (token >= 0) & (token < num_tokens) & (expert < num_experts)
-    return torch.where(valid, token * num_experts + expert, num_tokens * num_experts)
-
-
-def select_probs(probs: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
-    """The probability of each permuted row: ``probs.flatten()[pair]``, ``0`` where
-    ``pair == T * E`` (an empty slot). Differentiable; ``pair`` as built with the row map."""
-    flat = torch.cat([probs.reshape(-1), probs.new_zeros(1)])
-    return flat.index_select(0, pair)
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,95 +309,9 @@ def unpermute(
         if indices is not None:
             check_permute_data(mode, None, indices, experts, indices.numel(), True)
             routing_map = routing_from_indices(indices, experts)
-        pair = _row_pairs(row_id_map, num_tokens, experts, routing_map, drop_and_pad)
+        pair = row_pairs(row_id_map, num_tokens, experts, routing_map, drop_and_pad)
     check_row_map(validate, row_id_map, num_tokens, pair, routing_map)
     weight = None if pair is None else select_probs(probs, pair)
     if choice == "reference":
-        return _combine_reference(permuted, row_id_map, weight, num_tokens)
+        return combine_reference(permuted, row_id_map, weight, num_tokens)
     return torch.ops.mtp.moe_combine_rows(permuted, row_id_map, weight, num_tokens)
-
-
-# --------------------------------------------------------------------------------------------
-# Reference (plain PyTorch, same signatures)
-# --------------------------------------------------------------------------------------------
-
-
-def permute_reference(
-    tokens: torch.Tensor,
-    routing_map: torch.Tensor,
-    probs: torch.Tensor | None = None,
-    num_out_tokens: int | None = None,
-    drop_and_pad: bool = False,
-    capacity: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Plain-PyTorch :func:`permute` (Megatron's stable-argsort construction; no checks).
-
-    ``num_out_tokens`` must be given without ``drop_and_pad``, ``capacity`` with it.
-    """
-    num_tokens, num_experts = routing_map.shape
-    by_expert = routing_map.t()
-    if drop_and_pad:
-        order = by_expert.to(torch.int8).argsort(dim=1, descending=True, stable=True)
-        token = order[:, :capacity]
-        valid = torch.gather(by_expert, 1, token)
-        missing = capacity - token.shape[1]  # fewer tokens than slots
-        if missing:
-            token = torch.cat([token, token.new_zeros((num_experts, missing))], dim=1)
-            valid = torch.cat([valid, valid.new_zeros((num_experts, missing))], dim=1)
-        expert = torch.arange(num_experts, device=token.device).unsqueeze(1).expand_as(token)
-        token, expert, valid = token.reshape(-1), expert.reshape(-1), valid.reshape(-1)
-    else:
-        flat = by_expert.reshape(-1)
-        order = flat.argsort(descending=True, stable=True)[:num_out_tokens]
-        valid = flat[order]
-        missing = num_out_tokens - order.shape[0]
-        if missing:
-            order = torch.cat([order, order.new_zeros(missing)])
-            valid = torch.cat([valid, valid.new_zeros(missing)])
-        token = order % max(num_tokens, 1)
-        expert = order // max(num_tokens, 1)
-    row_id_map = torch.where(valid, token, -1)
-    if num_tokens:
-        gathered = tokens.index_select(0, token)
-        permuted = torch.where(valid.unsqueeze(1), gathered, gathered.new_zeros(()))
-    else:
-        permuted = tokens.new_zeros((row_id_map.shape[0], tokens.shape[1]))
-    permuted_probs = None
-    if probs is not None:
-        pair = torch.where(valid, token * num_experts + expert, num_tokens * num_experts)
-        permuted_probs = select_probs(probs, pair)
-    return permuted, permuted_probs, row_id_map
-
-
-def _combine_reference(
-    permuted: torch.Tensor, row_id_map: torch.Tensor, weight: torch.Tensor | None, num_tokens: int
-) -> torch.Tensor:
-    acc_dtype = torch.float64 if permuted.dtype == torch.float64 else torch.float32
-    rows = permuted.to(acc_dtype)
-    if weight is not None:
-        rows = rows * weight.to(acc_dtype).unsqueeze(1)
-    index = row_id_map.to(torch.int64)
-    valid = (index >= 0) & (index < num_tokens)
-    rows = torch.where(valid.unsqueeze(1), rows, rows.new_zeros(()))
-    if num_tokens == 0:  # keep the autograd link: an EP rank with no tokens still joins backward
-        return rows[:0].to(permuted.dtype)
-    out = torch.zeros((num_tokens, permuted.shape[1]), dtype=acc_dtype, device=permuted.device)
-    out = out.index_add(0, index.clamp(0, num_tokens - 1), rows)
-    return out.to(permuted.dtype)
-
-
-def unpermute_reference(
-    permuted: torch.Tensor,
-    row_id_map: torch.Tensor,
-    restore_shape: Sequence[int],
-    probs: torch.Tensor | None = None,
-    routing_map: torch.Tensor | None = None,
-    drop_and_pad: bool = False,
-) -> torch.Tensor:
-    """Plain-PyTorch :func:`unpermute` (scatter-add in fp32; no checks)."""
-    num_tokens = restore_shape[0]
-    weight = None
-    if probs is not None:
-        pair = _row_pairs(row_id_map, num_tokens, probs.shape[1], routing_map, drop_and_pad)
-        weight = select_probs(probs, pair)
-    return _combine_reference(permuted, row_id_map, weight, num_tokens)

@@ -1,0 +1,130 @@
+"""The row map of :func:`mtp.ops.permute` on its own, for the MoE dispatchers that permute in
+pieces: :func:`moe_permute_row_map` (on the device, static shapes, no host sync; the Triton
+backend also builds the :class:`~mtp.ops._moe_token_map.TokenMap`, returned in a
+:class:`RowMap`), the flat ``(token, expert)`` pair of each row of a given ``row_id_map``
+(:func:`row_pairs`, what :func:`mtp.ops.unpermute` weights rows by) and :func:`select_probs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mtp.ops._backend import resolve_backend
+from mtp.ops._moe_token_map import TokenMap
+
+__all__ = ["PERMUTE_BACKENDS", "RowMap", "moe_permute_row_map", "row_pairs", "select_probs"]
+
+PERMUTE_BACKENDS = ("triton", "reference")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowMap:
+    """:func:`moe_permute_row_map` with ``token_map=True``: ``row_id_map`` and ``pair`` (int64
+    ``[N]``) and the :class:`TokenMap` built with them (None on the reference backend)."""
+
+    row_id_map: torch.Tensor
+    pair: torch.Tensor
+    token_map: TokenMap | None
+
+
+def moe_permute_row_map(
+    routing_map: torch.Tensor,
+    num_out_tokens: int,
+    drop_and_pad: bool = False,
+    capacity: int | None = None,
+    *,
+    backend: str = "auto",
+    token_map: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | RowMap:
+    """The row map of :func:`~mtp.ops.permute`, computed on the device without a host sync.
+
+    Args:
+        routing_map: ``[T, E]`` bool.
+        num_out_tokens: ``N``, the number of permuted rows (``E * capacity`` when dropping).
+        drop_and_pad: keep the first ``capacity`` tokens (token order) of each expert, in slots
+            ``[e * capacity, (e + 1) * capacity)``.
+        capacity: slots per expert (with ``drop_and_pad``).
+        backend: ``"triton"`` (two launches, no sort; it also builds the token-major map that
+            lets :func:`~mtp.ops.unpermute` run in one launch), ``"reference"`` (cumulative sums and
+            ``searchsorted``) or ``"auto"``.
+        token_map: return a :class:`RowMap` (with the :class:`TokenMap`, None on the
+            reference backend) instead of the pair.
+
+    Returns:
+        ``(row_id_map, pair)``, both int64 ``[N]``: the token of each row (``-1``: no token) and
+        its flat ``(token, expert)`` index ``t * E + e`` (``T * E`` for an empty row); a
+        :class:`RowMap` of them and the token map with ``token_map=True``.
+    """
+    if resolve_backend("permute", backend, routing_map.device, PERMUTE_BACKENDS) == "triton":
+        cap = capacity if drop_and_pad else None
+        row_id_map, pair, rows, experts_, count = torch.ops.mtp.moe_row_map(
+            routing_map, num_out_tokens, -1 if cap is None else cap
+        )
+        if not token_map:
+            return row_id_map, pair
+        tm = TokenMap(rows, experts_, count, routing_map.shape[1], drop_and_pad)
+        return RowMap(row_id_map, pair, tm)
+    row_id_map, pair = _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity)
+    return RowMap(row_id_map, pair, None) if token_map else (row_id_map, pair)
+
+
+def _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity):
+    tokens, experts = routing_map.shape
+    device = routing_map.device
+    if drop_and_pad:
+        # Position of each token among the tokens of its expert, then the (s+1)-th one per slot.
+        ranks = torch.cumsum(routing_map.t(), dim=1, dtype=torch.int32)  # [E, T]
+        want = torch.arange(1, capacity + 1, device=device, dtype=torch.int32)
+        token = torch.searchsorted(ranks, want.expand(experts, capacity).contiguous())  # [E, C]
+        valid = token < tokens
+        expert = torch.arange(experts, device=device, dtype=torch.int64).unsqueeze(1)
+        pair = torch.where(valid, token * experts + expert, tokens * experts)
+        row_id_map = torch.where(valid, token, -1)
+        return row_id_map.reshape(-1), pair.reshape(-1)
+    if tokens * experts == 0:
+        none = torch.full((num_out_tokens,), -1, device=device, dtype=torch.int64)
+        return none, torch.full_like(none, tokens * experts)
+    # Cumulative count over the expert-major flattening (e * T + t): row i is the pair where the
+    # count first reaches i + 1 (Megatron's stable argsort of routing_map.T, without the sort).
+    count_dtype = torch.int32 if tokens * experts < 2**31 else torch.int64
+    counts = torch.cumsum(routing_map.t().reshape(-1), dim=0, dtype=count_dtype)
+    want = torch.arange(1, num_out_tokens + 1, device=device, dtype=count_dtype)
+    flat = torch.searchsorted(counts, want)
+    valid = flat < tokens * experts
+    flat = torch.where(valid, flat, 0)
+    token, expert = flat % tokens, flat // tokens
+    row_id_map = torch.where(valid, token, -1)
+    pair = torch.where(valid, token * experts + expert, tokens * experts)
+    return row_id_map, pair
+
+
+def row_pairs(
+    row_id_map: torch.Tensor,
+    num_tokens: int,
+    num_experts: int,
+    routing_map: torch.Tensor | None,
+    drop_and_pad: bool,
+) -> torch.Tensor:
+    """Flat ``(token, expert)`` index of each permuted row (``T * E`` where it has none), from
+    ``row_id_map`` and the expert layout: ``capacity`` slots per expert, or the per-expert
+    counts of ``routing_map``."""
+    n = row_id_map.shape[0]
+    device = row_id_map.device
+    rows = torch.arange(n, device=device, dtype=torch.int64)
+    if drop_and_pad:
+        expert = rows // max(n // max(num_experts, 1), 1)
+    else:
+        ends = torch.cumsum(routing_map.sum(dim=0, dtype=torch.int64), dim=0)
+        expert = torch.searchsorted(ends, rows, right=True)
+    token = row_id_map.to(torch.int64)
+    valid = (token >= 0) & (token < num_tokens) & (expert < num_experts)
+    return torch.where(valid, token * num_experts + expert, num_tokens * num_experts)
+
+
+def select_probs(probs: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+    """The probability of each permuted row: ``probs.flatten()[pair]``, ``0`` where
+    ``pair == T * E`` (an empty slot). Differentiable; ``pair`` as built with the row map."""
+    flat = torch.cat([probs.reshape(-1), probs.new_zeros(1)])
+    return flat.index_select(0, pair)
