@@ -12,7 +12,7 @@ the ``row_id_map`` are Megatron-Core's (``megatron/core/transformer/moe/moe_util
   token (an unused drop-and-pad slot, or a row past the routed pairs when validation is off);
   such rows are zero and ``unpermute`` skips them.
 
-Where this differs from Megatron-Core (on purpose, following mtp's issue 5):
+Where this differs from Megatron-Core (on purpose):
 
 - ``drop_and_pad``: ``capacity`` may be given explicitly (Megatron derives it from
   ``num_out_tokens // E``, also accepted); an expert with fewer than ``capacity`` tokens gets
