@@ -27,7 +27,7 @@ as :class:`mtp.moe.GroupedMLP` does.
 
 On sm_90+ the ``triton`` backend takes the TMA kernels
 (:mod:`mtp.kernels.grouped_gemm_details.tma`); the ``triton-ptr`` provider (GPU only) times the
-pointer kernels on the same case (inside :func:`mtp.ops.grouped_gemm_config.override` with
+pointer kernels on the same case (inside :func:`mtp.ops.grouped_gemm.config.override` with
 ``kernel="pointer"``, forward and backward), to compare the two paths and tune the TMA config
 table.
 
@@ -55,7 +55,7 @@ from mtp.ops.grouped_gemm import (
     grouped_gemm_reference,
     torch_grouped_mm,
 )
-from mtp.ops.grouped_gemm_config import override
+from mtp.ops.grouped_gemm.config import override
 
 from .core import FLOAT64, Case, Provider, Run, import_peer, needs_cuda, peer_attr, randn, seeded
 

@@ -1,7 +1,7 @@
 // pybind11 module mtp._cuda_gemm: the CUTLASS grouped GEMM kernels behind a torch-free interface.
 //
 // Tensors cross this boundary as raw device pointers (ints), sizes and a cudaStream_t handle, so
-// the module builds and links without torch (CI has a CPU-only torch). mtp/ops/_cutlass.py does
+// the module builds and links without torch (CI has a CPU-only torch). mtp/ops/grouped_gemm/cutlass.py does
 // the torch side: argument checks, workspace from the caching allocator, the current stream.
 //
 // Compiled by the host C++ compiler; the kernels come from the grouped_gemm_instance.cu objects,
@@ -244,7 +244,7 @@ void grouped_gemm(int op, int dtype, std::uintptr_t a, std::uintptr_t b, std::ui
 PYBIND11_MODULE(_cuda_gemm, m) {
   m.doc() =
       "CUTLASS pointer-array grouped GEMM (sm_90a, sm_100a) for MoE experts; torch-free: "
-      "takes device pointers, sizes and a stream handle. Use mtp.ops._cutlass, not this module.";
+      "takes device pointers, sizes and a stream handle. Use mtp.ops.grouped_gemm.cutlass, not this module.";
   m.attr("OP_FWD") = static_cast<int>(mtp_cuda::kFwd);
   m.attr("OP_FWD_TRANS_B") = static_cast<int>(mtp_cuda::kFwdTransB);
   m.attr("OP_WGRAD") = static_cast<int>(mtp_cuda::kWgrad);

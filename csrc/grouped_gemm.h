@@ -6,7 +6,7 @@
 // CUDA compiler needed) picks the instantiation at run time from this table.
 //
 // Nothing here depends on torch: pointers, sizes and the stream arrive as integers from Python
-// (mtp/ops/_cutlass.py does the torch side).
+// (mtp/ops/grouped_gemm/cutlass.py does the torch side).
 #pragma once
 
 #include <cstddef>

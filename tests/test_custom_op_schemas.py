@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 import mtp.ops  # noqa: F401 - registers the ops
-import mtp.ops._cutlass  # noqa: F401 - its ops register even without the CUDA module
+import mtp.ops.grouped_gemm.cutlass  # noqa: F401 - its ops register even without the CUDA module
 
 
 def _mtp_schemas():

@@ -1,5 +1,5 @@
 """CUTLASS grouped GEMM backend without a GPU: the build plan, the compiled module's SASS, and
-the torch glue's argument checks (mtp/ops/_cutlass.py).
+the torch glue's argument checks (mtp/ops/grouped_gemm/cutlass.py).
 
 The compile itself is `make cuda-ext`, which `make test` runs first when nvcc is present (and
 then sets MTP_REQUIRE_CUDA_EXT=1 so that a missing module fails here instead of skipping).
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import mtp.ops._cutlass as cutlass
+from mtp.ops.grouped_gemm import cutlass
 from mtp.utils import simulated_capture
 
 ROOT = Path(__file__).resolve().parent.parent

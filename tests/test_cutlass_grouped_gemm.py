@@ -2,7 +2,7 @@
 
 Forward (both weight layouts), dgrad, wgrad; skewed, empty and all-empty routings; bf16 and fp16;
 int32 and int64 counts; more experts than one scan chunk; CUDA-graph capture replayed with new
-routings. Skipped (with the reason) where mtp.ops._cutlass.is_available() is False.
+routings. Skipped (with the reason) where mtp.ops.grouped_gemm.cutlass.is_available() is False.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 
-import mtp.ops._cutlass as cutlass
+from mtp.ops.grouped_gemm import cutlass
 from mtp.testing import assert_close, assert_graph_safe, count_host_syncs
 
 pytestmark = pytest.mark.gpu

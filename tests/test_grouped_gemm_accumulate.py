@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mtp import ops
 from mtp.kernels.grouped_gemm_details import launch, pointer
 from mtp.kernels.grouped_gemm_details import tma as tk
-from mtp.ops.grouped_gemm_config import make_config
+from mtp.ops.grouped_gemm.config import make_config
 from mtp.moe import GroupedMLP
 from mtp.testing import compile_for_targets, run_distributed
 from test_grouped_gemm_tma import SIZES, K, M, N, _expected_wgrad, tma_config  # ragged, empty

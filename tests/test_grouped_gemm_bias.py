@@ -10,7 +10,7 @@ import torch
 
 from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch
-from mtp.ops.grouped_gemm_config import make_config
+from mtp.ops.grouped_gemm.config import make_config
 from mtp.moe import GroupedMLP
 from mtp.testing.traffic import count_traffic
 from test_grouped_gemm_tma import FAMILIES, SIZES, K, M, N

@@ -1,4 +1,4 @@
-"""The grouped GEMM's one config (mtp.ops.grouped_gemm_config): every branch gives a reason, the
+"""The grouped GEMM's one config (mtp.ops.grouped_gemm.config): every branch gives a reason, the
 scoped override (nesting, threads, unknown fields), the MTP_TRITON_TMA setting read in one
 function, and the layout rules of the grouped GEMM's files (one home, imports only downward)."""
 
@@ -14,12 +14,12 @@ import torch
 
 from mtp import settings
 
-from mtp.ops import grouped_gemm_config as gc
+from mtp.ops.grouped_gemm import config as gc
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPED_FILES = [
     *sorted((ROOT / "kernels" / "grouped_gemm_details").glob("*.py")),
-    *sorted((ROOT / "mtp" / "ops").glob("*grouped_gemm*.py")),
+    *sorted((ROOT / "mtp" / "ops" / "grouped_gemm").glob("*.py")),
     ROOT / "mtp" / "ops" / "grouped_mlp.py",
 ]
 
@@ -130,7 +130,7 @@ def test_environment_read_in_one_function():
             reads[f"{path.name}:{where}"] += 1
     # MTP_TRITON_TMA comes through mtp.settings (read once there); these files read nothing
     assert reads == {}, reads
-    assert "settings.current().triton_tma" in (ROOT / "mtp/ops/grouped_gemm_config.py").read_text()
+    assert "settings.current().triton_tma" in (ROOT / "mtp/ops/grouped_gemm/config.py").read_text()
 
 
 def test_files_are_short_and_import_only_downward():

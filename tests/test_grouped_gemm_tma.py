@@ -1,6 +1,6 @@
 """The TMA grouped GEMM (mtp.kernels.grouped_gemm_details.tma): float64 checks under the
 interpreter (descriptors run there), the per-arch config table of
-mtp.ops.grouped_gemm_config, and sm_90a / sm_100a SASS built ahead of time.
+mtp.ops.grouped_gemm.config, and sm_90a / sm_100a SASS built ahead of time.
 
 Interpreter tiles are tiny (16 / 32) so that the small shapes below still span several row tiles
 per expert, partial tiles in K and N, and the persistent loop's stride (4 programs).
@@ -21,8 +21,8 @@ import torch
 from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch, tiles
 from mtp.kernels.grouped_gemm_details import tma as tk
-from mtp.ops import grouped_gemm_config as gc
-from mtp.ops._grouped_gemm_backends import triton_forward, triton_wgrad
+from mtp.ops.grouped_gemm import config as gc
+from mtp.ops.grouped_gemm.backends import triton_forward, triton_wgrad
 from mtp.testing import _find_ptxas, assert_close, compile_for_targets
 
 # Skewed, empty experts (first, middle and last), one expert over several row tiles; K and N are

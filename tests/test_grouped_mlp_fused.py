@@ -17,7 +17,7 @@ from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch, pointer
 from mtp.kernels.grouped_gemm_details import tma as ktma
 from mtp.kernels.grouped_gemm_details.epilogue import ACTIVATIONS
-from mtp.ops.grouped_gemm_config import make_config, override
+from mtp.ops.grouped_gemm.config import make_config, override
 from mtp.moe import GroupedMLP
 from mtp.testing import compile_for_targets, count_host_syncs
 from mtp.testing.traffic import count_traffic

@@ -17,7 +17,7 @@ import torch
 from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch, pointer
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
-from mtp.ops.grouped_gemm_config import make_config, override
+from mtp.ops.grouped_gemm.config import make_config, override
 from mtp.testing import (
     GraphSafetyError,
     assert_close,
@@ -499,8 +499,8 @@ def test_default_arguments_never_sync(backend, device):
 
 
 def _fake_cutlass(available=(True, ""), log=None):
-    """A stand-in for ``mtp.ops._cutlass`` with the agreed interface, computing in float64."""
-    module = types.ModuleType("mtp.ops._cutlass")
+    """A stand-in for ``mtp.ops.grouped_gemm.cutlass`` with the agreed interface, computing in float64."""
+    module = types.ModuleType("mtp.ops.grouped_gemm.cutlass")
     log = [] if log is None else log
 
     def grouped_gemm(x, w, tokens_per_expert, trans_b, out, *, validate=True):
@@ -526,7 +526,7 @@ def _fake_cutlass(available=(True, ""), log=None):
 @pytest.mark.parametrize("trans_b", [False, True], ids=["w_KN", "w_NK"])
 def test_cutlass_hook_routes_forward_and_backward(trans_b, monkeypatch):
     module, log = _fake_cutlass()
-    monkeypatch.setitem(sys.modules, "mtp.ops._cutlass", module)
+    monkeypatch.setitem(sys.modules, "mtp.ops.grouped_gemm.cutlass", module)
     sizes, M, K, N = [4, 0, 6], 12, 8, 16
     x, w, counts, dy = make_inputs(sizes, M, K, N, torch.bfloat16, trans_b, "cpu")
     y = ops.grouped_gemm(x, w, counts, trans_b=trans_b, backend="cutlass")
@@ -547,15 +547,15 @@ def test_cutlass_errors(monkeypatch):
     x = torch.randn(10, 8, dtype=torch.bfloat16)
     w = torch.randn(3, 8, 6, dtype=torch.bfloat16)
     c = torch.tensor([3, 3, 4])
-    monkeypatch.setitem(sys.modules, "mtp.ops._cutlass", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "mtp.ops.grouped_gemm.cutlass", None)  # import raises ImportError
     with pytest.raises(ValueError, match="CUTLASS extension, which is not built.*MTP_BUILD_CUDA=1"):
         ops.grouped_gemm(x, w, c, backend="cutlass")
     module, _ = _fake_cutlass(available=(False, "no sm_90/sm_100 GPU (found sm_80)"))
-    monkeypatch.setitem(sys.modules, "mtp.ops._cutlass", module)
+    monkeypatch.setitem(sys.modules, "mtp.ops.grouped_gemm.cutlass", module)
     with pytest.raises(ValueError, match=r"not available here: no sm_90/sm_100 GPU \(found sm_80"):
         ops.grouped_gemm(x, w, c, backend="cutlass")
     module, _ = _fake_cutlass()
-    monkeypatch.setitem(sys.modules, "mtp.ops._cutlass", module)
+    monkeypatch.setitem(sys.modules, "mtp.ops.grouped_gemm.cutlass", module)
     with pytest.raises(TypeError, match="float16 and bfloat16 inputs, got float32"):
         ops.grouped_gemm(x.float(), w.float(), c, backend="cutlass")
     assert "cutlass" in GROUPED_GEMM_BACKENDS

@@ -198,7 +198,7 @@ def test_unpermute_uses_the_token_map_it_is_given():
 def test_unpermute_without_a_token_map_says_why(monkeypatch, caplog):
     """The sort fallback is logged once, eagerly and from a fullgraph-compiled call alike; a
     compiled call given the map runs the fused path."""
-    from mtp.ops import _moe_token_map
+    from mtp.ops.moe_permute import token_map
 
     tokens = 16
     routing_map, probs = _routing(4, tokens)

@@ -68,7 +68,7 @@ def main() -> int:
     import torch
 
     from mtp.kernels.grouped_gemm_details import launch as L
-    from mtp.ops.grouped_gemm_config import device_arch, make_config
+    from mtp.ops.grouped_gemm.config import device_arch, make_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path, default=None)

@@ -18,7 +18,7 @@ Modules, bottom to top:
   fp16/bf16, 16-byte aligned operands).
 - :mod:`.launch`: launchers that take tensors, preallocated outputs and a config object (tiles,
   pointer or TMA, persistent grid, split). They decide nothing: the config does
-  (:func:`mtp.ops.grouped_gemm_config.make_config`).
+  (:func:`mtp.ops.grouped_gemm.config.make_config`).
 - :mod:`.fill`: the zeros that ``torch.nn.functional.grouped_mm`` leaves unwritten (the rows
   past the routed ones, the weight gradient of an empty group), for the ``torch`` backend.
 

@@ -1,7 +1,7 @@
 """Launchers of the grouped GEMM kernels: tensors, preallocated outputs and a config in, kernels
-launched; they choose nothing (:func:`mtp.ops.grouped_gemm_config.make_config` does).
+launched; they choose nothing (:func:`mtp.ops.grouped_gemm.config.make_config` does).
 
-A config is any object with the fields of ``mtp.ops.grouped_gemm_config.GroupedGemmConfig``
+A config is any object with the fields of ``mtp.ops.grouped_gemm.config.GroupedGemmConfig``
 (``kernel`` = ``"tma"`` or ``"pointer"``, the tiles, warps, stages, ``persistent``,
 ``programs``, ``warp_specialize``, ``flatten``, ``split``). Counts are ``[E]`` int32/int64 on
 the operands' device and are never read on the host.

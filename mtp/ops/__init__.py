@@ -4,6 +4,26 @@ implementation, autograd, argument checks, backend choice and a plain-PyTorch re
 Backends are chosen by argument (``backend="auto"|"triton"|"reference"|...``) or, when the
 argument is ``"auto"``, by the ``MTP_BACKEND`` environment variable; ``auto`` means the fused
 kernel on CUDA and the reference on CPU (see :func:`mtp.ops._backend.resolve_backend`).
+
+One home per op: the API, its autograd, its custom ops and its config are in the op's module or
+package here; its device code is in ``mtp.kernels`` (the top-level ``kernels/`` folder) under the
+same name. Each op's path, API and autograd -> config -> kernel:
+
+- ``bias_gelu``, ``bias_swiglu``: :mod:`.bias_act` -> ``tile_shape``/``row_programs`` ->
+  :mod:`mtp.kernels.bias_act`.
+- ``vocab_parallel_cross_entropy``: :mod:`.cross_entropy` (its PyTorch reference in
+  ``.reference``) -> ``vector_width``/``num_programs`` -> :mod:`mtp.kernels.cross_entropy`
+  (row helpers in ``cross_entropy_rows``).
+- ``linear_cross_entropy``: :mod:`.linear_cross_entropy` (``.checks``: arguments and backend;
+  ``.maths``: the per-chunk GEMMs) -> the same launch config ->
+  :mod:`mtp.kernels.linear_cross_entropy` and ``linear_cross_entropy_gemm``.
+- ``permute``, ``unpermute``: :mod:`.moe_permute` (``.checks``, ``.row_map``, ``.token_map``,
+  ``.row_ops``, ``.reference``) -> ``map_config``/``block_config`` ->
+  :mod:`mtp.kernels.moe_row_map` and :mod:`mtp.kernels.moe_permute`.
+- ``grouped_gemm``: :mod:`.grouped_gemm` (``.checks``, ``.backends``, ``.cutlass``) ->
+  ``.config.make_config`` -> :mod:`mtp.kernels.grouped_gemm_details` (``launch``, ``pointer``,
+  ``tma``, ``epilogue``, ``tiles``, ``fill``); the CUTLASS kernels in ``csrc/``.
+- ``grouped_mlp``: :mod:`.grouped_mlp` -> two ``grouped_gemm`` calls with chained epilogues.
 """
 
 from .bias_act import bias_gelu, bias_swiglu  # noqa: E402,F401

@@ -36,7 +36,7 @@ from mtp.ops.grouped_gemm import (
     prepare_call,
     weight_grad,
 )
-from mtp.ops._grouped_gemm_checks import FLOAT_DTYPES, check_main_grad
+from mtp.ops.grouped_gemm.checks import FLOAT_DTYPES, check_main_grad
 from mtp.utils import check_tensor
 
 __all__ = ["grouped_mlp", "clamped_swiglu", "GROUPED_MLP_ACTIVATIONS"]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mtp.ops._moe_row_map import row_pairs, select_probs
+from mtp.ops.moe_permute.row_map import row_pairs, select_probs
 
 __all__ = ["combine_reference", "permute_reference", "unpermute_reference"]
 

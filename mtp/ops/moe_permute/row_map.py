@@ -1,6 +1,6 @@
 """The row map of :func:`mtp.ops.permute` on its own, for the MoE dispatchers that permute in
 pieces: :func:`moe_permute_row_map` (on the device, static shapes, no host sync; the Triton
-backend also builds the :class:`~mtp.ops._moe_token_map.TokenMap`, returned in a
+backend also builds the :class:`~mtp.ops.moe_permute.token_map.TokenMap`, returned in a
 :class:`RowMap`), the flat ``(token, expert)`` pair of each row of a given ``row_id_map``
 (:func:`row_pairs`, what :func:`mtp.ops.unpermute` weights rows by) and :func:`select_probs`.
 """
@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from mtp.ops._backend import resolve_backend
-from mtp.ops._moe_token_map import TokenMap
+from mtp.ops.moe_permute.token_map import TokenMap
 
 __all__ = ["PERMUTE_BACKENDS", "RowMap", "moe_permute_row_map", "row_pairs", "select_probs"]
 

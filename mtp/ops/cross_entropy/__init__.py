@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from mtp.dtypes import INDEX_DTYPES, KERNEL_FLOATS
 from mtp.ops._backend import resolve_backend
-from mtp.ops._cross_entropy_reference import reference_forward
+from mtp.ops.cross_entropy.reference import reference_forward
 from mtp.parallel.agree import agreement
 from mtp.parallel.agreement import check_collective
 from mtp.parallel.errors import RankMismatchError

@@ -4,7 +4,7 @@ with ragged groups (``docs/grouped_gemm.md`` walks the whole path).
 The path of a call, top to bottom:
 
 1. :func:`grouped_gemm` (here): argument checks, the ``validate`` rule, the backend choice
-   (``backend=``, ``MTP_BACKEND`` when ``"auto"``; see :mod:`mtp.ops._grouped_gemm_backends`
+   (``backend=``, ``MTP_BACKEND`` when ``"auto"``; see :mod:`mtp.ops.grouped_gemm.backends`
    for the table) and the epilogue options: ``bias``, ``activation`` (GeLU, SwiGLU, clamped
    SwiGLU) with routing ``probs``, ``gradient_accumulation_fusion`` (the weight gradient added
    to ``w.main_grad``), and ``out=`` (a fixed output buffer for CUDA graphs).
@@ -14,7 +14,7 @@ The path of a call, top to bottom:
    ``mtp::grouped_gemm_wgrad`` (weight gradients, accumulating or not, and the bias
    gradient's per-expert sums), ``mtp::grouped_gemm_dact`` (the data gradient of the GEMM after
    an activation with the activation's backward in its epilogue: :func:`mtp.ops.grouped_mlp`).
-4. The backend; for ``triton`` the config of :func:`mtp.ops.grouped_gemm_config.make_config`
+4. The backend; for ``triton`` the config of :func:`mtp.ops.grouped_gemm.config.make_config`
    (TMA or pointer kernels, tiles, grid) and the launchers and kernels of
    :mod:`mtp.kernels.grouped_gemm_details`.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from mtp.ops._backend import resolve_backend
-from mtp.ops._grouped_gemm_backends import (
+from mtp.ops.grouped_gemm.backends import (
     GROUPED_GEMM_BACKENDS,
     GroupedGemmBackend,
     _reference_forward,
@@ -40,7 +40,7 @@ from mtp.ops._grouped_gemm_backends import (
     triton_dgrad_act,
     triton_forward_act,
 )
-from mtp.ops._grouped_gemm_checks import (
+from mtp.ops.grouped_gemm.checks import (
     FLOAT_DTYPES,
     check_count_values,
     check_inputs,
@@ -337,7 +337,7 @@ def grouped_gemm(
         trans_b: read ``w[e]`` as ``[N, K]`` and multiply by its transpose.
         backend: ``"auto"`` (``triton`` on CUDA, ``reference`` on CPU, or ``MTP_BACKEND``),
             ``"triton"``, ``"cutlass"``, ``"torch"``, ``"multistream"``, ``"sequential"``,
-            ``"reference"`` (:mod:`mtp.ops._grouped_gemm_backends`).
+            ``"reference"`` (:mod:`mtp.ops.grouped_gemm.backends`).
         out: optional buffer for the result (``[M, N]``, or ``[M, N / 2]`` after a gated
             activation) in ``x``'s dtype, written completely and returned (keeps the output
             address fixed for CUDA graphs).

@@ -5,9 +5,9 @@ epilogues of the backends that have no fused ones.
 name            what runs                                                  host syncs
 =============== ========================================================== ==================
 ``triton``      :mod:`mtp.kernels.grouped_gemm_details` on the config of   none
-                :func:`mtp.ops.grouped_gemm_config.make_config`; every
+                :func:`mtp.ops.grouped_gemm.config.make_config`; every
                 epilogue fused
-``cutlass``     the CUTLASS extension (``mtp.ops._cutlass``, sm_90/sm_100) none
+``cutlass``     the CUTLASS extension (``mtp.ops.grouped_gemm.cutlass``, sm_90/sm_100) none
 ``torch``       ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` none for bf16 [1]_
 ``multistream`` one ``torch.mm`` per expert over 4 CUDA streams (TE style) one (sizes)
 ``sequential``  one ``torch.mm`` per expert on the current stream          one (sizes)
@@ -38,7 +38,7 @@ from mtp.kernels.grouped_gemm_details import fill as _fill
 from mtp.kernels._common import interpreting
 from mtp.kernels.grouped_gemm_details import launch as _launch
 from mtp.ops.bias_act import bias_gelu, bias_swiglu
-from mtp.ops.grouped_gemm_config import device_arch, make_config, tma_aligned
+from mtp.ops.grouped_gemm.config import device_arch, make_config, tma_aligned
 from mtp.utils import empty
 
 __all__ = [
@@ -344,7 +344,7 @@ def _torch_wgrad(a, b, counts, out):
 # CUTLASS (the extension in csrc/, imported lazily)
 # --------------------------------------------------------------------------------------------
 
-_CUTLASS_MODULE = "mtp.ops._cutlass"
+_CUTLASS_MODULE = "mtp.ops.grouped_gemm.cutlass"
 
 
 def _cutlass() -> Any:

@@ -43,9 +43,9 @@ Backends (the GEMMs are cuBLAS / CPU ``torch.mm`` / ``addmm`` in both):
 ``MTP_BACKEND=triton`` / ``fused`` / ``torch`` (``reference`` is an alias of ``torch``) steers
 ``"auto"``.
 
-The argument checks and the backend choice are in :mod:`mtp.ops._linear_cross_entropy_checks`,
+The argument checks and the backend choice are in :mod:`mtp.ops.linear_cross_entropy.checks`,
 the per-chunk PyTorch maths (the ``"torch"`` backend's, and the GEMMs every backend runs) in
-:mod:`mtp.ops._linear_cross_entropy_maths`; this module holds the chunking, the collectives and
+:mod:`mtp.ops.linear_cross_entropy.maths`; this module holds the chunking, the collectives and
 the autograd function.
 """
 
@@ -56,14 +56,14 @@ import torch.distributed as dist
 
 from mtp.kernels import linear_cross_entropy as lce_kernels
 from mtp.kernels import linear_cross_entropy_gemm as lce_gemm
-from mtp.ops._linear_cross_entropy_checks import (
+from mtp.ops.linear_cross_entropy.checks import (
     BACKENDS,
     REDUCTIONS,
     TRITON_BACKENDS,
     check_args,
     resolve_backend,
 )
-from mtp.ops._linear_cross_entropy_maths import (
+from mtp.ops.linear_cross_entropy.maths import (
     accumulation_dtype,
     add_weight_grad,
     chunk_grad,

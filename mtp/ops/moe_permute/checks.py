@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from mtp.utils import check_int, check_tensor, check_values, data_checks_enabled, validation_mode
-from mtp.ops._moe_token_map import TokenMap
+from mtp.ops.moe_permute.token_map import TokenMap
 
 logger = logging.getLogger("mtp")
 

@@ -35,7 +35,7 @@ Backends: ``"triton"`` and ``"reference"`` (plain PyTorch, same signature), chos
 :func:`mtp.ops._backend.resolve_backend`. Triton: :func:`permute` builds the row map on the
 device without a sort (:mod:`mtp.kernels.moe_row_map`: count per expert, then scan and place)
 and reads each token row once, writing it to its rows; the token-major map built with it is a
-:class:`~mtp.ops._moe_token_map.TokenMap` (``permute(..., return_token_map=True)``), and with it
+:class:`~mtp.ops.moe_permute.token_map.TokenMap` (``permute(..., return_token_map=True)``), and with it
 (``unpermute(..., token_map=...)``) :func:`unpermute` and both backwards run in one launch
 each, eagerly and compiled alike. Without one (Megatron's ``sorted_indices``, a three-output
 ``permute``), ``row_id_map`` is inverted on the device with a sort (logged once) and handled by
@@ -43,10 +43,10 @@ the row kernels of :mod:`mtp.kernels.moe_permute`.
 
 This module holds the two entry points; the pieces behind them, all importable from here too:
 the row map on its own (:func:`moe_permute_row_map`, :class:`RowMap`, :func:`select_probs`) in
-:mod:`mtp.ops._moe_row_map`, the references (:func:`permute_reference`,
-:func:`unpermute_reference`) in :mod:`mtp.ops._moe_permute_reference`, the argument and data
-checks in :mod:`mtp.ops._moe_permute_checks`, the fused custom ops and :class:`TokenMap` in
-:mod:`mtp.ops._moe_token_map` and the row-kernel custom ops in :mod:`mtp.ops._moe_row_ops`.
+:mod:`mtp.ops.moe_permute.row_map`, the references (:func:`permute_reference`,
+:func:`unpermute_reference`) in :mod:`mtp.ops.moe_permute.reference`, the argument and data
+checks in :mod:`mtp.ops.moe_permute.checks`, the fused custom ops and :class:`TokenMap` in
+:mod:`mtp.ops.moe_permute.token_map` and the row-kernel custom ops in :mod:`mtp.ops.moe_permute.row_ops`.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ import torch
 
 from mtp.dtypes import FLOATS as _FLOAT_DTYPES
 from mtp.dtypes import INDEX_DTYPES as _INDEX_DTYPES
-from mtp.ops import _moe_row_ops  # noqa: F401 - registers mtp::moe_gather_rows & co.
+from mtp.ops.moe_permute import row_ops  # noqa: F401 - registers mtp::moe_gather_rows & co.
 from mtp.ops._backend import resolve_backend
-from mtp.ops._moe_permute_checks import (
+from mtp.ops.moe_permute.checks import (
     check_permute_data,
     check_row_map,
     check_token_map,
@@ -70,14 +70,14 @@ from mtp.ops._moe_permute_checks import (
     resolve_sizes,
     routing_from_indices,
 )
-from mtp.ops._moe_permute_reference import (
+from mtp.ops.moe_permute.reference import (
     combine_reference,
     permute_reference,
     unpermute_reference,
 )
-from mtp.ops._moe_row_map import PERMUTE_BACKENDS as _BACKENDS
-from mtp.ops._moe_row_map import RowMap, moe_permute_row_map, row_pairs, select_probs
-from mtp.ops._moe_token_map import TokenMap, say_once
+from mtp.ops.moe_permute.row_map import PERMUTE_BACKENDS as _BACKENDS
+from mtp.ops.moe_permute.row_map import RowMap, moe_permute_row_map, row_pairs, select_probs
+from mtp.ops.moe_permute.token_map import TokenMap, say_once
 from mtp.utils import check_tensor, check_values, data_checks_enabled, validation_mode
 
 __all__ = [
@@ -157,7 +157,7 @@ def permute(
           ``validate=False`` and fewer rows than routed pairs, the last pairs are dropped, as in
           Megatron.
         - with ``return_token_map=True``, a fourth output: the token-major
-          :class:`~mtp.ops._moe_token_map.TokenMap` the Triton backend built (None on the
+          :class:`~mtp.ops.moe_permute.token_map.TokenMap` the Triton backend built (None on the
           reference backend), for ``unpermute(..., token_map=...)``.
 
     Triton backend: the row map is built on the device in two launches (count per expert, then
@@ -244,7 +244,7 @@ def unpermute(
         ``[T, H]`` in ``permuted``'s dtype; tokens no row maps to are zero. Gradients flow to
         ``permuted`` (``p_i * grad[t]``) and ``probs`` (``<permuted[i], grad[t]>``).
 
-    Triton backend with ``token_map`` (the :class:`~mtp.ops._moe_token_map.TokenMap` of
+    Triton backend with ``token_map`` (the :class:`~mtp.ops.moe_permute.token_map.TokenMap` of
     ``permute(..., return_token_map=True)`` or ``moe_permute_row_map(..., token_map=True)``,
     describing ``row_id_map``; not checked against it): one launch forward (each token loads all
     its row numbers and weights, then its rows) and one backward (each token reads its output
