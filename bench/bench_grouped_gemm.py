@@ -17,8 +17,8 @@ then Mixtral. ``fc1`` is ``[M, H] x [E, H, F]``; the full run adds
 ``fc2`` (``[M, F] x [E, F, H]``).
 
 ``torch`` is mtp's backend on PyTorch's grouped GEMM (it stores exact zeros in the tail rows and
-empty groups, :mod:`mtp.kernels.grouped_gemm_details.fill`); ``F.grouped_mm`` is the raw PyTorch call on
-the same operands (no zeroing, offsets computed in the call), the peer the goals name.
+empty groups, :mod:`mtp.kernels.grouped_gemm_details.fill`); ``F.grouped_mm`` is the raw PyTorch
+call on the same operands (no zeroing, offsets computed in the call), the peer the goals name.
 
 The counts live on the GPU, as in an MoE layer: the loop
 backends (``sequential``, ``multistream``, ``reference``) copy them to the host once per call

@@ -499,7 +499,7 @@ def test_default_arguments_never_sync(backend, device):
 
 
 def _fake_cutlass(available=(True, ""), log=None):
-    """A stand-in for ``mtp.ops.grouped_gemm.cutlass`` with the agreed interface, computing in float64."""
+    """A stand-in for ``mtp.ops.grouped_gemm.cutlass`` with the agreed interface, in float64."""
     module = types.ModuleType("mtp.ops.grouped_gemm.cutlass")
     log = [] if log is None else log
 
@@ -547,7 +547,7 @@ def test_cutlass_errors(monkeypatch):
     x = torch.randn(10, 8, dtype=torch.bfloat16)
     w = torch.randn(3, 8, 6, dtype=torch.bfloat16)
     c = torch.tensor([3, 3, 4])
-    monkeypatch.setitem(sys.modules, "mtp.ops.grouped_gemm.cutlass", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "mtp.ops.grouped_gemm.cutlass", None)  # its import raises
     with pytest.raises(ValueError, match="CUTLASS extension, which is not built.*MTP_BUILD_CUDA=1"):
         ops.grouped_gemm(x, w, c, backend="cutlass")
     module, _ = _fake_cutlass(available=(False, "no sm_90/sm_100 GPU (found sm_80)"))

@@ -174,3 +174,40 @@ def test_low_modules_import_nothing_above_them(name):
         if mod == name or mod.startswith(name + "."):
             above |= {t for t in imported(mod, path, modules) if not t.startswith(name)}
     assert not above, above
+
+
+# --------------------------------------------------------------------------------------------
+# One home per op, short files
+# --------------------------------------------------------------------------------------------
+
+#: The op families with several parts: a package each in mtp/ops, device code under kernels/.
+OP_PACKAGES = ("cross_entropy", "linear_cross_entropy", "moe_permute", "grouped_gemm")
+
+
+def test_library_files_are_at_most_500_lines():
+    long = {}
+    for folder in ("mtp", "kernels", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if "results" in path.parts or path.is_symlink() or not path.is_file():
+                continue
+            lines = len(path.read_text().splitlines())
+            if lines > 500:
+                long[str(path.relative_to(ROOT))] = lines
+    assert long == {}, long
+
+
+def test_each_op_is_one_package_and_the_index_names_every_part():
+    """mtp/ops holds one module or package per op family and nothing private at its top but
+    the backend rule; every module of an op package is named in mtp/ops/__init__'s index."""
+    import mtp.ops
+
+    top = sorted(p.name for p in (ROOT / "mtp" / "ops").iterdir() if p.name != "__pycache__")
+    assert [n for n in top if n.startswith("_")] == ["__init__.py", "_backend.py"], top
+    for name in OP_PACKAGES:
+        package = ROOT / "mtp" / "ops" / name
+        assert (package / "__init__.py").is_file(), name
+        for part in package.glob("*.py"):
+            if part.stem != "__init__":
+                assert f"``.{part.stem}" in mtp.ops.__doc__, f"{name}.{part.stem}"
+                module = __import__(f"mtp.ops.{name}.{part.stem}", fromlist=["_"])
+                assert module.__name__ == f"mtp.ops.{name}.{part.stem}"

@@ -1,11 +1,12 @@
 """Which TMA grouped GEMM configs compute the right result on this GPU, and how fast?
 
 A TMA kernel that leaves rows of its tiles unwritten shows as NaN in a poisoned output at real
-sizes even where the pointer kernels and the interpreter are right. This script runs the forward and the weight-gradient TMA kernels with the table's
-configs and variants (warp specialisation off, 8 warps, no flattening, smaller tiles) against
-an fp32 reference on NaN-poisoned outputs, and times the correct ones. One line per variant;
-``--json`` keeps them. Then a small MoE layer forward+backward per TMA setting in a child
-process with a time limit, so that a kernel that hangs costs one setting, not the run.
+sizes even where the pointer kernels and the interpreter are right. This script runs the forward
+and the weight-gradient TMA kernels with the table's configs and variants (warp specialisation
+off, 8 warps, no flattening, smaller tiles) against an fp32 reference on NaN-poisoned outputs,
+and times the correct ones. One line per variant; ``--json`` keeps them. Then a small MoE layer
+forward+backward per TMA setting in a child process with a time limit, so that a kernel that
+hangs costs one setting, not the run.
 """
 
 from __future__ import annotations

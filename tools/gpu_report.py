@@ -11,7 +11,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 __all__ = ["NO_GPU", "bench_table", "collected_text", "failures_text", "graphs_table",
-           "junit_counts", "merge_counts", "merge_junit", "progress_text", "tests_text", "text_table"]  # fmt: skip
+           "junit_counts", "merge_counts", "merge_junit", "progress_text", "tests_text",
+           "text_table"]  # fmt: skip
 
 NO_GPU = "not run: no GPU"
 

@@ -34,10 +34,10 @@ host.
 Backends: ``"triton"`` and ``"reference"`` (plain PyTorch, same signature), chosen by
 :func:`mtp.ops._backend.resolve_backend`. Triton: :func:`permute` builds the row map on the
 device without a sort (:mod:`mtp.kernels.moe_row_map`: count per expert, then scan and place)
-and reads each token row once, writing it to its rows; the token-major map built with it is a
-:class:`~mtp.ops.moe_permute.token_map.TokenMap` (``permute(..., return_token_map=True)``), and with it
-(``unpermute(..., token_map=...)``) :func:`unpermute` and both backwards run in one launch
-each, eagerly and compiled alike. Without one (Megatron's ``sorted_indices``, a three-output
+and reads each token row once, writing it to its rows; the token-major map built with it is
+a :class:`~mtp.ops.moe_permute.token_map.TokenMap` (``permute(..., return_token_map=True)``),
+and with it (``unpermute(..., token_map=...)``) :func:`unpermute` and both backwards run in one
+launch each, eagerly and compiled alike. Without one (Megatron's ``sorted_indices``, a three-output
 ``permute``), ``row_id_map`` is inverted on the device with a sort (logged once) and handled by
 the row kernels of :mod:`mtp.kernels.moe_permute`.
 
@@ -46,7 +46,8 @@ the row map on its own (:func:`moe_permute_row_map`, :class:`RowMap`, :func:`sel
 :mod:`mtp.ops.moe_permute.row_map`, the references (:func:`permute_reference`,
 :func:`unpermute_reference`) in :mod:`mtp.ops.moe_permute.reference`, the argument and data
 checks in :mod:`mtp.ops.moe_permute.checks`, the fused custom ops and :class:`TokenMap` in
-:mod:`mtp.ops.moe_permute.token_map` and the row-kernel custom ops in :mod:`mtp.ops.moe_permute.row_ops`.
+:mod:`mtp.ops.moe_permute.token_map` and the row-kernel custom ops in
+:mod:`mtp.ops.moe_permute.row_ops`.
 """
 
 from __future__ import annotations
