@@ -77,7 +77,7 @@ setup(
     packages=packages,
     install_requires=[
         "torch>=2.4",
-        "triton>=3.2",
+        "triton>=3.6",
         "numpy",
     ],
     extras_require={

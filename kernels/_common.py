@@ -6,14 +6,14 @@ return garbage), so launchers pass ``UPCAST_DOT=dot_upcast()`` and kernels cast 
 float32 when it is set. On a GPU it is always False and the tensor-core path is compiled.
 """
 
-import os
-
 import torch
+import triton
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1``): Triton's own
+    setting, read as Triton reads it when it launches a kernel."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:
