@@ -6,14 +6,17 @@ return garbage), so launchers pass ``UPCAST_DOT=dot_upcast()`` and kernels cast 
 float32 when it is set. On a GPU it is always False and the tensor-core path is compiled.
 """
 
+import os
+
 import torch
-import triton
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1``): Triton's own
-    setting, read as Triton reads it when it launches a kernel."""
-    return bool(triton.knobs.runtime.interpret)
+    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1``).
+
+    A plain ``os.environ`` read, not ``triton.knobs``: it runs inside ``torch.compile``'d code
+    (backend choice), and Dynamo traces ``os.environ`` but not Triton's C ``getenv_bool``."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:
