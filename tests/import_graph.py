@@ -1,7 +1,18 @@
-"""The one cycle finder of the import-graph tests (tests/test_packaging.py: the whole package;
-tests/test_parallel_imports.py: the parallel and MoE layers)."""
+"""The import-graph tests' helpers: the one cycle finder (tests/test_packaging.py: the whole
+package; tests/test_parallel_imports.py: the parallel and MoE layers) and the modules a command
+imports (``python -X importtime``)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run_importing(*args: str) -> tuple[str, set[str]]:
+    """Run ``python -X importtime *args``: its stdout and every module the run imported."""
+    run = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    return run.stdout, {line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

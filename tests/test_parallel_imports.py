@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from import_graph import cycles
+from import_graph import cycles, run_importing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHECKED = ("mtp.parallel", "mtp.moe", "mtp.tensor_parallel", "mtp.ops")
@@ -108,15 +108,14 @@ def test_package_names_are_plain_imports():
 def test_layout_tool_imports_no_torch(module):
     """``python -m mtp.parallel`` answers without importing torch (``-X importtime`` lists
     every module the run imports)."""
-    run = subprocess.run([sys.executable, "-X", "importtime", "-m", module, "--world-size", "8",
-                          "--tp", "2"], capture_output=True, text=True, timeout=120, check=True)
-    imported = {line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines()}
-    assert "tp 2" in run.stdout and "mtp.parallel.rank_generator" in imported
+    stdout, imported = run_importing("-m", module, "--world-size", "8", "--tp", "2")
+    assert "tp 2" in stdout and "mtp.parallel.rank_generator" in imported
     assert not {m for m in imported if m.split(".")[0] == "torch"}, "torch loaded"
 
 
 def test_importing_the_package_binds_the_torch_names():
-    """A plain ``import mtp.parallel`` (or ``python -m`` of anything else) binds every name."""
+    """A plain ``import mtp.parallel`` binds every name, also while ``sys.argv[0]`` is ``"-m"``
+    for a run whose target is not the layout tool (here ``python -c``)."""
     code = ("import sys; sys.argv[0] = '-m'; import mtp.parallel as mp; "
             "assert mp.initialize_model_parallel and mp.ParallelDims and mp.params")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
