@@ -11,12 +11,33 @@ import os
 import torch
 
 
-def interpreting() -> bool:
-    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1``).
+# Read once: Triton itself decides at decoration time (import) whether kernels are interpreted,
+# and an environment read must not run per call or under a trace.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_NULL_GPU = [False]
 
-    A plain ``os.environ`` read, not ``triton.knobs``: it runs inside ``torch.compile``'d code
-    (backend choice), and Dynamo traces ``os.environ`` but not Triton's C ``getenv_bool``."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` when this module
+    was imported, which is when Triton decorated the kernels)."""
+    return _INTERPRET
+
+
+def set_null_gpu(on: bool) -> None:
+    """Treat CPU tensors as a GPU's (:mod:`mtp.testing.null_gpu`, the host-cost stand-in)."""
+    _NULL_GPU[0] = bool(on)
+
+
+def gpu_like(device: torch.device) -> bool:
+    """True for tensors compiled kernels are launched on: CUDA, or CPU under the null-GPU
+    stand-in. Launchers choose their GPU configs (persistent grids, tiles) on these."""
+    return device.type == "cuda" or _NULL_GPU[0]
+
+
+def launchable(device: torch.device) -> bool:
+    """True when Triton kernels can run on tensors of ``device``: :func:`gpu_like`, or any
+    device under the interpreter."""
+    return _INTERPRET or device.type == "cuda" or _NULL_GPU[0]
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:

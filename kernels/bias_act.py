@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtp.kernels._common import interpreting, next_power_of_2
+from mtp.kernels._common import gpu_like, interpreting, next_power_of_2
 
 #: activation name -> the ``ACT`` constexpr of the kernels.
 ACTIVATIONS = {"gelu": 0, "gelu_tanh": 1, "swiglu": 2}
@@ -233,7 +233,7 @@ def resident_programs(kernel, args: tuple, kwargs: dict, device: torch.device) -
     """Programs that fit on ``device`` at once for this kernel build: ``SMs * blocks per SM``,
     the blocks per SM limited by the kernel's registers and threads. ``CPU_PROGRAMS`` without a
     GPU. Cached per device and build (so the grid, hence ``dbias``, is the same every call)."""
-    if device.type != "cuda" or interpreting():
+    if not gpu_like(device) or interpreting():
         return CPU_PROGRAMS
     num_warps = kwargs.get("num_warps", 4)
     key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), device.index,

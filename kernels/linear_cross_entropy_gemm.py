@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtp.kernels._common import dot_upcast, fp32_dot_precision, interpreting
+from mtp.kernels._common import dot_upcast, fp32_dot_precision, gpu_like, interpreting
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def gemm_stats(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     v_local = w.shape[0]
     assert h.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == hidden and h.dtype == w.dtype
     assert local_t.dtype == torch.int64 and local_t.is_contiguous() and coefs.numel() == 2
-    on_gpu = h.is_cuda and not interpreting()
+    on_gpu = gpu_like(h.device) and not interpreting()
     bm, bn, bk, warps, stages = _tiles(h.dtype, on_gpu)
     row_blocks, tiles = triton.cdiv(max(rows, 1), bm), triton.cdiv(v_local, bn)
     want = 2 * torch.cuda.get_device_properties(h.device).multi_processor_count if on_gpu else 2

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mtp import settings
+from mtp.kernels import _common
 from mtp.ops._backend import resolve_backend
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -28,6 +29,6 @@ def test_errors(monkeypatch):
         resolve_backend("op", "cuda", CPU, ("triton", "reference"))
     with pytest.raises(TypeError, match="backend must be a str"):
         resolve_backend("op", None, CPU, ("triton", "reference"))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_common, "_INTERPRET", False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         resolve_backend("op", "triton", CPU, ("triton", "reference"))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from mtp import settings
-from mtp.kernels._common import interpreting
+from mtp.kernels._common import gpu_like, launchable
 
 
 def auto_backend(choices: Sequence[str], device: torch.device, reference: str = "reference") -> str:
@@ -24,7 +24,7 @@ def auto_backend(choices: Sequence[str], device: torch.device, reference: str = 
         wanted = reference
     if wanted in choices:
         return wanted
-    return "triton" if device.type == "cuda" and "triton" in choices else reference
+    return "triton" if gpu_like(device) and "triton" in choices else reference
 
 
 def resolve_backend(
@@ -53,7 +53,7 @@ def resolve_backend(
         raise ValueError(
             f"{op}: unknown backend {backend!r}; choose one of {['auto', *choices]}"
         )
-    if backend == "triton" and device.type != "cuda" and not interpreting():
+    if backend == "triton" and not launchable(device):
         raise ValueError(
             f"{op}: backend='triton' needs CUDA tensors (got {device}); on CPU use "
             "backend='reference' or set TRITON_INTERPRET=1 to run the kernel in the interpreter"

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from mtp.kernels.grouped_gemm_details import fill as _fill
-from mtp.kernels._common import interpreting
+from mtp.kernels._common import launchable
 from mtp.kernels.grouped_gemm_details import launch as _launch
 from mtp.ops.bias_act import bias_gelu, bias_swiglu
 from mtp.ops.grouped_gemm.config import device_arch, make_config, tma_aligned
@@ -301,7 +301,7 @@ def _zero_unwritten(out: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor)
     """Exact zeros where grouped_mm wrote nothing: the rows past ``offs[-1]`` of a forward
     output ``[M, N]``, or the empty groups of a weight gradient ``[E, P, Q]``. With Triton
     (CUDA, or the interpreter) only those elements are stored; otherwise a masked fill."""
-    kernels = out.is_cuda or interpreting()
+    kernels = launchable(out.device)
     if out.dim() == 2:
         if kernels and out.stride(1) == 1:
             _fill.zero_tail_rows(out, offs)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from mtp import settings
-from mtp.kernels._common import interpreting, next_power_of_2
+from mtp.kernels._common import gpu_like, interpreting, next_power_of_2
 from mtp.kernels.grouped_gemm_details.launch import tma_aligned
 
 __all__ = [
@@ -192,7 +192,7 @@ def _cuda_arch(index: int) -> tuple[int, int]:
 def device_arch(device: torch.device) -> tuple[int, int]:
     """``(arch, sms)``: the major compute capability and the SM count of a CUDA device;
     ``(0, 0)`` for tensors the interpreter runs (CPU)."""
-    if device.type != "cuda" or interpreting():
+    if not gpu_like(device) or interpreting():
         return 0, 0
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from mtp.dtypes import FLOATS, INDEX_DTYPES
-from mtp.kernels._common import interpreting
+from mtp.kernels._common import launchable
 from mtp.ops._backend import auto_backend
 from mtp.utils import check_tensor
 
@@ -33,7 +33,7 @@ def resolve_backend(backend, hidden: torch.Tensor) -> str:
             return "torch"
     if backend in TRITON_BACKENDS and fp64:
         raise ValueError(f"backend={backend!r} takes fp32 / fp16 / bf16 inputs; fp64 needs 'torch'")
-    if backend in TRITON_BACKENDS and not hidden.is_cuda and not interpreting():
+    if backend in TRITON_BACKENDS and not launchable(hidden.device):
         raise ValueError(
             f"backend={backend!r} needs CUDA tensors; on CPU use backend='torch' or set "
             "TRITON_INTERPRET=1 to run the kernels in the interpreter"
