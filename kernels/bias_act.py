@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from mtp.kernels._common import gpu_like, interpreting, next_power_of_2
+from mtp.kernels._launch import Launch, Plans, aligned
 
 #: activation name -> the ``ACT`` constexpr of the kernels.
 ACTIVATIONS = {"gelu": 0, "gelu_tanh": 1, "swiglu": 2}
@@ -269,6 +270,9 @@ def _check_act(act: str) -> int:
     return ACTIVATIONS[act]
 
 
+_PLANS = Plans()
+
+
 def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, act: str) -> None:
     """``y = act(x + bias)``: one launch.
 
@@ -278,17 +282,29 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
         y: ``[M, N]`` output with ``y.stride(1) == 1``.
         act: ``"gelu"``, ``"gelu_tanh"`` or ``"swiglu"``.
     """
-    code = _check_act(act)
     M, N = y.shape
     if M == 0 or N == 0:
+        _check_act(act)
         return
+    sx, sy = x.stride(0), y.stride(0)
+    b = bias if bias is not None else x
+    key = ("fwd", M, N, sx, sy, x.dtype, y.dtype, b.dtype, bias is None, act, aligned(x, b, y),
+           y.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        launch = _PLANS.add(key, _forward_launch(x, bias, y, act))
+    launch(x, b, y, M, N, sx, sy)
+
+
+def _forward_launch(x, bias, y, act) -> Launch:
+    M, N = y.shape
     block_m, block_n = tile_shape(N)
     args = (x, bias if bias is not None else x, y, M, N, x.stride(0), y.stride(0))
-    kwargs = dict(HAS_BIAS=bias is not None, ACT=code, BLOCK_M=block_m, BLOCK_N=block_n,
-                  num_warps=NUM_WARPS)
+    kwargs = dict(HAS_BIAS=bias is not None, ACT=_check_act(act), BLOCK_M=block_m,
+                  BLOCK_N=block_n, num_warps=NUM_WARPS)
     programs = resident_programs(_bias_act_fwd_kernel, args, kwargs, y.device)
     grid = (triton.cdiv(N, block_n), row_programs(M, N, programs))
-    _bias_act_fwd_kernel[grid](*args, **kwargs)
+    return Launch(_bias_act_fwd_kernel, grid, args, kwargs)
 
 
 def bias_act_backward(
@@ -310,25 +326,47 @@ def bias_act_backward(
         dbias: ``[W]`` contiguous output, or None to skip the bias gradient.
         act: as in :func:`bias_act_forward`.
     """
-    code = _check_act(act)
     M, N = dy.shape
-    if dbias is not None and (M == 0 or N == 0):
-        dbias.zero_()
     if M == 0 or N == 0:
+        _check_act(act)
+        if dbias is not None:
+            dbias.zero_()
         return
+    strides = (dy.stride(0), x.stride(0), dx.stride(0))
+    b = bias if bias is not None else x
+    key = ("bwd", M, N, x.shape[1], *strides, dy.dtype, x.dtype, b.dtype, dx.dtype,
+           bias is None, None if dbias is None else dbias.dtype, act, aligned(dy, x, b, dx, dbias),
+           dx.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS.add(key, _backward_launches(dy, x, bias, dx, dbias, act))
+    main, colsum, groups = plan
+    width = x.shape[1]
+    part = dx if colsum is None else torch.empty((groups, width), dtype=torch.float32,
+                                                 device=dx.device)
+    main(dy, x, b, dx, part, M, N, *strides)
+    if colsum is not None:
+        colsum(part, dbias, groups, width)
+
+
+def _backward_launches(dy, x, bias, dx, dbias, act):
+    """``(main, column sum or None, row programs)`` for these arguments. The partial-sum
+    workspace is allocated per call; its address is always 16-byte aligned (the allocator's)."""
+    M, N = dy.shape
     block_m, block_n = tile_shape(N, BWD_TILE_ELEMENTS)
     width = x.shape[1]
-    kwargs = dict(HAS_BIAS=bias is not None, COMPUTE_DBIAS=dbias is not None, ACT=code,
+    kwargs = dict(HAS_BIAS=bias is not None, COMPUTE_DBIAS=dbias is not None, ACT=_check_act(act),
                   BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS)
     part = torch.empty((1,), dtype=torch.float32, device=dy.device) if dbias is not None else dx
     args = [dy, x, bias if bias is not None else x, dx, part, M, N, dy.stride(0), x.stride(0),
             dx.stride(0)]
     programs = resident_programs(_bias_act_bwd_kernel, tuple(args), kwargs, dy.device)
     groups = row_programs(M, N, programs, BWD_TILE_ELEMENTS)
+    colsum = None
     if dbias is not None:
         args[4] = torch.empty((groups, width), dtype=torch.float32, device=dy.device)
-    _bias_act_bwd_kernel[(triton.cdiv(N, block_n), groups)](*args, **kwargs)
-    if dbias is not None:
-        _column_sum_kernel[(triton.cdiv(width, COLSUM_BLOCK),)](
-            args[4], dbias, groups, width, BLOCK=COLSUM_BLOCK, num_warps=NUM_WARPS
-        )
+        colsum = Launch(_column_sum_kernel, (triton.cdiv(width, COLSUM_BLOCK),),
+                        (args[4], dbias, groups, width),
+                        dict(BLOCK=COLSUM_BLOCK, num_warps=NUM_WARPS))
+    main = Launch(_bias_act_bwd_kernel, (triton.cdiv(N, block_n), groups), tuple(args), kwargs)
+    return main, colsum, groups

@@ -151,8 +151,8 @@ def empty(
     device: torch.device | str,
 ) -> torch.Tensor:
     """``torch.empty`` for op outputs; poisoned when :func:`poison_enabled`."""
-    out = torch.empty(tuple(shape), dtype=dtype, device=device)
-    if poison_enabled() and not _is_fake_or_traced(out):
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if settings.current().poison_outputs and not _is_fake_or_traced(out):
         poison_(out)
     return out
 

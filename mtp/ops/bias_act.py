@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from mtp.dtypes import KERNEL_FLOATS
+from mtp.kernels.bias_act import bias_act_backward, bias_act_forward
 from mtp.ops._backend import resolve_backend
+from mtp.ops._eager import CheckedKeys, eager, needs_grad
 from mtp.utils import check_tensor, empty
 
 __all__ = [
@@ -122,11 +124,13 @@ def _out_width(x: torch.Tensor, act: str) -> int:
 
 
 def _forward_impl(x, bias, act, backend):
-    backend = resolve_backend(f"bias_{act}", backend, x.device, _BACKENDS)
+    return _forward(x, bias, act, resolve_backend(f"bias_{act}", backend, x.device, _BACKENDS))
+
+
+def _forward(x, bias, act, backend):
+    """The forward on a resolved backend (the custom op's body and the eager path's)."""
     if backend == "reference":
         return _act_reference(_pre_activation(x, bias), act).to(x.dtype)
-    from mtp.kernels.bias_act import bias_act_forward
-
     n = _out_width(x, act)
     y = empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     bias_c = None if bias is None else bias.contiguous()
@@ -169,12 +173,13 @@ def _bias_act_backward_op(
     need_dbias: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    need_dbias = need_dbias and bias is not None
     backend = resolve_backend(f"bias_{act}", backend, x.device, _BACKENDS)
+    return _backward_resolved(dy, x, bias, act, need_dbias and bias is not None, backend)
+
+
+def _backward_resolved(dy, x, bias, act, need_dbias, backend):
     if backend == "reference":
         return _backward_reference(dy, x, bias, act, need_dbias)
-    from mtp.kernels.bias_act import bias_act_backward
-
     width = x.shape[-1]
     dx = empty(x.shape, dtype=x.dtype, device=x.device)
     dbias = empty((width,) if need_dbias else (0,), dtype=_dbias_dtype(x, bias), device=x.device)
@@ -213,9 +218,26 @@ def _backward(ctx, dy):
         # create_graph=True (double backward, e.g. a gradient penalty): the differentiable
         # fp32 formulas in aten ops; the fused kernel has no derivative of its own.
         dx, dbias = _backward_reference(dy, x, bias, ctx.act, need_dbias)
-        return dx, (dbias if need_dbias else None)
-    dx, dbias = torch.ops.mtp.bias_act_backward(dy, x, bias, ctx.act, need_dbias, ctx.backend)
+    elif eager(dy):
+        backend = resolve_backend(f"bias_{ctx.act}", ctx.backend, x.device, _BACKENDS)
+        dx, dbias = _backward_resolved(dy, x, bias, ctx.act, need_dbias, backend)
+    else:
+        dx, dbias = torch.ops.mtp.bias_act_backward(dy, x, bias, ctx.act, need_dbias, ctx.backend)
     return dx, (dbias if need_dbias else None)
+
+
+class _BiasAct(torch.autograd.Function):
+    """The eager path's autograd: the custom ops' formulas, without the custom-op layer."""
+
+    @staticmethod
+    def forward(ctx, x, bias, act, backend):
+        ctx.save_for_backward(x, bias)
+        ctx.act, ctx.backend = act, backend
+        return _forward(x, bias, act, backend)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (*_backward(ctx, dy), None, None)
 
 
 _bias_gelu_op.register_autograd(
@@ -243,7 +265,28 @@ def _check_approximate(approximate: str) -> None:
         )
 
 
-def _check_inputs(op: str, x, bias, backend: str, gated: bool) -> str:
+_CHECKED = CheckedKeys()
+
+
+def _call(op: str, act: str, x, bias, backend: str, custom_op, *op_args):
+    """Check the arguments (once per key on the eager path), then run eagerly, or through
+    ``custom_op`` when compiling or tracing."""
+    if not eager(x, bias):
+        _check_inputs(op, x, bias, backend, act == "swiglu")
+        backend = resolve_backend(op, backend, x.device, _BACKENDS)
+        return custom_op(x, bias, *op_args, backend)
+    key = (act, x.shape, x.dtype, x.device,
+           None if bias is None else (bias.shape, bias.dtype, bias.device))
+    if key not in _CHECKED:
+        _check_inputs(op, x, bias, backend, act == "swiglu")
+        _CHECKED.add(key)
+    backend = resolve_backend(op, backend, x.device, _BACKENDS)
+    if needs_grad(x, bias):
+        return _BiasAct.apply(x, bias, act, backend)
+    return _forward(x, bias, act, backend)
+
+
+def _check_inputs(op: str, x, bias, backend: str, gated: bool) -> None:
     check_tensor("x", x, dtypes=_DTYPES)
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension (the hidden size), got 0-D")
@@ -259,7 +302,7 @@ def _check_inputs(op: str, x, bias, backend: str, gated: bool) -> str:
                 f"{op}: bias must have shape ({x.shape[-1]},) to match the last dim of x "
                 f"{tuple(x.shape)}, got {tuple(bias.shape)}"
             )
-    return resolve_backend(op, backend, x.device, _BACKENDS)
+    resolve_backend(op, backend, x.device, _BACKENDS)
 
 
 def bias_gelu(
@@ -298,9 +341,10 @@ def bias_gelu(
     plus an fp32 partial-sum workspace (one ``H``-row per row program, about ``P*4`` bytes per
     column) written and read once (none without bias).
     """
-    _check_approximate(approximate)
-    backend = _check_inputs("bias_gelu", x, bias, backend, gated=False)
-    return torch.ops.mtp.bias_gelu(x, bias, approximate, backend)
+    act = _APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
+    if act is None:
+        _check_approximate(approximate)
+    return _call("bias_gelu", act, x, bias, backend, torch.ops.mtp.bias_gelu, approximate)
 
 
 def bias_swiglu(
@@ -328,5 +372,4 @@ def bias_swiglu(
     ``x`` (``3*M*H*s``) and the bias, writes ``dx`` and ``dbias`` (``2*M*H*s + 2*H*sb``), plus the
     fp32 partial-sum workspace (none without bias).
     """
-    backend = _check_inputs("bias_swiglu", x, bias, backend, gated=True)
-    return torch.ops.mtp.bias_swiglu(x, bias, backend)
+    return _call("bias_swiglu", "swiglu", x, bias, backend, torch.ops.mtp.bias_swiglu)

@@ -1,0 +1,80 @@
+"""Host-path budgets: Python function calls and kernel launches per eager call, per op and pass.
+
+Run in one subprocess without ``TRITON_INTERPRET`` under the null-GPU stand-in
+(:mod:`mtp.testing.null_gpu`: kernels compiled for sm_90a, Triton's launch path real, the C
+launcher a counting stub), on the host benchmark's own cases (:data:`bench.host.CASES`). No
+timing is asserted: the number of Python calls (``sys.setprofile``) is what a change that re-adds
+host work moves, deterministically for pinned versions; the budgets leave ~15 % for other
+torch/triton releases. With :func:`mtp.kernels._launch.set_verify` on, every cached launch is
+checked against the build Triton itself would pick, on aligned and misaligned inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: (case, pass) -> (most Python calls, launches). Launches are exact.
+BUDGETS = {
+    ("bias_gelu", "fwd"): (90, 1),
+    ("bias_gelu", "fwd+bwd"): (235, 3),
+    ("bias_swiglu", "fwd"): (90, 1),
+    ("bias_swiglu", "fwd+bwd"): (235, 3),
+}
+
+_WORKER = r"""
+import json, sys, torch
+torch.set_num_threads(1)
+from mtp.testing import null_gpu
+from mtp.kernels import _launch
+null_gpu.install()
+_launch.set_verify(True)
+from bench.host import CASES, count_calls
+rows = {}
+for name in sys.argv[1:]:
+    case = CASES[name]()
+    for pas, fn in case["mtp"].items():
+        fn()
+        fn()
+        before = null_gpu.launches()
+        fn()
+        launches = null_gpu.launches() - before
+        _launch.set_verify(False)
+        calls = count_calls(fn)
+        _launch.set_verify(True)
+        rows[f"{name}|{pas}"] = [calls, launches]
+import _host_plans
+_host_plans.run()
+print("ROWS" + json.dumps(rows))
+"""
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "MTP_POISON_OUTPUTS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    names = sorted({case for case, _ in BUDGETS})
+    proc = subprocess.run([sys.executable, "-c", _WORKER, *names], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("ROWS"))
+    return {tuple(k.split("|")): v for k, v in json.loads(line[4:]).items()}
+
+
+@pytest.mark.parametrize("case,pas", sorted(BUDGETS))
+def test_host_budget(measured, case, pas):
+    calls, launches = measured[(case, pas)]
+    most_calls, want_launches = BUDGETS[(case, pas)]
+    assert launches == want_launches, f"{case} {pas}: {launches} launches, budget {want_launches}"
+    assert calls <= most_calls, (
+        f"{case} {pas}: {calls} Python calls per eager call, budget {most_calls} "
+        "(host work was added to the eager path: see docs/ops.md, 'Eager and compiled paths')"
+    )
