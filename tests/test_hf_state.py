@@ -2,7 +2,8 @@
 one: ``model.state_dict()`` has the HF model's keys, full shapes and values (tp=1, and tp=2 /
 ep=2 under gloo, where the shards are gathered), ``save_pretrained`` -> ``from_pretrained``
 loads with an empty load report and the same logits, and ``load_state_dict`` takes an HF state
-dict (each rank keeps its slices). Dense (Llama; Qwen2 with tied embeddings) and MoE (Mixtral,
+dict or the saved file (each rank keeps its slices); ``accelerate``'s save_state / load_state
+and a ``transformers.Trainer`` resume restore the weights and optimizer state. Dense (Llama; Qwen2 with tied embeddings) and MoE (Mixtral,
 Qwen2-MoE with its shared expert, DeepSeek-V3 with ``e_score_correction_bias``), through
 ``apply_kernels`` and ``parallelize_hf``."""
 

@@ -5,7 +5,8 @@
 module that renames or splits a tensor, so the model's own state dict is the Hugging Face one:
 ``model.state_dict()`` returns each tensor under its HF name, in its HF layout and full shape
 (shards gathered over their group: a collective at tp > 1 or ep > 1, as ``save_pretrained``
-from every rank does), and ``model.load_state_dict`` takes such a dict (each rank copies its
+from every rank does; gathered tensors are on the CPU, as HF's own tensor-parallel save puts
+them), and ``model.load_state_dict`` takes such a dict (each rank copies its
 slices; a tensor that already has the shard's shape, or a tensor under mtp's name, is taken as
 it is). ``state_dict(keep_vars=True)`` still returns the live parameters and buffers: mtp's
 names, this rank's shards. :func:`hf_state_dict` is the same state dict (copied) or the
@@ -175,9 +176,11 @@ def _live(module: nn.Module, local: str) -> torch.Tensor | None:
     return owner._buffers.get(leaf) if found is None else found
 
 
-def _to_hf(module: nn.Module, tensors: dict, prefix: str, memo: dict | None) -> None:
+def _to_hf(module: nn.Module, tensors: dict, prefix: str, memo: dict | None,
+           offload: bool = True) -> None:  # fmt: skip
     """Replace ``module``'s tensors in ``tensors`` (keys ``prefix + local``) by their HF
-    entries, in place, keeping the module's order (collective for split tensors). ``memo``:
+    entries, in place, keeping the module's order (collective for split tensors; ``offload``:
+    the gathered ones go to the CPU, so the device holds one full tensor at a time). ``memo``:
     tensors already gathered in this call, by live tensor: tied weights come out as one."""
     entries = {e.local: e for e in getattr(module, _ENTRIES)}
     for key in [k for k in tensors if k.startswith(prefix)]:
@@ -191,6 +194,8 @@ def _to_hf(module: nn.Module, tensors: dict, prefix: str, memo: dict | None) -> 
         full = None if memo is None else memo.get(mkey)
         if full is None:
             full = _full_tensor(value, e.spec, e.group)
+            if offload and e.spec is not None and _rank_world(e.group)[1] > 1:
+                full = full.cpu()
             if memo is not None:
                 memo[mkey] = full
         parts = [p.clone() for p in full.chunk(len(e.hf), 0)] if len(e.hf) > 1 else [full]
@@ -305,7 +310,8 @@ def hf_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.T
     (GPT-2's ``Conv1D`` weights transposed back), equal to ``model.state_dict()`` of the
     unparallelised model: ``model.state_dict()`` with every tensor that shares memory with the
     model copied. Collective: call it on every rank of the group; every rank gets all tensors.
-    ``grads=True`` returns the parameters' gradients instead (None grads skipped)."""
+    ``grads=True`` returns the parameters' gradients instead (None grads skipped; gathered
+    ones on their device)."""
     _info(model)
     live = [*model.parameters(), *model.buffers()]
     if grads:
@@ -315,7 +321,7 @@ def hf_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.T
         memo: dict = {}
         for name, module in model.named_modules():
             if hasattr(module, _ENTRIES):
-                _to_hf(module, out, f"{name}." if name else "", memo)
+                _to_hf(module, out, f"{name}." if name else "", memo, offload=False)
     else:
         out = model.state_dict()
     shared = {t.untyped_storage().data_ptr() for t in live}
