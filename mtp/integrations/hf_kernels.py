@@ -358,9 +358,10 @@ def apply_kernels(
             at ``tp > 1``); False keeps HF's loss on the logits.
 
     Returns:
-        ``model``. The full HF state dict is :func:`~mtp.integrations.hf.hf_state_dict`
-        (collective when the model is split), loading is
-        :func:`~mtp.integrations.hf.load_hf_state_dict`; train it with
+        ``model``. Its ``state_dict()`` is the full HF state dict (HF names and layouts;
+        collective when the model is split) and ``load_state_dict`` takes one, so
+        ``save_pretrained`` / ``from_pretrained`` round-trip
+        (:func:`~mtp.integrations.hf_state.attach_hf_state`); train it with
         :class:`mtp.integrations.hf.Trainer`.
 
     Raises:
@@ -370,7 +371,7 @@ def apply_kernels(
     """
     from .hf_moe import MOE_BLOCKS, swap_moe_blocks
     from .hf_parallel import expert_group, parallelize_hf
-    from .hf_state import _INFO, _num_experts
+    from .hf_state import _INFO, _num_experts, attach_hf_state
 
     tp, ep = _check_size("tp", tp), _check_size("ep", ep)
     sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
@@ -412,7 +413,7 @@ def apply_kernels(
         group = None
         info = {"group": None, "ep_group": ep_group, "family": family, "conv1d": set(),
                 "renames": renames, "num_experts": _num_experts(model.config)}  # fmt: skip
-        setattr(model, _INFO, info)
+        attach_hf_state(model, info)
     apply_kernels_to_model(model, group, sequence_parallel=sequence_parallel,
                            fused_loss=fused_loss)  # fmt: skip
     return model

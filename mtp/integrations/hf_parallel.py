@@ -11,7 +11,7 @@ from torch import nn
 from mtp.tensor_parallel.parallelize import parallelize
 from mtp.tensor_parallel.utils import group_rank_and_size, mark_sequence_parallel_parameters
 
-from .hf_state import _INFO, _num_experts
+from .hf_state import _INFO, _num_experts, attach_hf_state
 
 __all__ = ["SUPPORTED_FAMILIES", "parallelize_hf"]
 
@@ -335,7 +335,7 @@ def parallelize_hf(
     info = {"group": group, "family": family, "conv1d": set(conv1d), "renames": renames}
     info["num_experts"] = _num_experts(config)
     info["ep_group"] = ep_group if moe else None
-    setattr(model, _INFO, info)
+    attach_hf_state(model, info)  # the model's state dict speaks HF's names and layouts
     model.register_forward_pre_hook(_refuse_ddp_over_tp_peers, with_kwargs=False)
     return model
 
