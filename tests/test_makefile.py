@@ -1,11 +1,15 @@
-"""The Makefile's set-up, read as text: the CPU venv recipe installs nothing with dependency
-resolution after the peers that pin what is not installed (pip would print an ERROR about
-their pins)."""
+"""The Makefile's set-up and bench targets, read as text: the CPU venv recipe installs nothing
+with dependency resolution after the peers that pin what is not installed (pip would print an
+ERROR about their pins), and ``make bench`` writes where git does not look, ``make
+bench-refresh`` into the committed results."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAKEFILE = (ROOT / "Makefile").read_text()
@@ -32,3 +36,25 @@ def test_cpu_venv_resolves_nothing_after_the_no_deps_peers():
     assert not after, f"installs that resolve dependencies after the peers: {after}"
     needs = next(i for i, line in enumerate(installs) if "$(PEER_NEEDS)" in line)
     assert needs < peers
+
+
+def _out_of(target: str) -> str:
+    (line,) = [line for line in _recipe(target) if "-m bench" in line]
+    match = re.search(r"--out\s+(\S+)", line)
+    assert match, f"make {target} does not say where it writes: {line}"
+    return match.group(1)
+
+
+def test_make_bench_writes_where_git_does_not_look():
+    out = _out_of("bench")
+    assert out != "bench/results" and out.startswith("bench/results/")
+    assert _out_of("bench-refresh") == "bench/results"
+    try:
+        probe = f"{out}/cpu-structural/results.json"
+        ignored = subprocess.run(["git", "check-ignore", "-q", probe], cwd=ROOT,
+                                 timeout=60).returncode  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("no git")
+    if ignored == 128:
+        pytest.skip("not a git checkout")
+    assert ignored == 0, f"{out} is not ignored by git"
