@@ -289,8 +289,12 @@ def _measure(args, mode: str, planned, size: str, peak: dict | None, saver, prog
         timer = GpuTimer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                          host_calls=5 if args.quick else 20,
                          count_launches=not args.quick)  # fmt: skip
-        progress.note("measuring this GPU's copy bandwidth and matmul rate")
-        ceilings = _ceilings(args.ceilings, lambda: measure_ceilings(timer))
+
+        def measure():
+            progress.note("measuring this GPU's copy bandwidth and matmul rate")
+            return measure_ceilings(timer)
+
+        ceilings = _ceilings(args.ceilings, measure)
         if saver is not None:
             saver.result["ceilings"] = ceilings
         body = runner.run_gpu(planned, timer, peak, ceilings, progress, on_records=saver,
