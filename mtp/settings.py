@@ -178,15 +178,18 @@ VARIABLES: tuple[Variable, ...] = (
              _backend),
     Variable("MTP_VALIDATE", "validate", "device, sync, off (0, false)",
              "How `validate=True` runs data-dependent checks: on the device without a host sync "
-             "(default), with a sync and a typed Python error (`sync`, for debugging), or not.",
+             "(default), with a sync and a typed Python error (`sync`, for debugging), or not; "
+             "also how the agreement row before each tensor-parallel collective is compared "
+             "(`off`: not exchanged; set it on every rank).",
              _choice("MTP_VALIDATE", _VALIDATE, "sync, device, off")),
     Variable("MTP_POISON_OUTPUTS", "poison_outputs", "boolean",
              "Fill op outputs with NaN (integers: the largest value) when allocated, so that an "
              "element a kernel forgets to write fails a test (the test suite turns it on).",
              _flag("MTP_POISON_OUTPUTS")),
     Variable("MTP_CHECK_COLLECTIVES", "check_collectives", "boolean",
-             "Before each collective, an explicit check that every rank agrees on shapes, "
-             "dtypes and arguments (debugging; the default folds agreement into the data).",
+             "Compare the agreement row before each tensor-parallel collective on the host (a "
+             "typed error naming the values on every device, one host read per collective) and "
+             "check every MoE dispatch (debugging).",
              _flag("MTP_CHECK_COLLECTIVES")),
     Variable("MTP_ABORT_ON_ERROR", "abort_on_error", "abort (1, true), exit, off (0, false, "
              "empty)",
