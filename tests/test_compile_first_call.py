@@ -75,7 +75,8 @@ print("compiled first: ok")
 @pytest.mark.parametrize("op", sorted(CASES))
 def test_compile_fullgraph_as_the_first_call(op):
     code = _HARNESS.format(case=textwrap.dedent(CASES[op]))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=300)  # fmt: skip
     assert proc.returncode == 0 and "compiled first: ok" in proc.stdout, proc.stderr[-3000:]

@@ -273,7 +273,8 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # the forward ran no collective: this one checks
-        return gather_along(grad, ctx.dim, ctx.group, what="backward of a scatter_to_* mapping"), None, None
+        what = "backward of a scatter_to_* mapping"
+        return gather_along(grad, ctx.dim, ctx.group, what=what), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
