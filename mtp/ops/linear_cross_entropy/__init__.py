@@ -75,7 +75,6 @@ from mtp.ops.linear_cross_entropy.maths import (
     mm_fp32,
 )
 from mtp.parallel.agree import agreement
-from mtp.parallel.agreement import check_collective
 from mtp.utils import check_values
 
 __all__ = ["linear_cross_entropy", "default_chunk_size", "REDUCTIONS", "BACKENDS"]
@@ -113,7 +112,6 @@ def _exchange_meta(spec, meta: torch.Tensor, group, world: int, validate) -> tor
     """All-gather this rank's agreement row ``meta`` (``spec``'s fields: vocab shard size, row
     count, hidden size, dtype, target checksum, chunk size) and check that every rank agrees on
     everything but the vocab shard size; returns the gathered ``[world, 6]``."""
-    check_collective("linear_cross_entropy metadata", meta, group)
     gathered = _all_gather(meta, group, world)
     spec.check_device(
         gathered, group, validate=validate, skip=("vocab shard size",), tensors=(meta,),
