@@ -32,7 +32,11 @@ CUDA_EXT_DEPS := 'nvidia-cutlass==4.2.*' 'pybind11>=2.12' ninja nvidia-cuda-cuob
 # Peers of mtp.integrations tested here (tests/test_megatron_integration.py,
 # tests/test_torchtitan_integration.py): they pin a CUDA torch of their own, so --no-deps keeps
 # the CPU torch; PEER_NEEDS are the pure-Python modules that importing torchtitan's MoE needs
-# (its other requirements: data loading, logging, are not imported by the tests).
+# (its other requirements: data loading, logging, are not imported by the tests). PEER_NEEDS go
+# in first, with their dependencies: pip's check after an install reports the unmet
+# requirements of every installed package that depends on what it installed, so installing
+# them after torchtitan would print an ERROR about torchtitan's pins (spmd_types, torchdata,
+# wandb...); the peers then go in with --no-deps, which skips that check.
 PEER_NODEPS := 'megatron-core==0.16.1' 'torchtitan==0.3.0' 'spmd-types==0.3.1'
 PEER_NEEDS := 'tyro==1.0.17' 'einops==0.8.2'
 
@@ -51,8 +55,8 @@ else
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install triton numpy
 	$(PIP) install -e ".[test]"
-	$(PIP) install --no-deps $(PEER_NODEPS)
 	$(PIP) install $(PEER_NEEDS)
+	$(PIP) install --no-deps $(PEER_NODEPS)
 endif
 	touch $@
 
@@ -74,13 +78,18 @@ test-slow: venv $(CUDA_EXT)
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
-# The README's main job: the microbenchmarks (bench/, `mtp-bench`) into bench/results/<device>/.
-# On a GPU: timings of every backend and peer; on a CPU-only machine: the smoke check and the
-# structural figures (no timings). BENCH_ARGS="" runs the full set of shapes.
+# The README's main job: the microbenchmarks (bench/, `mtp-bench`) into
+# bench/results/local/<device>/, which git ignores. On a GPU: timings of every backend and peer;
+# on a CPU-only machine: the smoke check and the structural figures (no timings).
+# BENCH_ARGS="" runs the full set of shapes. `make bench-refresh` writes the committed results,
+# bench/results/<device>/, instead (then commit them).
 BENCH_ARGS ?= --quick
 
-.PHONY: bench
+.PHONY: bench bench-refresh
 bench: $(VENV)/.bench-installed
+	$(PY) -m bench $(BENCH_ARGS) --out bench/results/local
+
+bench-refresh: $(VENV)/.bench-installed
 	$(PY) -m bench $(BENCH_ARGS) --out bench/results
 
 # Plot and progress-bar packages (the `bench` extra). The GPU machine's Python already has

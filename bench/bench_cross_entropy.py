@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import mtp.ops as ops
 from mtp.ops.cross_entropy import vocab_parallel_cross_entropy_reference
+from mtp.parallel.collective_check import ROW_WIDTH
 
 from .core import (
     FLOAT64,
@@ -65,9 +66,10 @@ def cross_entropy_bytes(rows: int, vocab: int, s: int, si: int, pass_: str) -> i
 
 
 def allgather_bytes_per_rank(rows: int) -> int:
-    """Bytes each rank contributes to the forward's one all-gather: 3 fp32 per row, plus two
-    rows of metadata (shard size, valid targets, target checksum, range check, rows)."""
-    return 3 * 4 * (rows + 2)
+    """Bytes each rank contributes to the forward's collectives: the agreement row (int64,
+    :mod:`mtp.parallel.collective_check`), then the all-gather of 3 fp32 per row plus two rows
+    of metadata (shard size, valid targets, target checksum, range check, rows)."""
+    return 8 * ROW_WIDTH + 3 * 4 * (rows + 2)
 
 
 def cases(size: str, dtype: torch.dtype) -> list[Case]:

@@ -4,7 +4,10 @@ With a CUDA GPU: times every planned case for each mtp backend, the plain PyTorc
 ``torch.compile`` of it and the installed peers, checks each against the reference first, and
 writes the figures with the roofline fractions. Without one: the smoke check through the
 reference and the Triton interpreter, and the structural figures (see ``bench/README.md``).
-Results go to ``DIR/<device folder>/`` (``results.json``, ``results.md``, ``*.png``).
+Results go to ``DIR/<device folder>/`` (``results.json``, ``results.md``, ``*.png``); without
+``--out``, ``DIR`` is the checkout's ignored ``bench/results/local`` (:func:`default_out`): the
+committed results are refreshed only with ``--out bench/results`` (``make bench-refresh``).
+Progress goes to stderr, a line at least every ``--heartbeat-s`` seconds.
 Unknown ops or backends and an ``--out`` that cannot be written exit with code 2 and a one-line
 error before anything runs.
 """
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 from .env import REPO, device_folder, environment, prepare_runtime
+from .progress import HEARTBEAT_S, Progress
 
 __all__ = ["main", "parse_args", "default_out"]
 
@@ -33,10 +37,11 @@ QUICK_UNTIMED = ("sequential", "reference")
 
 
 def default_out() -> Path:
-    """``bench/results`` of the checkout this module lives in (an editable install or
-    ``python -m bench``), else ``./mtp-bench-results``."""
+    """``bench/results/local`` of the checkout this module lives in (an editable install or
+    ``python -m bench``; ignored by git, so a run leaves the committed results as they are),
+    else ``./mtp-bench-results``."""
     if (REPO / "setup.py").exists() and (REPO / "bench").is_dir():
-        return REPO / "bench" / "results"
+        return REPO / "bench" / "results" / "local"
     return Path.cwd() / "mtp-bench-results"
 
 
@@ -60,8 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="fewer shapes (GPU) and one world size (CPU); what `make bench` runs")
     parser.add_argument("--out", type=Path, default=None,
-                        help="results root; files go to OUT/<device>/ (default: bench/results of "
-                        "the checkout)")
+                        help="results root; files go to OUT/<device>/ (default: bench/results/"
+                        "local of the checkout, ignored by git; `--out bench/results` refreshes "
+                        "the committed results)")
     parser.add_argument("--mode", choices=("auto", "gpu", "cpu"), default="auto",
                         help="auto: GPU timings when CUDA is available, else the CPU pass")
     parser.add_argument("--replace", action="store_true",
@@ -69,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: keep them, so the ops can be run in several calls)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
+                        help="a progress line (a bar refresh on a terminal) whenever this many "
+                        f"seconds pass without one (default {HEARTBEAT_S:g}; 0: none)")
     parser.add_argument("--warmup-ms", type=int, default=None,
                         help="do_bench warm-up (GPU; default 25, 10 with --quick)")
     parser.add_argument("--rep-ms", type=int, default=None,
@@ -150,9 +159,34 @@ def main(argv=None) -> int:
     peak = match_peak(env["device"], env.get("sm_count")) if mode == "gpu" else None
     folder = out_root / device_folder(env, peak.name if peak else None)
     folder.mkdir(parents=True, exist_ok=True)
+    result = _header(args, argv, env, mode, size, planned, peak)
+    saver = _Saver(folder / "results.json", result, env["date"], merge=not args.replace)
+    # the last step writes the results
+    progress = Progress(runner.total_steps(planned, cpu=mode == "cpu") + 1,
+                        enabled=not args.no_progress, heartbeat_s=args.heartbeat_s)  # fmt: skip
+    try:
+        body, result["ceilings"] = _measure(args, mode, planned, size, result["peak"], saver,
+                                            progress)  # fmt: skip
+        progress.begin("writing results.json, results.md" + ("" if args.no_plots else ", plots"))
+        this_run = body["records"]
+        result.update(structure=body["structure"], complete=True)
+        if mode != "gpu":
+            result["formula_size"] = "quick" if args.quick else "full"
+            result["formulas"] = report.formula_table(
+                runner.plan(modules, args.ops, result["formula_size"], dtype, args.backends)
+            )
+        result = _write(args, folder, saver.merged(this_run), started)
+        progress.step("results written")
+    finally:
+        progress.close()
+    return _report(folder, result, this_run)
 
-    peak_dict = dataclasses.asdict(peak) if peak else None
-    result = {
+
+def _header(args, argv, env: dict, mode: str, size: str, planned, peak) -> dict:
+    """The ``results.json`` fields known before the run (``complete: false``)."""
+    from . import report
+
+    return {
         "schema": report.SCHEMA,
         "command": "mtp-bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "environment": env,
@@ -162,23 +196,18 @@ def main(argv=None) -> int:
         "dtype": args.dtype,
         "ops": sorted({case.op for _, case, _ in planned}),
         "providers": _providers_by_op(planned),
-        "peak": peak_dict,
+        "peak": dataclasses.asdict(peak) if peak else None,
         "ceilings": None,
         "records": [],
         "structure": {},
         "complete": False,
     }
-    saver = _Saver(folder / "results.json", result, env["date"], merge=not args.replace)
-    body, result["ceilings"] = _measure(args, mode, planned, size, peak_dict, saver)
-    this_run = body["records"]
-    result.update(structure=body["structure"], complete=True)
-    if mode != "gpu":
-        formula_size = "quick" if args.quick else "full"
-        result["formula_size"] = formula_size
-        result["formulas"] = report.formula_table(
-            runner.plan(modules, args.ops, formula_size, dtype, args.backends)
-        )
-    result = saver.merged(this_run)
+
+
+def _write(args, folder: Path, result: dict, started: float) -> dict:
+    """``results.json``, ``results.md`` and the plots of the finished run."""
+    from . import report
+
     if args.no_plots:
         plots, note = [], "plots skipped (--no-plots; `python -m bench.report DIR` draws them)"
     else:
@@ -187,7 +216,15 @@ def main(argv=None) -> int:
     result["wall_s"] = round(time.perf_counter() - started, 1)
     report.write_json(folder / "results.json", result)
     report.write_markdown(folder / "results.md", result)
+    return result
+
+
+def _report(folder: Path, result: dict, this_run: list[dict]) -> int:
+    """The table on stdout, the failures on stderr; the exit code."""
+    from . import report
+
     print(report.stdout_table({**result, "records": this_run}))
+    plots, note = result["plots"], result["plot_note"]
     wrote = f" and {len(plots)} plot(s)" if plots else ""
     print(f"\nwrote {folder}/results.json, results.md{wrote}"
           + (f" ({note})" if note else "") + f" in {result['wall_s']} s")  # fmt: skip
@@ -238,40 +275,40 @@ class _Saver:
         tmp.replace(self.path)  # atomic: a kill mid-write leaves the previous version
 
 
-def _measure(args, mode: str, planned, size: str, peak: dict | None, saver=None):
+def _measure(args, mode: str, planned, size: str, peak: dict | None, saver, progress):
     """Run the planned cases: ``(body, ceilings)``, body = ``{"records", "structure"}``."""
     import torch
 
     from . import runner
 
-    progress = runner.Progress(runner.total_steps(planned, cpu=mode == "cpu"),
-                               enabled=not args.no_progress)  # fmt: skip
-    try:
-        if mode == "gpu":
-            from .timing import GpuTimer, measure_ceilings
+    if mode == "gpu":
+        from .timing import GpuTimer, measure_ceilings
 
-            deadline = (time.monotonic() + args.budget_s) if args.budget_s else None
-            torch.backends.cuda.matmul.allow_tf32 = False
-            timer = GpuTimer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                             host_calls=5 if args.quick else 20,
-                             count_launches=not args.quick)  # fmt: skip
-            ceilings = _ceilings(args.ceilings, lambda: measure_ceilings(timer))
-            if saver is not None:
-                saver.result["ceilings"] = ceilings
-            body = runner.run_gpu(planned, timer, peak, ceilings, progress, on_records=saver,
-                                  deadline=deadline, untimed=tuple(args.untimed))  # fmt: skip
-            return body, ceilings
-        # Tiny tensors: one intra-op thread (more only spin and fight other processes for
-        # the cores of a small CI machine).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            torch.manual_seed(0)
-            return runner.run_cpu(planned, size, progress), None
-        finally:
-            torch.set_num_threads(threads)
+        deadline = (time.monotonic() + args.budget_s) if args.budget_s else None
+        torch.backends.cuda.matmul.allow_tf32 = False
+        timer = GpuTimer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                         host_calls=5 if args.quick else 20,
+                         count_launches=not args.quick)  # fmt: skip
+
+        def measure():
+            progress.note("measuring this GPU's copy bandwidth and matmul rate")
+            return measure_ceilings(timer)
+
+        ceilings = _ceilings(args.ceilings, measure)
+        if saver is not None:
+            saver.result["ceilings"] = ceilings
+        body = runner.run_gpu(planned, timer, peak, ceilings, progress, on_records=saver,
+                              deadline=deadline, untimed=tuple(args.untimed))  # fmt: skip
+        return body, ceilings
+    # Tiny tensors: one intra-op thread (more only spin and fight other processes for
+    # the cores of a small CI machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        return runner.run_cpu(planned, size, progress), None
     finally:
-        progress.close()
+        torch.set_num_threads(threads)
 
 
 def _ceilings(path: Path | None, measure) -> dict:

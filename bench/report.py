@@ -74,7 +74,8 @@ def merge_previous(path: Path, result: dict[str, Any]) -> dict[str, Any]:
     """``result`` plus the records of other ops from an earlier run in the same folder (same
     device, mode, size and dtype), so a GPU session can run the ops in several calls.
 
-    Records carry their run's date; the structure sections of this run replace earlier ones.
+    Records carry their run's date; the structure sections of this run replace earlier ones,
+    except the bytes-by-address rows (``traffic``), which are kept per op like the records.
     """
     if not path.exists():
         return result
@@ -101,6 +102,10 @@ def merge_records(old: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]
     merged["ops"] = sorted(ops | {r["op"] for r in kept})
     merged["providers"] = {**old.get("providers", {}), **result["providers"]}
     merged["structure"] = {**old.get("structure", {}), **result["structure"]}
+    if "traffic" in old.get("structure", {}):  # per op: the other ops' rows are kept
+        merged["structure"]["traffic"] = [
+            r for r in old["structure"]["traffic"] if r["op"] not in ops
+        ] + result["structure"].get("traffic", [])
     if "formulas" in result:
         kept_formulas = [f for f in old.get("formulas", []) if f["op"] not in ops]
         merged["formulas"] = kept_formulas + result["formulas"]
@@ -268,8 +273,9 @@ def _structure_lines(structure) -> list[str]:
                  ", ".join(f"{c['name']} ({c['bytes_per_rank']} B)" for c in r["calls"]) or "none",
                  r["bytes_per_rank"], r["formula_bytes_per_rank"], _fmt(r["rel_err"], 2)]
                 for r in ce]  # fmt: skip
+        formula = "formula (112 + 12·(rows+2) fwd, 0 bwd)"
         lines += _table(["world", "backend", "pass", "rows", "collectives", "bytes/rank",
-                         "formula (12·(rows+2) fwd, 0 bwd)", "loss rel. error"], rows)  # fmt: skip
+                         formula, "loss rel. error"], rows)  # fmt: skip
     lce = structure.get("linear_cross_entropy_loss_bytes")
     if lce:
         lines += ["## Fused linear cross-entropy: bytes of the loss maths beyond the GEMMs", ""]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-import sys
 import time
 from collections.abc import Iterable
 from types import ModuleType
@@ -32,6 +31,7 @@ import torch
 from mtp import settings
 
 from .core import FLOAT64, Case, Provider, Skip, check_limit, dtype_name, rel_err
+from .progress import Progress
 
 __all__ = [
     "MODULES",
@@ -42,6 +42,8 @@ __all__ = [
     "run_gpu",
     "floor_seconds",
     "Progress",
+    "total_steps",
+    "traffic_runs",
 ]
 
 #: Bench modules in report order.
@@ -94,37 +96,6 @@ def plan(
 # --------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------
-
-
-class Progress:
-    """tqdm on a terminal when installed, else one line per run on stderr, written before the
-    run starts (a log then names the case and provider a killed or hung run was in)."""
-
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.bar = None
-        self.enabled = enabled
-        self.done, self.total = 0, total
-        if enabled and sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
-            except ImportError:
-                self.bar = None
-
-    def begin(self, label: str) -> None:
-        if self.bar is None and self.enabled:
-            print(f"[{self.done + 1}/{self.total}] {label} ...", file=sys.stderr, flush=True)
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.set_description_str(label[:60])
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def poisoned(on: bool = True):
@@ -245,54 +216,76 @@ def run_cpu_case(module: ModuleType, case: Case, providers: list[Provider], prog
 def measure_traffic(run, floor: int) -> dict[str, Any]:
     """Bytes (counted by address under the interpreter), launches and syncs of one call of
     ``run`` (kernels executed), against ``floor`` bytes
-    (:func:`mtp.testing.traffic.count_traffic`)."""
+    (:func:`mtp.testing.traffic.count_traffic`), after a warm-up call whose kernels are
+    recorded, not executed (its one-time allocations, reduction counters..., are not per call;
+    nothing on the host reads a kernel's results)."""
     from mtp.testing.traffic import count_traffic
 
+    from .counting import triton_launch_hook
+
     with poisoned(False):
-        run.fn()  # warm-up: one-time allocations (reduction counters...) are not per call
+        with triton_launch_hook(lambda *a: None, execute=False):
+            run.fn()
         with count_traffic() as traffic:
             run.fn()
     return traffic.summary(floor=floor)
 
 
-def traffic_structure(planned) -> list[dict[str, Any]]:
-    """bytes / floor at the mid-size shapes of each module's ``traffic_cases(dtype)`` (when it
-    has one), for its mtp providers that run on CPU."""
+def traffic_runs(planned) -> list[tuple[ModuleType, Case, Provider]]:
+    """The ``(module, case, provider)`` of the bytes / floor figures: the mid-size shapes of each
+    module's ``traffic_cases(dtype)`` (when it has one) for the planned ops, by their planned
+    mtp providers that run on CPU."""
     out = []
     seen = set()
     device = torch.device("cpu")
-    for module, case, providers in planned:
+    for module, case, _ in planned:
         if not hasattr(module, "traffic_cases") or (module.FAMILY, case.dtype) in seen:
             continue
         seen.add((module.FAMILY, case.dtype))
         for big in module.traffic_cases(case.dtype):
-            for provider in module.providers(big.op):
-                if provider.kind != "mtp" or provider.unavailable(device):
-                    continue
-                run = module.SETUP[big.op](big, provider.name, device)
-                row = {"op": big.op, "case": big.label, "pass": big.pass_,
-                       "dtype": dtype_name(big.dtype), "provider": provider.name}  # fmt: skip
-                try:
-                    row.update(measure_traffic(run, big.bytes))
-                except Exception as exc:  # one broken provider must not stop the run
-                    row["error"] = _error_note(exc)
-                out.append(row)
+            names = {p.name for m, c, provs in planned if m is module and c.op == big.op
+                     for p in provs if p.kind == "mtp"}  # fmt: skip
+            out += [(module, big, provider) for provider in module.providers(big.op)
+                    if provider.name in names and not provider.unavailable(device)]  # fmt: skip
+    return out
+
+
+def traffic_structure(planned, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """bytes / floor of each of :func:`traffic_runs`."""
+    out = []
+    device = torch.device("cpu")
+    for module, big, provider in traffic_runs(planned):
+        label = f"{big.op} {big.label} {big.pass_} {provider.name}"
+        if progress is not None:
+            progress.begin(f"{label}: bytes by address")
+        row = {"op": big.op, "case": big.label, "pass": big.pass_,
+               "dtype": dtype_name(big.dtype), "provider": provider.name}  # fmt: skip
+        try:
+            run = module.SETUP[big.op](big, provider.name, device)
+            row.update(measure_traffic(run, big.bytes))
+        except Exception as exc:  # one broken provider must not stop the run
+            row["error"] = _error_note(exc)
+        out.append(row)
+        if progress is not None:
+            progress.step(f"{big.op} {provider.name} traffic")
     return out
 
 
 def run_cpu(planned, size: str, progress: Progress | None = None) -> dict[str, Any]:
-    """The CPU pass: smoke records, each module's ``structure(size)`` figures, and bytes /
-    floor at mid-size shapes (``traffic_cases``)."""
+    """The CPU pass: smoke records, bytes / floor at mid-size shapes (:func:`traffic_runs`)
+    and each module's ``structure(size)`` figures."""
     records = []
     for module, case, providers in planned:
         records += run_cpu_case(module, case, providers, progress)
     structure: dict[str, Any] = {}
-    traffic = traffic_structure(planned)
+    traffic = traffic_structure(planned, progress)
     if traffic:
         structure["traffic"] = traffic
     families = {module.FAMILY: module for module, _, _ in planned}
     for module in families.values():
         if hasattr(module, "structure"):
+            if progress is not None:
+                progress.begin(f"{module.FAMILY} structure")
             try:
                 structure.update(module.structure(size))
             except Exception as exc:
@@ -427,5 +420,8 @@ def run_gpu(planned, timer, peak=None, ceilings=None, progress=None, on_records=
 
 
 def total_steps(planned, cpu: bool) -> int:
-    return sum(len(p) for _, _, p in planned) + (structure_steps(planned) if cpu else 0)
+    """Counted steps of a run: every provider of every case, and on CPU every
+    :func:`traffic_runs` entry and every family's structure."""
+    extra = len(traffic_runs(planned)) + structure_steps(planned) if cpu else 0
+    return sum(len(p) for _, _, p in planned) + extra
 

@@ -11,13 +11,15 @@ The table (:data:`VARIABLES`; ``docs/settings.md`` shows it with every meaning):
 - ``MTP_REVISION`` -> ``revision``: text, default unset.
 
 Booleans are ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case; empty is
-off). A value outside a variable's set raises ``ValueError`` naming the variable, the first time
-the settings are read.
+off). The environment is read once, when this module is imported; a value outside a variable's
+set raises ``ValueError`` naming the variable, at the first :func:`current` (and every one after,
+until the value is fixed and :func:`reload` called).
 
 Use:
 
-- :func:`current` returns the frozen :class:`Settings` in force (the environment, read at the
-  first call, under whatever :func:`configure` and :func:`override` set).
+- :func:`current` returns the frozen :class:`Settings` in force (the environment under whatever
+  :func:`configure` and :func:`override` set). It reads one global, takes no lock and reads no
+  environment variable, so that code ``torch.compile`` traces may call it.
 - :func:`override` changes settings for the duration of a ``with`` block (process-wide, so the
   autograd engine's threads see it; blocks nest). Tests and benches use it instead of flipping
   ``os.environ``.
@@ -176,15 +178,18 @@ VARIABLES: tuple[Variable, ...] = (
              _backend),
     Variable("MTP_VALIDATE", "validate", "device, sync, off (0, false)",
              "How `validate=True` runs data-dependent checks: on the device without a host sync "
-             "(default), with a sync and a typed Python error (`sync`, for debugging), or not.",
+             "(default), with a sync and a typed Python error (`sync`, for debugging), or not; "
+             "also how the agreement row before each tensor-parallel collective is compared "
+             "(`off`: not exchanged; set it on every rank).",
              _choice("MTP_VALIDATE", _VALIDATE, "sync, device, off")),
     Variable("MTP_POISON_OUTPUTS", "poison_outputs", "boolean",
              "Fill op outputs with NaN (integers: the largest value) when allocated, so that an "
              "element a kernel forgets to write fails a test (the test suite turns it on).",
              _flag("MTP_POISON_OUTPUTS")),
     Variable("MTP_CHECK_COLLECTIVES", "check_collectives", "boolean",
-             "Before each collective, an explicit check that every rank agrees on shapes, "
-             "dtypes and arguments (debugging; the default folds agreement into the data).",
+             "Compare the agreement row before each tensor-parallel collective on the host (a "
+             "typed error naming the values on every device, one host read per collective) and "
+             "check every MoE dispatch (debugging).",
              _flag("MTP_CHECK_COLLECTIVES")),
     Variable("MTP_ABORT_ON_ERROR", "abort_on_error", "abort (1, true), exit, off (0, false, "
              "empty)",
@@ -236,7 +241,7 @@ class Settings:
     revision: str | None = None
 
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # taken by the writers only; current() reads one global
 _environment: dict[str, Any] | None = None  # parsed variables that are set, by field
 _configured: dict[str, Any] = {}
 _overrides: list[dict[str, Any]] = []
@@ -273,21 +278,34 @@ def _checked(kwargs: Mapping[str, Any], caller: str) -> dict[str, Any]:
     return out
 
 
-def current() -> Settings:
-    """The settings in force: the environment (read at the first call) under :func:`configure`
-    and the innermost :func:`override` blocks."""
+def _rebuild() -> Settings:
+    """Merge the layers into :data:`_current` (the caller holds :data:`_lock`). Reads the
+    environment when it has not been read; a bad value raises and leaves :data:`_current`
+    None, so that the next :func:`current` raises again."""
     global _current, _environment
+    _current = None
+    if _environment is None:
+        _environment = _read_environment()
+    merged = {**_environment, **_configured}
+    for layer in _overrides:
+        merged.update(layer)
+    _current = Settings(**merged)
+    return _current
+
+
+def current() -> Settings:
+    """The settings in force: the environment (read when :mod:`mtp.settings` is imported, or
+    by :func:`reload`) under :func:`configure` and the innermost :func:`override` blocks.
+
+    Lock-free (one global read): every writer rebuilds the settings before it returns, so code
+    that ``torch.compile`` traces can call it (Dynamo cannot enter a lock, and nothing under a
+    trace reads the environment). Only when the environment held a bad value does it read the
+    environment again, and raise the ``ValueError`` naming the variable."""
     settings = _current
     if settings is not None:
         return settings
     with _lock:
-        if _environment is None:
-            _environment = _read_environment()
-        merged = {**_environment, **_configured}
-        for layer in _overrides:
-            merged.update(layer)
-        _current = Settings(**merged)
-        return _current
+        return _rebuild()
 
 
 @contextlib.contextmanager
@@ -295,35 +313,41 @@ def override(**kwargs: Any) -> Iterator[Settings]:
     """Set the given fields (``override(validate="sync", poison_outputs=False)``) inside the
     block; yields the settings in force there. Values are checked like the variables' text."""
     layer = _checked(kwargs, "override")
-    global _current
     with _lock:
         _overrides.append(layer)
-        _current = None
+        _rebuild_quietly()
     try:
         yield current()
     finally:
         with _lock:
             del _overrides[next(i for i, x in enumerate(_overrides) if x is layer)]
-            _current = None
+            _rebuild_quietly()
+
+
+def _rebuild_quietly() -> None:
+    """:func:`_rebuild`, leaving a bad environment's error to the next :func:`current`."""
+    try:
+        _rebuild()
+    except ValueError:
+        pass
 
 
 def configure(**kwargs: Any) -> Settings:
     """Set the given fields for this process until :func:`reset` (``override`` blocks still win
     inside them). Returns the settings in force."""
     layer = _checked(kwargs, "configure")
-    global _current
     with _lock:
         _configured.update(layer)
-        _current = None
+        _rebuild_quietly()
     return current()
 
 
 def reload() -> Settings:
     """Read the environment again (keeping :func:`configure` and :func:`override` values)."""
-    global _current, _environment
+    global _environment
     with _lock:
-        _environment, _current = None, None
-    return current()
+        _environment = None
+        return _rebuild()
 
 
 def reset() -> Settings:
@@ -349,3 +373,9 @@ def markdown_table() -> str:
         default = {None: "unset", False: "off", True: "on"}.get(v.default, v.default)
         rows.append(f"| `{v.name}` | `{v.field}` | {v.values} | {default} | {v.meaning} |")
     return "\n".join(rows)
+
+
+# Read the environment now, at import, so that the first current() never has to (a bad value
+# is raised by the first current() instead, naming the variable).
+with _lock:
+    _rebuild_quietly()

@@ -90,7 +90,8 @@ def _check_structure(result):
     }
     for r in ce:
         assert r["bytes_per_rank"] == r["formula_bytes_per_rank"] and r["same_on_all_ranks"]
-        assert [c["name"] for c in r["calls"]] == (["all_gather"] if r["pass"] == "fwd" else [])
+        fwd = ["agreement", "all_gather"]
+        assert [c["name"] for c in r["calls"]] == (fwd if r["pass"] == "fwd" else [])
         assert r["rel_err"] < 1e-5
     traffic = [r for r in result["structure"]["traffic"] if r["op"] == "cross_entropy"]
     assert {r["pass"] for r in traffic} == {"fwd", "fwd+bwd"}

@@ -32,7 +32,8 @@ def test_cross_entropy_bytes_hand_counts():
     # Fused fwd+bwd floor: logits read once (80) and the gradient written once (80), targets 32,
     # loss 16 out, dloss 16 in.
     assert ce.cross_entropy_bytes(4, 10, 2, 8, "fwd+bwd") == 160 + 32 + 32
-    assert ce.allgather_bytes_per_rank(4) == (4 + 2) * 3 * 4  # rows + two metadata rows
+    # the agreement row (14 int64), then rows + two metadata rows of 3 fp32
+    assert ce.allgather_bytes_per_rank(4) == 14 * 8 + (4 + 2) * 3 * 4
 
 
 def test_linear_cross_entropy_formulas_hand_counts():

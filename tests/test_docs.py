@@ -33,3 +33,12 @@ def test_relative_links_reach_a_file(page):
         if "://" in target:
             continue
         assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
+
+
+def test_docs_name_the_pinned_transformers():
+    """Every "transformers X.Y" the prose names is the version setup.py pins."""
+    pin = re.search(r'"transformers==([\d.]+)"', (ROOT / "setup.py").read_text())[1]
+    pages = [p for p in PAGES if p.name != "CHANGELOG.md"]
+    version = re.compile(r"transformers (\d+\.\d+(?:\.\d+)?)\b")
+    named = {(p.name, v) for p in pages for v in version.findall(p.read_text())}
+    assert named and all(v == pin for _, v in named), (pin, named)

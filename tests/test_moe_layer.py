@@ -351,6 +351,47 @@ def test_bad_layer_inputs():
         layer.load_full_state_dict({"experts.weight1": torch.zeros(3, 8, 8)}, strict=False)
 
 
+def test_layer_refuses_input_dtype_unlike_its_parameters():
+    """As nn.Linear: outside autocast the input's dtype must be the parameters' (it used to run
+    in the input's dtype and return it without a word)."""
+    layer = MoELayer(8, 8, 4, 2, backend="reference")
+    msg = (r"hidden_states is bfloat16 but the layer's parameters are float32; call "
+           r"layer\.to\(torch\.bfloat16\) or cast the input")  # fmt: skip
+    with pytest.raises(TypeError, match=msg):
+        layer(torch.randn(3, 8).bfloat16())
+    with pytest.raises(TypeError, match="hidden_states is float32 but .* are bfloat16"):
+        layer.to(torch.bfloat16)(torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_layer_under_autocast_runs_as_before(input_dtype):
+    """Under torch.autocast any input dtype is taken, as nn.Linear takes it; the output keeps
+    the input's dtype and equals the float64 oracle where the (autocast bf16) routing agrees."""
+    torch.manual_seed(4)
+    layer = MoELayer(16, 32, 4, 2, activation="swiglu", backend="reference")
+    x = torch.randn(24, 16).to(input_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x)
+        routed = layer.router(x)[1]
+    assert got.dtype == input_dtype
+    want, _, _ = oracle_moe(layer, x)
+    same = (routed == layer.router(x.float())[1]).all(dim=1)
+    assert same.sum() >= 16
+    assert_close(got[same].float(), want[same].float(), torch.bfloat16, atol=3e-2)
+
+
+def test_layer_padding_mask_errors_name_it():
+    layer = MoELayer(8, 8, 4, 2, backend="reference")
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"padding_mask must have hidden_states' leading shape "
+                                         r"\(2, 3\) .*got \(3, 2\)"):  # fmt: skip
+        layer(x, torch.zeros(3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"padding_mask .*\(2, 3\).*got \(5,\)"):
+        layer(x, torch.zeros(5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="padding_mask must be a bool tensor.*torch.int64"):
+        layer(x, torch.zeros(2, 3, dtype=torch.int64))
+
+
 # --- on a GPU ------------------------------------------------------------------------------------
 
 

@@ -179,7 +179,7 @@ def _mismatch():
             (1.0, torch.randn(6 + (rank == 2), H)),
         ):
             torch.manual_seed(0)
-            layer = MoELayer(H, FFN, E, K, capacity_factor=cf, backend="torch")
+            layer = MoELayer(H, FFN, E, K, capacity_factor=cf, backend="torch").to(x.dtype)
             with pytest.raises(RuntimeError, match="dtype|token count") as info:
                 layer(x)
             if cf is None:  # dropless: checked at its one host sync, values named

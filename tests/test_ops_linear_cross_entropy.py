@@ -281,6 +281,48 @@ def test_bad_inputs_name_the_argument():
     linear_cross_entropy(h, w, t, validate=False)
 
 
+def test_reference_backend_is_the_pytorch_path_and_equals_triton():
+    """``backend="reference"`` (every op's name for its plain-PyTorch path; ``"torch"`` here)
+    and ``"triton"`` (the interpreter on CPU) against the float64 unfused pair and each other;
+    fp64 inputs through the reference within 1e-12 of it."""
+    hidden, weight, b, target, dloss = _inputs(29, 16, 40, torch.float32, seed=5)
+    kw = dict(eps=0.1, z=1e-3, reduction="sum")
+    ref, grads_ref = _grads_ref(hidden, weight, b, target, dloss, **kw)
+    results = {}
+    for backend in ("reference", "triton"):
+        leaves = [x.clone().requires_grad_() for x in (hidden, weight, b)]
+        loss = linear_cross_entropy(
+            leaves[0], leaves[1], target, bias=leaves[2], label_smoothing=0.1, z_loss_weight=1e-3,
+            reduction="sum", chunk_size=8, backend=backend,
+        )  # fmt: skip
+        (loss * dloss).backward()
+        results[backend] = [loss.detach(), *(leaf.grad for leaf in leaves)]
+        for got, want, name in zip(results[backend], [ref, *grads_ref], ("loss", "dh", "dw", "db")):
+            _close(got, want, torch.float32, f"{backend} {name}")
+    for got, want in zip(results["reference"], results["triton"]):
+        _close(got, want, torch.float32, "reference vs triton")
+    h64, w64, b64 = (x.double() for x in (hidden, weight, b))
+    loss64 = linear_cross_entropy(h64, w64, target, bias=b64, label_smoothing=0.1,
+                                  z_loss_weight=1e-3, reduction="sum", backend="reference")
+    torch.testing.assert_close(loss64, _reference(h64, w64, b64, target, **kw), rtol=1e-12, atol=0)
+
+
+def test_sync_target_error_names_the_vocab_size_and_the_id():
+    from mtp.ops.cross_entropy import TargetOutOfRangeError
+
+    h, w, _, t, _ = _inputs(6, 4, 10, torch.float32)
+    bad = t.clone()
+    bad[2], bad[4] = 12, -3
+    with pytest.raises(TargetOutOfRangeError) as info:
+        linear_cross_entropy(h, w, bad, validate="sync")
+    assert isinstance(info.value, ValueError) and isinstance(info.value, IndexError)
+    message = str(info.value)
+    assert "2 id(s) outside [0, 10)" in message and "(e.g. 12)" in message, message
+    assert "ignore_index=-100" in message
+    with pytest.raises(RuntimeError, match=r"outside \[0, 10\)"):  # on the device by default
+        linear_cross_entropy(h, w, bad)
+
+
 # --------------------------------------------------------------------------------------------
 # Tensor parallel (gloo)
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import mtp.parallel as mp
 import mtp.tensor_parallel as tp
 import mtp.tensor_parallel.layers as layers_module
+from mtp import settings
 from mtp.parallel import agreement
 from mtp.testing import free_port, run_distributed
 
@@ -134,14 +135,14 @@ def _debug_mode_worker(rank: int, world: int):
 
 #: scenario -> (field named in the message, the two values as printed)
 DEBUG_EXPECTED = {
-    "batch_all_reduce": ("shape", "(2, 8)", "(3, 8)"),
+    "batch_all_reduce": ("row count", "2 rows", "3 rows"),
     "dtype_all_reduce": ("dtype", "float16", "bfloat16"),
-    "seq_gather": ("shape", "(4, 2, 8)", "(6, 2, 8)"),
-    "seq_reduce_scatter": ("shape", "(8, 2, 8)", "(12, 2, 8)"),
+    "seq_gather": ("row count", "8 rows", "12 rows"),
+    "seq_reduce_scatter": ("row count", "16 rows", "24 rows"),
     "feature_gather_dtype": ("dtype", "float32", "float64"),
     "different_ops": ("operation", "'all_gather'", "'all_reduce'"),
-    "column_sequence_parallel": ("shape", "(4, 2, 8)", "(6, 2, 8)"),
-    "backward_seq_chunk": ("shape", "(2, 2, 8)", "(3, 2, 8)"),
+    "column_sequence_parallel": ("row count", "8 rows", "12 rows"),
+    "backward_seq_chunk": ("row count", "4 rows", "6 rows"),
 }
 
 
@@ -194,7 +195,7 @@ def test_debug_mode_four_ranks_names_the_group():
         kind, message, seconds = per_rank[rank]
         assert kind == "RankMismatchError" and seconds < FAST, message
         assert "global ranks [2, 3]" in message, message
-        assert "rank 2 has (3, 4), rank 3 has (4, 4)" in message, message
+        assert "rank 2 has 3 rows, rank 3 has 4 rows" in message, message
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,6 +307,7 @@ def _exit_mode_child(rank: int, port: int, result_path: str) -> None:
     """One rank of the MTP_ABORT_ON_ERROR=exit check (spawned by the test, not by
     run_distributed: rank 0 is meant to exit)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MTP_ABORT_ON_ERROR="exit")
+    settings.reload()  # mtp read the environment when this module imported it
     torch.set_num_threads(1)
     long = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=long)
@@ -343,18 +345,23 @@ def test_exit_mode_releases_the_peer_at_once(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Steady state: checks off means no extra collective
+# Checks off: no extra collective
 # --------------------------------------------------------------------------------------------
 
 
-def test_checks_off_by_default_cost_nothing(monkeypatch):
+def test_agreement_check_off_costs_nothing(monkeypatch):
+    """MTP_VALIDATE=off (and no MTP_CHECK_COLLECTIVES): the check returns before it touches the
+    group; the debug flag is read once, then cached."""
+    from mtp.parallel.collective_check import check_collective
+
     monkeypatch.delenv(agreement.CHECK_COLLECTIVES_ENV, raising=False)
     agreement.set_check_collectives(None)
     assert agreement.check_collectives_enabled() is False
     calls = []
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: calls.append(a) or 2)
-    agreement.check_collective("all_reduce", torch.ones(2), None)
-    assert calls == []  # returned on the cached flag, before touching the group
+    with settings.override(validate="off"):
+        check_collective("all_reduce", torch.ones(2), None)
+    assert calls == []
     monkeypatch.setenv(agreement.CHECK_COLLECTIVES_ENV, "1")
     assert agreement.check_collectives_enabled() is False  # read once, cached
     agreement.set_check_collectives(None)

@@ -150,6 +150,16 @@ def test_the_fixture_resets_between_tests_part_2():
     assert settings.current().validate == "device"
 
 
+def test_current_takes_no_lock_and_reads_no_environment(monkeypatch):
+    """What torch.compile traces may call it: the writers rebuild the settings, current() only
+    reads them (here while another thread would hold the writers' lock)."""
+    settings.configure(validate="sync")
+    monkeypatch.setattr(settings.os, "environ", None)  # any read would fail
+    with settings._lock:
+        assert settings.current().validate == "sync"
+    monkeypatch.undo()
+
+
 def test_ops_read_the_settings():
     import mtp.utils as mu
     from mtp.ops._backend import auto_backend, resolve_backend

@@ -19,6 +19,7 @@ import mtp.tensor_parallel
 from mtp import settings
 from mtp.kernels.cross_entropy import LANES, vector_width
 from mtp.ops.cross_entropy import TargetOutOfRangeError, vocab_parallel_cross_entropy
+from mtp.parallel.collective_check import ROW_WIDTH
 from mtp.parallel.errors import RankMismatchError
 from mtp.testing import assert_close, count_collectives, run_distributed
 from mtp.testing.traffic import count_traffic
@@ -63,10 +64,12 @@ def _run_case(rank, world, group, case, seed):
             logits, target, group=group, inplace_backward=extra == "inplace",
             backend="reference" if extra == "reference" else "triton", **kwargs,
         )
-    assert forward.names() == ["all_gather"], forward
+    assert forward.names() == ["agreement", "all_gather"], forward
     rows = target.numel()
-    # (max, sum-exp, linear term) in fp32 per row, and two rows of metadata
-    assert forward.nbytes() == 12 * (rows + 2), forward
+    # the agreement row (int64), then (max, sum-exp, linear term) in fp32 per row and two rows
+    # of metadata
+    assert forward.nbytes("agreement") == 8 * ROW_WIDTH, forward
+    assert forward.nbytes("all_gather") == 12 * (rows + 2), forward
     ref, x64 = reference_loss(full, target, **kwargs)
     assert_close(loss, ref, torch.float32, msg=f"loss {case}")
     dloss = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed + 1))
@@ -234,10 +237,12 @@ def test_vocab_parallel_matches_full_cross_entropy(world_size):
                 assert name in message and "rank 0" in message, message
         if world_size > 1:
             assert "rank 0 has 8, rank 1 has 9" in mismatch[("uneven", "sync")][1]
-        assert mismatch["empty"] == (["all_gather"], 0.0, (0, 8))
-        # forward: 2 kernels + the device-side check, one all-gather; backward: 1 kernel
-        assert structure[:-1] == (2, ["aten::_assert_async"], 0, ["all_gather"], 1, [], 0), \
-            structure
+        assert mismatch["empty"] == (["agreement", "all_gather"], 0.0, (0, 8))
+        # forward: the agreement row's exchange and device-side comparison, 2 kernels + the
+        # device-side check, one all-gather; backward: 1 kernel
+        agree = ["aten::eq", "aten::all", "aten::_assert_async"]
+        assert structure[:-1] == (2, agree + ["aten::_assert_async"], 0,
+                                  ["agreement", "all_gather"], 1, [], 0), structure
         # two reads + one write of the shard (the gradient is written in the forward; a unit
         # upstream gradient moves nothing), plus the per-row statistics and targets
         assert 0.99 <= structure[-1] <= 1.10, structure

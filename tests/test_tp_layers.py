@@ -170,10 +170,13 @@ def _check_linear_grads(ref_lin, par_lin, style, blocks, what, *, sp_bias=False)
 
 
 def _expected_counts(sp):
-    """(forward, backward) collectives of one column -> row block (MLP or attention)."""
+    """(forward, backward) collectives of one column -> row block (MLP or attention): one
+    agreement row per collective whose shape nothing checked before (sequence parallel: the
+    forward's two; otherwise the row layer's forward and the column layer's backward)."""
     if sp:
-        return {"all_gather": 1, "reduce_scatter": 1}, {"all_gather": 2, "reduce_scatter": 1}
-    return {"all_reduce": 1}, {"all_reduce": 1}
+        fwd = {"agreement": 2, "all_gather": 1, "reduce_scatter": 1}
+        return fwd, {"all_gather": 2, "reduce_scatter": 1}
+    return {"agreement": 1, "all_reduce": 1}, {"agreement": 1, "all_reduce": 1}
 
 
 def _compare_block(rank, world, ref, par, shape, *, sp, seq_dim, skip_bias_add, what, linears):
@@ -314,7 +317,10 @@ def _check_embedding(rank, world, *, sp, seq_dim=0, padding_idx=None):
     assert_close(y, chunk(y_ref, seq_dim, rank, world) if sp else y_ref, f"{what} output")
     assert_close(gather_shards(par.weight.detach(), 0), ref.weight.detach(), f"{what} init")
     assert_close(gather_shards(par.weight.grad, 0), ref.weight.grad, f"{what} grad")
-    expected = ({"reduce_scatter": 1}, {"all_gather": 1}) if sp else ({"all_reduce": 1}, {})
+    if sp:
+        expected = ({"agreement": 1, "reduce_scatter": 1}, {"all_gather": 1})
+    else:
+        expected = ({"agreement": 1, "all_reduce": 1}, {})
     assert (collective_names(fwd), collective_names(bwd)) == expected, (what, fwd, bwd)
 
 
@@ -329,7 +335,7 @@ def _check_linear_options(rank, world):
     assert_close(y, y_ref, "column gather_output")
     assert_close(dx, dx_ref, "column gather_output dx")
     _check_linear_grads(ref, col, "column", None, "column gather_output")
-    assert (fwd, bwd) == ({"all_gather": 1}, {"all_reduce": 1})
+    assert (fwd, bwd) == ({"agreement": 1, "all_gather": 1}, {"agreement": 1, "all_reduce": 1})
 
     torch.manual_seed(SEED)
     ref = nn.Linear(4 * world, 6, dtype=F64)
@@ -340,7 +346,7 @@ def _check_linear_options(rank, world):
     assert_close(y, y_ref, "row input_is_parallel=False")
     assert_close(dx, dx_ref, "row input_is_parallel=False dx")
     _check_linear_grads(ref, row, "row", None, "row input_is_parallel=False")
-    assert (fwd, bwd) == ({"all_reduce": 1}, {"all_gather": 1})
+    assert (fwd, bwd) == ({"agreement": 1, "all_reduce": 1}, {"agreement": 1, "all_gather": 1})
 
     # gather_output on a fused [a; b; c] weight, with skip_bias_add: the full layout comes back
     torch.manual_seed(SEED)

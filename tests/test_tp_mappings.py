@@ -1,5 +1,7 @@
 """Tensor/sequence-parallel communication mappings: forward and backward against hand-computed
-results, collective counts, identity at group size 1, and bad inputs (gloo, world 2 and 4)."""
+results, collective counts (each mapping call exchanges one agreement row, in the direction
+whose collective its other direction has not checked), identity at group size 1, and bad inputs
+(gloo, world 2 and 4)."""
 
 import pytest
 import torch
@@ -61,7 +63,7 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
     y, gx, fwd, bwd = _run_mapping(mp.copy_to_tensor_model_parallel_region, xs[rank], gs_full[rank])
     _close(y, xs[rank], "copy_to fwd")
     _close(gx, total_g, "copy_to bwd")
-    assert (fwd, bwd) == ({}, {"all_reduce": 1})
+    assert (fwd, bwd) == ({}, {"agreement": 1, "all_reduce": 1})
 
     # g: all-reduce forward, identity backward
     y, gx, fwd, bwd = _run_mapping(
@@ -69,7 +71,7 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
     )
     _close(y, total_x, "reduce_from fwd")
     _close(gx, gs_full[rank], "reduce_from bwd")
-    assert (fwd, bwd) == ({"all_reduce": 1}, {})
+    assert (fwd, bwd) == ({"agreement": 1, "all_reduce": 1}, {})
     # in place: the result is the input's storage
     z = xs[rank].clone()
     out = mp.reduce_from_tensor_model_parallel_region(z, inplace=True)
@@ -82,7 +84,7 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
     _close(y, chunk(xs[0], last, rank), "scatter fwd")
     _close(gx, torch.cat(local_g, last), "scatter bwd")
     assert y.is_contiguous()
-    assert (fwd, bwd) == ({}, {"all_gather": 1})
+    assert (fwd, bwd) == ({}, {"agreement": 1, "all_gather": 1})
 
     # gather last dim; backward keeps this rank's chunk of its own gradient
     wide_g = _inputs(world, shape[:-1] + [shape[-1] * world], seed=40 + seq_dim)
@@ -91,7 +93,7 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
     )
     _close(y, torch.cat(xs, last), "gather fwd")
     _close(gx, chunk(wide_g[rank], last, rank), "gather bwd")
-    assert (fwd, bwd) == ({"all_gather": 1}, {})
+    assert (fwd, bwd) == ({"agreement": 1, "all_gather": 1}, {})
 
     # sequence parallel along seq_dim
     local_g = [chunk(g, seq_dim, r) for r, g in enumerate(gs_full)]
@@ -100,7 +102,7 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
     )
     _close(y, chunk(xs[0], seq_dim, rank), "scatter seq fwd")
     _close(gx, torch.cat(local_g, seq_dim), "scatter seq bwd")
-    assert (fwd, bwd) == ({}, {"all_gather": 1})
+    assert (fwd, bwd) == ({}, {"agreement": 1, "all_gather": 1})
 
     big_g = _inputs(world, [s * (world if i == seq_dim else 1) for i, s in enumerate(shape)], 30)
     y, gx, fwd, bwd = _run_mapping(
@@ -110,7 +112,7 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
     )
     _close(y, torch.cat(xs, seq_dim), "gather seq fwd")
     _close(gx, chunk(sum(big_g), seq_dim, rank), "gather seq bwd = reduce-scatter")
-    assert (fwd, bwd) == ({"all_gather": 1}, {"reduce_scatter": 1})
+    assert (fwd, bwd) == ({"agreement": 1, "all_gather": 1}, {"reduce_scatter": 1})
 
     y, gx, fwd, bwd = _run_mapping(
         lambda t: mp.gather_from_sequence_parallel_region(
@@ -129,7 +131,7 @@ def _check_mappings(rank: int, world: int, seq_dim: int) -> None:
     )
     _close(y, chunk(total_x, seq_dim, rank), "reduce-scatter fwd")
     _close(gx, torch.cat(local_g, seq_dim), "reduce-scatter bwd = all-gather")
-    assert (fwd, bwd) == ({"reduce_scatter": 1}, {"all_gather": 1})
+    assert (fwd, bwd) == ({"agreement": 1, "reduce_scatter": 1}, {"all_gather": 1})
 
 
 def _check_errors(rank: int, world: int) -> None:

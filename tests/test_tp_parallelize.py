@@ -147,14 +147,16 @@ def _check_block(rank, world, *, sp):
         assert_close(y, y_ref, f"{what} output")
         assert_close(x_par.grad, x_ref.grad, f"{what} input grad")
     _compare_params(ref, par, n_embd, what)
+    # and one agreement row before each collective whose shape nothing checked before
     if sp:
-        assert collective_names(fwd) == {"all_gather": 2, "reduce_scatter": 2}
+        assert collective_names(fwd) == {"agreement": 4, "all_gather": 2, "reduce_scatter": 2}
         assert collective_names(bwd) == {"all_gather": 4, "reduce_scatter": 2}
     else:  # Megatron-LM figure 4: two all-reduces forward, two backward per layer
-        assert collective_names(fwd) == {"all_reduce": 2}
-        assert collective_names(bwd) == {"all_reduce": 2}
+        assert collective_names(fwd) == {"agreement": 2, "all_reduce": 2}
+        assert collective_names(bwd) == {"agreement": 2, "all_reduce": 2}
         activation_bytes = B * T * n_embd * 8  # each one moves a whole [B, T, C] activation
-        assert fwd.nbytes() == bwd.nbytes() == 2 * activation_bytes
+        data = [log.nbytes() - log.nbytes("agreement") for log in (fwd, bwd)]
+        assert data == [2 * activation_bytes] * 2
 
 
 def _check_gpt(rank, world):
@@ -179,10 +181,14 @@ def _check_gpt(rank, world):
             loss.backward()
         assert_close(loss.detach(), loss_ref.detach(), f"GPT loss at step {step}")
         _compare_params(ref, par, n_embd, f"GPT step {step}")
-        # embedding: 1 all-reduce; 2 per layer; lm_head gathers its logits
-        assert collective_names(fwd) == {"all_reduce": 1 + 2 * n_layer, "all_gather": 1}
+        # embedding: 1 all-reduce; 2 per layer; lm_head gathers its logits; one agreement row
+        # before each
+        fwd_ops = 1 + 2 * n_layer + 1
+        assert collective_names(fwd) == {"agreement": fwd_ops, "all_reduce": fwd_ops - 1,
+                                         "all_gather": 1}  # fmt: skip
         # 2 per layer; lm_head's input grad (the embedding's backward needs none)
-        assert collective_names(bwd) == {"all_reduce": 2 * n_layer + 1}
+        bwd_ops = 2 * n_layer + 1
+        assert collective_names(bwd) == {"agreement": bwd_ops, "all_reduce": bwd_ops}
         opt_ref.step()
         opt_par.step()
         opt_ref.zero_grad()

@@ -7,7 +7,8 @@
     load_hf_state_dict(model, "checkpoint_dir/")          # optional: each rank reads its slices
     loss = model(input_ids, labels=labels).loss           # the model's own code keeps running
     ...
-    full = hf_state_dict(model)                           # back in HF names, full tensors
+    full = model.state_dict()                             # HF names, full tensors (collective)
+    model.save_pretrained(path)                           # every rank; from_pretrained loads it
 
 Supported families (``config.model_type``): ``llama``, ``mistral``, ``qwen2``, ``qwen3``
 (q/k/v and gate/up column-parallel, o/down row-parallel, embedding vocab-parallel, ``lm_head``

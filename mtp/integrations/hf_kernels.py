@@ -16,7 +16,9 @@ code):
 - **MoE blocks** (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3): :class:`mtp.moe.MoELayer` with the
   grouped experts (:mod:`mtp.integrations.hf_moe`); ``output_router_logits`` (argument or
   config) returns the router logits of every layer and adds the family's
-  ``load_balancing_loss_func`` times ``router_aux_loss_coef`` to the loss, as HF does.
+  ``load_balancing_loss_func`` times ``router_aux_loss_coef`` to the loss, as HF does (an MoE
+  family whose blocks are not swapped, such as OLMoE, keeps HF's routers and the same loss;
+  DeepSeek-V3, whose HF forward has no such loss, returns the logits only).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from torch.autograd.function import once_differentiable
 
 from mtp.ops.bias_act import bias_swiglu
 from mtp.ops.linear_cross_entropy import linear_cross_entropy
-from mtp.parallel.mappings import gather_from_sequence_parallel_region
 from mtp.utils import qualified_name
 
 __all__ = ["apply_kernels", "apply_kernels_to_model", "gate_up_swiglu"]
@@ -140,54 +141,16 @@ def _patch_mlps(model: nn.Module) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Router logits of the swapped MoE blocks (output_router_logits)
+# Load-balancing loss (output_router_logits)
 # --------------------------------------------------------------------------------------------
 
 
-class _RouterLogits:
-    """Forward hooks on each swapped block's router that keep its logits (differentiable), in
-    Hugging Face's per-layer ``[batch * seq, E]`` layout: a block that routes a share of the
-    tokens (tensor parallel) gathers the shares over its group."""
-
-    def __init__(self, blocks, batch: int, seq: int):
-        self.blocks, self.batch, self.seq = blocks, batch, seq
-        self.logits: list[torch.Tensor] = []
-        self.handles = []
-
-    def _hook(self, block):
-        def hook(router, args, output):
-            logits = router.gating(args[0])
-            experts = logits.shape[-1]
-            group = getattr(block, "tp_group", None)
-            if getattr(block, "split_tokens", False):  # each rank routed a padded share
-                logits = gather_from_sequence_parallel_region(
-                    logits.reshape(-1, experts), False, group, 0
-                )[: self.batch * self.seq]
-            elif group is not None and torch.distributed.get_world_size(group) > 1:
-                # sequence parallel: this rank's [b, s / tp] chunk
-                logits = logits.reshape(self.batch, -1, experts)
-                logits = gather_from_sequence_parallel_region(logits, False, group, 1)
-            self.logits.append(logits.reshape(-1, experts))
-
-        return hook
-
-    def __enter__(self):
-        self.handles = [b.router.register_forward_hook(self._hook(b)) for b in self.blocks]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-
-
 def _aux_loss(model, router_logits, attention_mask):
-    module = sys.modules[type(model).__module__]
-    func = getattr(module, "load_balancing_loss_func", None)
+    """The family's ``load_balancing_loss_func`` on the router logits, as its causal LM forward
+    computes it; None for a family whose HF forward has none (DeepSeek-V3)."""
+    func = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
     if func is None:
-        raise NotImplementedError(
-            f"output_router_logits: {qualified_name(model)} has no load_balancing_loss_func in "
-            f"{module.__name__}; call the model with output_router_logits=False"
-        )
+        return None
     experts = getattr(model, "num_experts", None) or model.config.num_experts
     return func(router_logits, experts, model.num_experts_per_tok, attention_mask)
 
@@ -234,22 +197,13 @@ def _causal_lm_forward(self, *args, **kwargs):
     labels = a.pop("labels", None)
     logits_to_keep = a.pop("logits_to_keep", 0)
     return_dict = extra.pop("return_dict", None)
-    want_router = a.pop("output_router_logits", None)
+    want_router = a.pop("output_router_logits", extra.pop("output_router_logits", None))
     if want_router is None:
         want_router = bool(getattr(self.config, "output_router_logits", False))
-    if state["router_arg"]:
-        a["output_router_logits"] = False  # the swapped blocks have no HF router to record
+    if state["moe"]:  # HF's routers, or the swapped blocks, record into outputs.router_logits
+        a["output_router_logits"] = want_router
     loss_kwargs = {k: extra.pop(k) for k in _LOSS_KWARGS if k in extra}
-    recorder = None
-    if want_router and state["moe_blocks"]:
-        ref = a.get("input_ids")
-        ref = a.get("inputs_embeds") if ref is None else ref
-        recorder = _RouterLogits(state["moe_blocks"], ref.shape[0], ref.shape[1])
-    if recorder is not None:
-        with recorder:
-            outputs = self.model(**a, **extra)
-    else:
-        outputs = self.model(**a, **extra)
+    outputs = self.model(**a, **extra)
     hidden = outputs.last_hidden_state
     loss = logits = None
     fused = state["fused_loss"]
@@ -265,11 +219,11 @@ def _causal_lm_forward(self, *args, **kwargs):
     for name in ("cache", "past_key_values"):
         if hasattr(outputs, name):
             fields[name] = getattr(outputs, name)
-    if recorder is not None:
-        router_logits = tuple(recorder.logits)
+    if want_router and state["moe"]:
+        router_logits = outputs.router_logits
         aux = _aux_loss(self, router_logits, a.get("attention_mask"))
         fields.update(aux_loss=aux, router_logits=router_logits)
-        if loss is not None:
+        if loss is not None and aux is not None:
             fields["loss"] = loss + self.router_aux_loss_coef * aux.to(loss.device)
     cls = state["output_class"]
     allowed = set(cls.__dataclass_fields__)
@@ -286,12 +240,14 @@ def _patch_causal_lm(model: nn.Module, group, sequence_parallel: bool, fused_los
     signature = inspect.signature(original)
     params = list(signature.parameters.values())[1:]  # without self
     var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
-    moe_blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+    # an MoE model: swapped blocks, or HF's own (a family mtp does not swap, e.g. OLMoE)
+    moe = "output_router_logits" in signature.parameters or any(
+        isinstance(m, HFMoEBlock) for m in model.modules()
+    )
     state = dict(
         signature=signature.replace(parameters=params), var_kw=var_kw, group=group,
-        sequence_parallel=sequence_parallel, fused_loss=fused_loss, moe_blocks=moe_blocks,
-        router_arg="output_router_logits" in signature.parameters,
-        output_class=_output_class(model, bool(moe_blocks)),
+        sequence_parallel=sequence_parallel, fused_loss=fused_loss, moe=moe,
+        output_class=_output_class(model, moe),
     )  # fmt: skip
     setattr(model, _STATE, state)
 
@@ -358,9 +314,10 @@ def apply_kernels(
             at ``tp > 1``); False keeps HF's loss on the logits.
 
     Returns:
-        ``model``. The full HF state dict is :func:`~mtp.integrations.hf.hf_state_dict`
-        (collective when the model is split), loading is
-        :func:`~mtp.integrations.hf.load_hf_state_dict`; train it with
+        ``model``. Its ``state_dict()`` is the full HF state dict (HF names and layouts;
+        collective when the model is split) and ``load_state_dict`` takes one, so
+        ``save_pretrained`` / ``from_pretrained`` round-trip
+        (:func:`~mtp.integrations.hf_state.attach_hf_state`); train it with
         :class:`mtp.integrations.hf.Trainer`.
 
     Raises:
@@ -370,7 +327,7 @@ def apply_kernels(
     """
     from .hf_moe import MOE_BLOCKS, swap_moe_blocks
     from .hf_parallel import expert_group, parallelize_hf
-    from .hf_state import _INFO, _num_experts
+    from .hf_state import _INFO, _num_experts, attach_hf_state
 
     tp, ep = _check_size("tp", tp), _check_size("ep", ep)
     sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
@@ -412,7 +369,7 @@ def apply_kernels(
         group = None
         info = {"group": None, "ep_group": ep_group, "family": family, "conv1d": set(),
                 "renames": renames, "num_experts": _num_experts(model.config)}  # fmt: skip
-        setattr(model, _INFO, info)
+        attach_hf_state(model, info)
     apply_kernels_to_model(model, group, sequence_parallel=sequence_parallel,
                            fused_loss=fused_loss)  # fmt: skip
     return model

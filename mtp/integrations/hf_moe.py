@@ -13,8 +13,18 @@ groups (``ep`` a multiple of ``tp``: experts over tensor- and data-parallel rank
   :class:`~mtp.moe.SharedExpertMLP` (``linear_fc1`` = gate rows then up rows) with
   ``shared_expert_gate`` as its sigmoid gate.
 - DeepSeek-V3: sigmoid scores, ``e_score_correction_bias`` -> the router's ``expert_bias``
-  buffer (selection only), ``n_group``/``topk_group`` groups scored by their best two,
-  ``norm_topk_prob``, ``routed_scaling_factor``; ``shared_experts`` as Qwen2-MoE's, ungated.
+  buffer (selection only), ``n_group``/``topk_group`` groups scored by their best two
+  (``group_score="top2"``, whatever ``num_experts_per_tok / topk_group``), ``norm_topk_prob``,
+  ``routed_scaling_factor``, logits in float32 (``router_dtype``) as HF computes them in any
+  model dtype; ``shared_experts`` as Qwen2-MoE's, ungated.
+
+The router's weight keeps the dtype of HF's gate weight (DeepSeek-V3's stays float32 in a bf16
+model, ``_keep_in_fp32_modules_strict``), so the same experts are chosen.
+
+Router logits: while HF's output capture collects ``router_logits`` (``output_router_logits``
+in the call or the config), each block appends its logits in HF's ``[batch * seq, E]`` layout
+(gathered over the tensor-parallel group when the ranks route shares of the tokens), as HF's
+router would; HF's own forward then returns them and adds its load-balancing loss.
 
 Without sequence parallelism every tensor-parallel rank holds the same tokens; the block keeps
 this rank's share of them (split forward, all-gather backward), routes it through the experts
@@ -25,9 +35,16 @@ parallelism the tokens are already distinct sequence chunks.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:  # transformers 5: the per-forward collector of capture_outputs (output_router_logits)
+    from transformers.utils import output_capturing as _hf_capture
+except ImportError:  # pragma: no cover - older transformers
+    _hf_capture = None
 
 from mtp.moe import MoELayer
 from mtp.parallel.mappings import (
@@ -36,6 +53,8 @@ from mtp.parallel.mappings import (
 )
 
 __all__ = ["MOE_BLOCKS", "HFMoEBlock", "swap_moe_blocks"]
+
+logger = logging.getLogger("mtp")
 
 #: HF block class name -> the config attribute holding each expert's intermediate size.
 MOE_BLOCKS = {
@@ -46,8 +65,19 @@ MOE_BLOCKS = {
 }
 
 
+def _router_logits_sink() -> list | None:
+    """The list in which Hugging Face's output capture collects the running forward's router
+    logits (transformers 5's ``capture_outputs``), or None when it is not collecting them."""
+    collector = getattr(_hf_capture, "_active_collector", None)
+    collected = None if collector is None else collector.get()
+    if not collected or "router_logits" not in collected:
+        return None
+    return collected["router_logits"]
+
+
 class HFMoEBlock(MoELayer):
-    """``MoELayer`` taking and returning ``[b, s, h]`` like the HF block it replaces.
+    """``MoELayer`` taking and returning ``[b, s, h]`` like the HF block it replaces, and
+    handing HF its router logits (see the module docstring).
 
     ``split_tokens``: the input is replicated over ``tp_group``; each rank routes its share of
     the tokens (padded to a multiple of the group size) and the outputs are all-gathered.
@@ -58,7 +88,10 @@ class HFMoEBlock(MoELayer):
         self.tp_group, self.split_tokens = tp_group, split_tokens
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        sink = _router_logits_sink()
         if not self.split_tokens:
+            if sink is not None:
+                sink.append(self._router_logits(hidden_states, hidden_states.shape[0]))
             return super().forward(hidden_states)
         shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, shape[-1])
@@ -67,9 +100,26 @@ class HFMoEBlock(MoELayer):
         if pad:
             tokens = F.pad(tokens, (0, 0, 0, pad))
         mine = scatter_to_sequence_parallel_region(tokens, self.tp_group, seq_dim=0)
+        if sink is not None:
+            sink.append(self._router_logits(mine, tokens.size(0) - pad))
         out = super().forward(mine)
         out = gather_from_sequence_parallel_region(out, False, self.tp_group, seq_dim=0)
         return out[: out.size(0) - pad].view(shape)
+
+    def _router_logits(self, router_in: torch.Tensor, size: int) -> torch.Tensor:
+        """``[batch * seq, E]`` logits of the whole input (differentiable) from this rank's
+        router input: its share of the tokens (``split_tokens``; ``size`` = the unpadded token
+        count), a ``[b, s / tp, h]`` sequence chunk (``size`` = ``b``), or all of them."""
+        logits = self.router.gating(router_in)
+        experts = logits.shape[-1]
+        if self.split_tokens:
+            full = gather_from_sequence_parallel_region(logits, False, self.tp_group, seq_dim=0)
+            return full[:size]
+        if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
+            logits = gather_from_sequence_parallel_region(
+                logits.view(size, -1, experts), False, self.tp_group, seq_dim=1
+            )
+        return logits.reshape(-1, experts)
 
 
 def _routing_kwargs(block, config) -> dict:
@@ -86,6 +136,7 @@ def _routing_kwargs(block, config) -> dict:
             group_score="top2",
             norm_topk_prob=bool(config.norm_topk_prob),
             scaling_factor=config.routed_scaling_factor,
+            router_dtype=torch.float32,
             shared_expert_intermediate_size=config.n_shared_experts * config.moe_intermediate_size,
         )
     # softmax over all experts then top-k without renormalising = Megatron's pre_softmax
@@ -112,6 +163,8 @@ def _copy_weights(new: HFMoEBlock, block, name: str, renames: dict) -> None:
     ``"fc1"`` (one mtp tensor = two HF tensors stacked on dim 0) and ``"buffer"``."""
     local = list(new.local_expert_indices)
     w = block.experts.gate_up_proj
+    if new.router.weight.dtype != block.gate.weight.dtype:
+        new.router.to(block.gate.weight.dtype)  # e.g. DeepSeek-V3's float32 gate in bf16
     with torch.no_grad():
         new.router.weight.copy_(block.gate.weight)
         new.experts.weight1.copy_(w[local].transpose(1, 2))
@@ -166,6 +219,12 @@ def swap_moe_blocks(
     renames: dict[str, tuple] = {}
     names = [n for n, m in model.named_modules() if n and type(m).__name__ in MOE_BLOCKS]
     experts = getattr(config, "num_local_experts", None) or config.num_experts
+    if names and not hasattr(_hf_capture, "_active_collector"):
+        logger.warning(
+            "this transformers release has no output capture (transformers.utils."
+            "output_capturing): the swapped MoE blocks cannot return router logits, so call "
+            "the model with output_router_logits=False"
+        )
     for name in names:
         block = model.get_submodule(name)
         w = block.experts.gate_up_proj

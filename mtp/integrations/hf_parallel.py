@@ -9,9 +9,13 @@ import torch.distributed as dist
 from torch import nn
 
 from mtp.tensor_parallel.parallelize import parallelize
-from mtp.tensor_parallel.utils import group_rank_and_size, mark_sequence_parallel_parameters
+from mtp.tensor_parallel.utils import (
+    group_rank_and_size,
+    mark_sequence_parallel_parameters,
+    pad_vocab_size,
+)
 
-from .hf_state import _INFO, _num_experts
+from .hf_state import _INFO, _num_experts, attach_hf_state
 
 __all__ = ["SUPPORTED_FAMILIES", "parallelize_hf"]
 
@@ -128,8 +132,22 @@ def _check_sizes(config, tp: int, moe: bool) -> None:
         if value % tp:
             raise ValueError(
                 f"parallelize_hf: config.{name} ({value}) must be divisible by tp ({tp}); "
-                "choose a tp that divides it (key/value heads are not replicated)"
+                + _size_hint(name, value, tp)
             )
+
+
+def _size_hint(name: str, value: int, tp: int) -> str:
+    """What to change when ``config.<name>`` does not divide by ``tp``."""
+    if name == "vocab_size":
+        padded = pad_vocab_size(value, tp)
+        return (
+            f"pad the vocabulary first, e.g. to mtp.tensor_parallel.pad_vocab_size({value}, "
+            f"{tp}) = {padded} rows: model.resize_token_embeddings({padded}) (the extra ids "
+            "are never targets), then call parallelize_hf"
+        )
+    if name == "num_key_value_heads":
+        return "choose a tp that divides it (key/value heads are not replicated)"
+    return "choose a tp that divides it"
 
 
 def _patch_gpt2_attention(model: nn.Module, tp: int) -> None:
@@ -335,7 +353,7 @@ def parallelize_hf(
     info = {"group": group, "family": family, "conv1d": set(conv1d), "renames": renames}
     info["num_experts"] = _num_experts(config)
     info["ep_group"] = ep_group if moe else None
-    setattr(model, _INFO, info)
+    attach_hf_state(model, info)  # the model's state dict speaks HF's names and layouts
     model.register_forward_pre_hook(_refuse_ddp_over_tp_peers, with_kwargs=False)
     return model
 

@@ -18,9 +18,9 @@ the loss):
   tensor-parallel size that this model has (:meth:`Trainer.get_tp_size`).
 - **Clipping** with :func:`mtp.optim.clip_grad_norm` (every gradient element counted once in
   the job), and the logged ``grad_norm`` is that global norm.
-- **Checkpoints**: the model is saved with ``save_pretrained`` from the full HF state dict
-  (:func:`~mtp.integrations.hf.hf_state_dict`, gathered on every rank, written by the main
-  process), so ``AutoModelForCausalLM.from_pretrained`` loads it; each rank saves its own
+- **Checkpoints**: the model is saved with ``save_pretrained`` on every rank (the model's
+  state dict is the full HF one, gathered on every rank; the main process writes it), so
+  ``AutoModelForCausalLM.from_pretrained`` loads it; each rank saves its own
   optimizer state (``optimizer.rank<r>-of-<world>.pt``); resuming reads each rank's slices
   with :func:`~mtp.integrations.hf.load_hf_state_dict` and its optimizer file.
 
@@ -209,22 +209,15 @@ class Trainer(transformers.Trainer):
         return hasattr(self.model, _INFO)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the full model in HF names and layouts (loadable by ``from_pretrained``).
-        Collective for a model split by mtp: call it on every rank."""
+        """Save the full model in HF names and layouts (loadable by ``from_pretrained``):
+        ``save_pretrained`` on every rank (the model's state dict gathers the shards), written
+        by the main process. Collective for a model split by mtp: call it on every rank."""
         if not self._split_by_mtp():
             return super().save_model(output_dir, _internal_call)
-        from .hf_state import hf_state_dict
-
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        full = hf_state_dict(self.model)
+        self.model.save_pretrained(output_dir, is_main_process=self.args.should_save,
+                                   **_native_format())  # fmt: skip
         if self.args.should_save:
-            os.makedirs(output_dir, exist_ok=True)
-            seen: set[int] = set()
-            for key, value in full.items():  # tied weights: one tensor, two names
-                if id(value) in seen:
-                    full[key] = value.clone()
-                seen.add(id(value))
-            self.model.save_pretrained(output_dir, state_dict=full, **_native_format())
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))

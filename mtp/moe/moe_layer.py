@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mtp.dtypes import dtype_name
 from mtp.moe.allgather_dispatcher import AllGatherTokenDispatcher
 from mtp.moe._checks import check_group
 from mtp.moe.config import MoEConfig
@@ -261,10 +262,9 @@ class MoELayer(nn.Module):
         """Router z-loss of the last training forward (coefficient included, detached)."""
         return self.router.z_loss
 
-    def forward(
-        self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        x = hidden_states
+    def _check_inputs(self, x, padding_mask) -> None:
+        """Types, shapes and dtypes of ``forward``'s arguments (free: no device work). As
+        ``nn.Linear``, the input's dtype must be the parameters' unless autocast is on."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != self.hidden_size:
@@ -273,6 +273,29 @@ class MoELayer(nn.Module):
             )
         if x.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"hidden_states must be float32/float16/bfloat16, got {x.dtype}")
+        params = self.experts.weight1.dtype
+        if x.dtype != params and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"hidden_states is {dtype_name(x.dtype)} but the layer's parameters are "
+                f"{dtype_name(params)}; call layer.to(torch.{dtype_name(x.dtype)}) or cast the "
+                f"input (hidden_states.to(torch.{dtype_name(params)})), or run under torch.autocast"
+            )
+        if padding_mask is None:
+            return
+        if not isinstance(padding_mask, torch.Tensor) or padding_mask.dtype != torch.bool:
+            got = getattr(padding_mask, "dtype", type(padding_mask).__name__)
+            raise TypeError(f"padding_mask must be a bool tensor (True = ignored token), got {got}")
+        if padding_mask.shape != x.shape[:-1]:
+            raise ValueError(
+                f"padding_mask must have hidden_states' leading shape {tuple(x.shape[:-1])} "
+                f"(one flag per token), got {tuple(padding_mask.shape)}"
+            )
+
+    def forward(
+        self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = hidden_states
+        self._check_inputs(x, padding_mask)
         shape = x.shape
         split = self.tp_size > 1 and not self.sequence_parallel
         if split and padding_mask is not None:
@@ -293,7 +316,7 @@ class MoELayer(nn.Module):
             tokens = x.reshape(-1, self.hidden_size)
             router_in = x
         if padding_mask is not None and padding_mask.shape != router_in.shape[:-1]:
-            padding_mask = padding_mask.reshape(router_in.shape[:-1])
+            padding_mask = padding_mask.reshape(router_in.shape[:-1])  # this rank's share
         probs, routing_map = self.router(router_in, padding_mask)
         dispatched, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(
             tokens, probs, routing_map

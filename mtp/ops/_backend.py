@@ -56,6 +56,7 @@ def resolve_backend(
     if backend == "triton" and not launchable(device):
         raise ValueError(
             f"{op}: backend='triton' needs CUDA tensors (got {device}); on CPU use "
-            "backend='reference' or set TRITON_INTERPRET=1 to run the kernel in the interpreter"
+            "backend='reference', or set TRITON_INTERPRET=1 before importing mtp to run the "
+            "kernel in the interpreter"
         )
     return backend

@@ -8,10 +8,10 @@
   :class:`ParallelDims` one layer's sizes and groups as one validated value.
 - ``python -m mtp.parallel --world-size 16 --tp 4 --pp 2``: print a layout.
 - :class:`RankMismatchError`, :class:`CollectiveAbortedError`, :mod:`mtp.parallel.agree` (one
-  :func:`~mtp.parallel.agree.agree` for rank agreement) and :mod:`mtp.parallel.agreement`:
-  ranks that disagree fail fast and clearly (``MTP_CHECK_COLLECTIVES=1`` checks every
-  collective), and an error inside a collective region aborts the group instead of leaving its
-  peers waiting.
+  :func:`~mtp.parallel.agree.agree` for rank agreement), :mod:`mtp.parallel.collective_check`
+  (the agreement row each tensor-parallel collective exchanges first) and
+  :mod:`mtp.parallel.agreement`: ranks that disagree fail fast and clearly, and an error inside
+  a collective region aborts the group instead of leaving its peers waiting.
 - :mod:`mtp.parallel.params`: the parameter attributes that say how each gradient is reduced
   (tensor-parallel, expert, expert-tensor-parallel, sequence-parallel, already reduced), read by
   DDP, clipping, the optimizer, checkpoints and sequence-parallel marking alike.
@@ -51,7 +51,8 @@ def _run_as_layout_tool() -> bool:
 __all__ = [*_rank_all, "CollectiveAbortedError", "RankMismatchError"]
 
 if not _run_as_layout_tool():
-    from . import agree, agreement, device_mesh, dims, mappings, parallel_state, params, random
+    from . import agree, agreement, collective_check, device_mesh, dims, mappings
+    from . import parallel_state, params, random
     from .agreement import check_collectives_enabled, set_check_collectives
     from .device_mesh import *  # noqa: F401,F403
     from .dims import *  # noqa: F401,F403

@@ -277,31 +277,42 @@ class Agreement:
         skip: Sequence[str] = (), hint: str = "", tensors: Sequence[torch.Tensor] = (),
     ) -> None:  # fmt: skip
         """Compare a gathered ``[world, width]`` int64 block on the device: a device-side assert
-        by default (no host sync; on CPU it raises at once), the typed
+        by default (no host sync; on CPU, where the assert raises at once, the typed error
+        below instead: reading CPU values costs no sync), the typed
         :class:`RankMismatchError` naming the values with ``validate="sync"`` (one host read),
         nothing with ``validate=False``."""
         mode = validation_mode(validate)
         if mode == "off":
             return
         keep = [(f, lo, hi) for f, lo, hi in self._spans() if f.name not in skip]
-        ranks = group_ranks(group, rows.shape[0])
         if mode == "sync":
             if rows.numel() and not _is_traced(rows):
-                cols = torch.cat([rows[:, lo:hi] for _, lo, hi in keep], dim=1).tolist()
-                sub = Agreement(self.what, tuple(f for f, _, _ in keep))
-                sub.check_rows(cols, ranks, where=group_description(group), hint=hint)
+                self._check_kept(rows, keep, group, hint)
             return
         names = [f.name for f, _, _ in keep]
         listed = ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
         cols = torch.cat([rows[:, lo:hi] for _, lo, hi in keep], dim=1)
-        check_values(
-            (cols == cols[:1]).all(),
-            f"{self.what}: the ranks of the {group_description(group)} disagree on the "
-            f"{listed}" + (f" ({hint})" if hint else "")
-            + "; validate='sync' (or MTP_VALIDATE=sync) names the values",
-            validate=mode,
-            tensors=(rows, *tensors),
-        )
+        try:
+            check_values(
+                (cols == cols[:1]).all(),
+                f"{self.what}: the ranks of the {group_description(group)} disagree on the "
+                f"{listed}" + (f" ({hint})" if hint else "")
+                + "; validate='sync' (or MTP_VALIDATE=sync) names the values",
+                validate=mode,
+                tensors=(rows, *tensors),
+            )
+        except RuntimeError:  # on CPU the assert raises at once: name the values (a free read)
+            if rows.device.type != "cpu":
+                raise
+            self._check_kept(rows, keep, group, hint)
+            raise
+
+    def _check_kept(self, rows: torch.Tensor, keep, group, hint: str) -> None:
+        """:meth:`check_rows` of the ``keep`` spans of the gathered ``rows`` (a host read)."""
+        cols = torch.cat([rows[:, lo:hi] for _, lo, hi in keep], dim=1).tolist()
+        sub = Agreement(self.what, tuple(f for f, _, _ in keep))
+        ranks = group_ranks(group, rows.shape[0])
+        sub.check_rows(cols, ranks, where=group_description(group), hint=hint)
 
 
 def _is_traced(t: torch.Tensor) -> bool:

@@ -7,10 +7,13 @@ Three mechanisms keep a group of ranks from hanging or crashing when they disagr
   *every* rank when they differ, naming the quantity, both values and the ranks. Ops whose
   collective already carries data fold such values into it instead (no extra message in steady
   state; :class:`mtp.parallel.agree.Agreement`).
-- Debug mode, ``MTP_CHECK_COLLECTIVES=1`` (default off; the variable is read once and cached,
-  :func:`set_check_collectives` overrides it): :func:`check_collective` runs one small
-  all-gather of ``(op name, dtype, shape)`` before each mtp collective. Off, it returns after one
-  cached flag test. Skipped while ``torch.compile`` traces.
+- :func:`mtp.parallel.collective_check.check_collective`: before each tensor-parallel
+  collective, one all-gather of a fixed-size row (operation, row count, hidden size, dtype,
+  shape) compared on the device by default, so that ranks passing different tensors raise a
+  ``RankMismatchError`` instead of a gloo ``SIGABRT`` or an NCCL hang. Debug mode,
+  ``MTP_CHECK_COLLECTIVES=1`` (default off; :func:`set_check_collectives` overrides it),
+  compares the rows on the host (the typed error on every device) and makes the MoE
+  dispatchers check every dispatch.
 - :func:`collective_region` (a decorator for functions and methods that run collectives): what
   happens when the body raises on this rank is set by ``MTP_ABORT_ON_ERROR`` (read once;
   :func:`set_abort_on_error` overrides it):
@@ -53,7 +56,6 @@ import torch
 import torch.distributed as dist
 
 from mtp import settings
-from mtp.utils import is_capturing
 
 from . import parallel_state
 from .aborted import abort_group, any_aborted, is_aborted
@@ -70,7 +72,6 @@ __all__ = [
     "abort_on_error_enabled",
     "abort_on_error_mode",
     "set_abort_on_error",
-    "check_collective",
     "exchange_and_compare",
     "value_field",
     "collective_region",
@@ -151,7 +152,7 @@ def set_abort_on_error(mode: bool | str | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Debug mode: (op, dtype, shape) before each collective
+# Agreement of fields in the tuple spelling
 # --------------------------------------------------------------------------------------------
 
 #: A field in the older tuple spelling: (name, this rank's ints, formatter of one rank's ints).
@@ -164,29 +165,6 @@ def exchange_and_compare(
     """:func:`~mtp.parallel.agree.agree` for ``(name, ints, format)`` tuples (the older
     spelling; each tuple travels as it is)."""
     agree(group, what, like=like, **{n: _Field(n, tuple(i), f) for n, i, f in fields})
-
-
-def check_collective(op: str, x: torch.Tensor, group, dim: int = -1) -> None:
-    """Debug mode only: check that every rank of ``group`` enters the same collective ``op``
-    with the same ``x.dtype`` and ``x.shape`` (and the same ``dim`` for gathers and scatters).
-
-    A no-op (one cached flag test) unless ``MTP_CHECK_COLLECTIVES=1``; also skipped while
-    ``torch.compile`` traces, while a CUDA graph is captured (the check reads the gathered
-    values on the host) and for single-rank groups. Raises :class:`RankMismatchError` on
-    every rank when they disagree, before the real collective could crash or hang.
-    """
-    # tracing first: reading the flag caches it in a global, a side effect Dynamo refuses
-    # inside an autograd.Function's backward (torch.compile of the column layer)
-    if torch.compiler.is_compiling():
-        return
-    if _check is False or not check_collectives_enabled():  # the steady state: one test
-        return
-    if is_capturing():
-        return
-    if dist.get_world_size(group) == 1:
-        return
-    dimension = _Field("dimension", (dim,), lambda v: str(v[0]))
-    agree(group, op, like=x, dtype=x.dtype, shape=x.shape, dimension=dimension)
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,6 +248,14 @@ def _group_finder(fn: Callable, group_arg: str | None) -> Callable[[tuple, dict]
     return find
 
 
+def _name_region(exc: BaseException, what: str) -> None:
+    """Put the region's name in front of a collective check's error (the outermost region's
+    wins: a layer's name rather than the mapping it calls)."""
+    detail = getattr(exc, "detail", None)
+    if isinstance(exc, RankMismatchError) and detail is not None:
+        exc.args = (f"{what}: {detail}",)
+
+
 def collective_region(name: str | None = None, *, group_arg: str | None = None):
     """Decorate a function (``group_arg="group"``: its argument holding the group, None meaning
     the tensor-parallel group) or a method (default: ``self.group``) that runs collectives.
@@ -296,6 +282,7 @@ def collective_region(name: str | None = None, *, group_arg: str | None = None):
             try:
                 return fn(*args, **kwargs)
             except BaseException as exc:
+                _name_region(exc, what)
                 try:
                     group = find(args, kwargs)
                 except Exception:  # noqa: BLE001 - no group to act on: the original error

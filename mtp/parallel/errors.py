@@ -17,7 +17,12 @@ class RankMismatchError(RuntimeError):
     Attributes:
         what: the quantity (``"target checksum"``, ``"vocab shard size"``...), when given.
         values: ``{rank: value}`` as each rank reported it, when given.
+        detail: the message without the layer or mapping it was raised in, for the agreement
+            check of a collective (:mod:`mtp.parallel.collective_check`) that the region around
+            it names; else None.
     """
+
+    detail: str | None = None
 
     def __init__(self, message: str = "", *, what: str = "", values: dict | None = None) -> None:
         super().__init__(message)

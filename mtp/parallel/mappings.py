@@ -26,10 +26,12 @@ Collectives are called through the ``torch.distributed`` module (so
 collective (``all_gather_single`` / ``reduce_scatter_single``, or their older names
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on torch releases without them).
 
-Ranks that disagree (:mod:`mtp.parallel.agreement`): with ``MTP_CHECK_COLLECTIVES=1`` each
-collective is preceded by an all-gather of (op, dtype, shape, dim) and a mismatch raises
-``RankMismatchError`` on every rank; an exception inside a mapping follows
-``MTP_ABORT_ON_ERROR`` (abort the group by default).
+Ranks that disagree (:mod:`mtp.parallel.collective_check`): each collective is preceded by
+one all-gather of a fixed-size row (operation, row count, hidden size, dtype, shape), and a
+mismatch raises ``RankMismatchError`` on every rank instead of a gloo ``SIGABRT`` or an NCCL
+hang; a backward collective whose forward checked the same shape skips it (one exchange per
+mapping call). An exception inside a mapping follows ``MTP_ABORT_ON_ERROR`` (abort the group by
+default).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state
-from .agreement import check_collective, collective_region
+from .agreement import collective_region
+from .collective_check import check_collective
 from .groups import group_from_mesh
 
 __all__ = [
@@ -158,15 +161,21 @@ def _stacked_to_cat(stacked: torch.Tensor, dim: int) -> torch.Tensor:
     return stacked.movedim(0, dim).reshape(shape)
 
 
-def gather_along(x: torch.Tensor, dim: int, group, async_op: bool = False):
+def gather_along(
+    x: torch.Tensor, dim: int, group, async_op: bool = False, *, check: bool = True,
+    what: str = "all_gather",
+):  # fmt: skip
     """Concatenate every rank's ``x`` along ``dim`` (rank-major). One flat all-gather.
 
     With ``async_op=True`` returns a :class:`GatherHandle` whose ``wait()`` gives the result.
+    ``check=False`` skips the agreement check (a backward whose forward checked the shape);
+    ``what`` names the operation in its message.
     """
     world = dist.get_world_size(group)
     if world == 1:
         return GatherHandle(None, x.unsqueeze(0), dim, 1) if async_op else x
-    check_collective("all_gather", x, group, dim=dim)
+    if check:
+        check_collective("all_gather", x, group, dim=dim, what=what)
     x = x.contiguous()
     if x.dim() == 0:
         x = x.view(1)
@@ -188,12 +197,17 @@ class ScatterHandle:
         return self._out if self._dim == 0 else self._out.movedim(0, self._dim).contiguous()
 
 
-def reduce_scatter_along(x: torch.Tensor, dim: int, group, async_op: bool = False):
-    """Sum ``x`` over the ranks and keep this rank's chunk along ``dim``. One reduce-scatter."""
+def reduce_scatter_along(
+    x: torch.Tensor, dim: int, group, async_op: bool = False, *, check: bool = True,
+    what: str = "reduce_scatter",
+):  # fmt: skip
+    """Sum ``x`` over the ranks and keep this rank's chunk along ``dim``. One reduce-scatter
+    (``check``, ``what``: as :func:`gather_along`)."""
     world = dist.get_world_size(group)
     if world == 1:
         return ScatterHandle(None, x, 0) if async_op else x
-    check_collective("reduce_scatter", x, group, dim=dim)
+    if check:
+        check_collective("reduce_scatter", x, group, dim=dim, what=what)
     _check_divisible(x, dim, world, "reduce-scatter")
     src = (x if dim == 0 else x.movedim(dim, 0)).contiguous()
     out = torch.empty((src.size(0) // world, *src.shape[1:]), dtype=x.dtype, device=x.device)
@@ -202,15 +216,16 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group, async_op: bool = Fals
     return handle if async_op else handle.wait()
 
 
-def all_reduce_(x: torch.Tensor, group, async_op: bool = False):
-    """Sum ``x`` over the ranks, in place (``x`` must be contiguous).
+def all_reduce_(x: torch.Tensor, group, async_op: bool = False, *, what: str = "all_reduce"):
+    """Sum ``x`` over the ranks, in place (``x`` must be contiguous), after the agreement check
+    (``what`` names the operation in its message).
 
     Returns the work handle with ``async_op=True``, else None (also while ``torch.compile``
     traces, where the call is synchronous).
     """
     if dist.get_world_size(group) == 1:
         return None
-    check_collective("all_reduce", x, group)
+    check_collective("all_reduce", x, group, what=what)
     return dist.all_reduce(x, group=group, async_op=_traceable(async_op))
 
 
@@ -228,7 +243,7 @@ class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone(memory_format=torch.contiguous_format)
-        all_reduce_(grad, ctx.group)
+        all_reduce_(grad, ctx.group, what="backward of copy_to_tensor_model_parallel_region")
         return grad, None
 
 
@@ -257,8 +272,9 @@ class _ScatterToRegion(torch.autograd.Function):
         return split_along(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
-        return gather_along(grad, ctx.dim, ctx.group), None, None
+    def backward(ctx, grad):  # the forward ran no collective: this one checks
+        what = "backward of a scatter_to_* mapping"
+        return gather_along(grad, ctx.dim, ctx.group, what=what), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -271,8 +287,9 @@ class _GatherFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.reduce_grad:
-            return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None, None
+        if ctx.reduce_grad:  # the forward's gather checked this shape
+            grad = reduce_scatter_along(grad, ctx.dim, ctx.group, check=False)
+            return grad, None, None, None
         return split_along(grad, ctx.dim, ctx.group), None, None, None
 
 
@@ -285,8 +302,8 @@ class _ReduceScatterToRegion(torch.autograd.Function):
         return reduce_scatter_along(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
-        return gather_along(grad, ctx.dim, ctx.group), None, None
+    def backward(ctx, grad):  # the forward's reduce-scatter checked this shape
+        return gather_along(grad, ctx.dim, ctx.group, check=False), None, None
 
 
 # --------------------------------------------------------------------------------------------

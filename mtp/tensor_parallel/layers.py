@@ -15,9 +15,11 @@ same model at every tp size, and equal to the plain PyTorch model built from the
 Argument checks: constructor arguments of the wrong type raise ``TypeError`` naming them
 (sizes must be ints, flags bools, ``dtype`` a floating dtype); inputs that are not floating, or
 not of the weight's dtype outside ``torch.autocast``, raise ``TypeError`` naming ``input_``.
-An exception inside ``forward`` follows ``MTP_ABORT_ON_ERROR`` (see
-:mod:`mtp.parallel.agreement`): by default the group is aborted so that it is not used with
-collectives that no longer match the peers'.
+Ranks that pass different inputs (rows, hidden size, dtype) raise ``RankMismatchError`` on every
+rank: each layer call exchanges one agreement row before its first collective
+(:mod:`mtp.parallel.collective_check`). Another exception inside ``forward`` follows
+``MTP_ABORT_ON_ERROR`` (see :mod:`mtp.parallel.agreement`): by default the group is aborted so
+that it is not used with collectives that no longer match the peers'.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ __all__ = [
 
 _custom_fwd = torch.amp.custom_fwd(device_type="cuda")
 _custom_bwd = torch.amp.custom_bwd(device_type="cuda")
+_COLUMN_BACKWARD = "backward of ColumnParallelLinear"
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
@@ -89,15 +92,18 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         group, sp, seq_dim = ctx.group, ctx.sequence_parallel, ctx.seq_dim
-        gathering = gather_along(x, seq_dim, group, async_op=True) if sp and need_w else None
+        # with sequence parallel the forward's gather checked x's shape: no second check
+        gathering = None
+        if sp and need_w:
+            gathering = gather_along(x, seq_dim, group, async_op=True, check=False)
         grad_input = grad_out.matmul(weight) if need_x else None
         total = gathering.wait() if gathering is not None else x
         pending = None
         if need_x:
             if sp:
-                pending = reduce_scatter_along(grad_input, seq_dim, group, async_op=True)
-            else:
-                pending = all_reduce_(grad_input, group, async_op=True)
+                pending = reduce_scatter_along(grad_input, seq_dim, group, True, check=False)
+            else:  # the forward ran no collective: this one checks
+                pending = all_reduce_(grad_input, group, True, what=_COLUMN_BACKWARD)
         grad_weight = grad_bias = None
         grad_2d = grad_out.reshape(-1, grad_out.size(-1))
         if need_w:

@@ -214,8 +214,8 @@ def _normalize_style(pattern: str, spec: str | Mapping[str, Any]) -> tuple[str, 
 
 
 def _matches(model: nn.Module, plan: Mapping[str, Any]) -> tuple[dict, dict]:
-    """``({module name: (style, options)} for layer swaps, {name: (style, options)} for input
-    hooks)``; every pattern must match something."""
+    """``({module name: (style, options, pattern)} for layer swaps, {name: (style, options)} for
+    input hooks)``; every pattern must match something."""
     names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
     chosen: dict[str, tuple[str, dict, str]] = {}
     hooks: dict[str, tuple[str, dict]] = {}
@@ -251,8 +251,7 @@ def _matches(model: nn.Module, plan: Mapping[str, Any]) -> tuple[dict, dict]:
                     "with different styles"
                 )
             chosen.setdefault(name, (style, options, pattern))
-    layers = {name: (style, options) for name, (style, options, _) in chosen.items()}
-    return layers, hooks
+    return chosen, hooks
 
 
 def _under(name: str, parents) -> bool:
@@ -270,6 +269,25 @@ def _register_hooks(model, hooks, group, sequence_parallel: bool, seq_dim: int) 
             share_module_input(module, group, sequence_parallel=sp, seq_dim=dim, arg=arg)
         else:
             scatter_module_input(module, group, seq_dim=dim, arg=arg)
+
+
+def _swap(module: nn.Module, where: str, style: str, group, memo: dict, options) -> nn.Module:
+    """The parallel layer for ``module``; errors name ``where`` (the module and its plan
+    entry)."""
+    needs = nn.Embedding if style == "vocab" else nn.Linear
+    if not isinstance(module, needs):
+        raise TypeError(
+            f"parallelize: {where} is a {type(module).__name__}; style {style!r} needs an "
+            f"nn.{needs.__name__}"
+        )
+    try:
+        if style == "vocab":
+            return from_embedding(module, group, _memo=memo, **options)
+        return from_linear(module, style, group, _memo=memo, **options)
+    except ValueError as exc:
+        if type(exc) is not ValueError:  # a typed error keeps its type and message
+            raise
+        raise ValueError(f"parallelize: {where}: {exc}") from exc
 
 
 def parallelize(
@@ -326,26 +344,14 @@ def parallelize(
     chosen, hooks = _matches(model, plan)
     shared = [name for name, (style, _) in hooks.items() if style == "shared_input"]
     memo: dict = {}
-    for name, (style, options) in chosen.items():
+    for name, (style, options, pattern) in chosen.items():
         module = model.get_submodule(name)
         if sequence_parallel:
             options = {"sequence_parallel": True, "seq_dim": seq_dim, **options}
         if style == "column" and _under(name, shared):
             options = {"disable_grad_reduce": True, **options}
-        if style == "vocab":
-            if not isinstance(module, nn.Embedding):
-                raise TypeError(
-                    f"parallelize: {name!r} is a {type(module).__name__}; style 'vocab' needs "
-                    "an nn.Embedding"
-                )
-            new = from_embedding(module, group, _memo=memo, **options)
-        else:
-            if not isinstance(module, nn.Linear):
-                raise TypeError(
-                    f"parallelize: {name!r} is a {type(module).__name__}; style {style!r} "
-                    "needs an nn.Linear"
-                )
-            new = from_linear(module, style, group, _memo=memo, **options)
+        new = _swap(module, f"{name!r} (plan entry {pattern!r}: {style!r})", style, group, memo,
+                    options)  # fmt: skip
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
     _register_hooks(model, hooks, group, sequence_parallel, seq_dim)

@@ -188,10 +188,13 @@ def count_collectives() -> Iterator[_CollectiveLog]:
     must call them through the module (``torch.distributed.all_reduce(...)`` or
     ``dist.all_reduce(...)``), as mtp does. A collective implemented by calling another one
     (torch 2.13's ``all_gather_into_tensor`` calls ``all_gather_single``) counts once, under the
-    name the caller used.
+    name the caller used. The agreement row mtp exchanges before each tensor-parallel collective
+    (:mod:`mtp.parallel.collective_check`) is logged as ``"agreement"``.
     """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
+    from mtp.parallel import collective_check
 
     log = _CollectiveLog()
     saved: list[tuple[Any, str, Any]] = []
@@ -226,6 +229,9 @@ def count_collectives() -> Iterator[_CollectiveLog]:
             if getattr(module, name, None) is original:
                 saved.append((module, name, original))
                 setattr(module, name, wrapper)
+    # the agreement row before each tensor-parallel collective: logged under its own name
+    saved.append((collective_check, "exchange_rows", collective_check.exchange_rows))
+    collective_check.exchange_rows = wrap("agreement", collective_check.exchange_rows, 1)
     try:
         yield log
     finally:

@@ -389,6 +389,7 @@ _ALLOC_OPS = {
     "aten::lift_fresh",
     "aten::set_",
     "aten::detach",
+    "aten::detach_",
     "aten::alias",
     "aten::_local_scalar_dense",  # a host read: counted as a sync, not as device work
 }

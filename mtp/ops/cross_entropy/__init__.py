@@ -15,7 +15,9 @@ with fake implementations:
 - ``mtp::vocab_parallel_cross_entropy_scale_(grad!, dloss, backend)``: the backward,
   ``grad *= dloss`` per row.
 
-Distributed: each rank holds ``logits[..., rank*Vl:(rank+1)*Vl]`` of the global vocab. Pass 1
+Distributed: each rank holds ``logits[..., rank*Vl:(rank+1)*Vl]`` of the global vocab. The
+ranks first exchange their agreement row (:mod:`mtp.parallel.collective_check`: a row count
+that differs, zero included, raises ``RankMismatchError`` on every rank). Pass 1
 reduces the shard to three fp32 values per row, and one ``all_gather`` exchanges them together
 with two metadata rows per rank (shard size, valid-target count, a checksum of the targets, the
 range check): ``12 * (rows + 2)`` bytes per rank. Pass 2 combines them into the loss, checks
@@ -34,7 +36,8 @@ from mtp.dtypes import INDEX_DTYPES, KERNEL_FLOATS
 from mtp.ops._backend import resolve_backend
 from mtp.ops.cross_entropy.reference import reference_forward
 from mtp.parallel.agree import agreement
-from mtp.parallel.agreement import check_collective
+from mtp.kernels.cross_entropy import META_ROWS
+from mtp.parallel.collective_check import check_collective
 from mtp.parallel.errors import RankMismatchError
 from mtp.parallel.groups import group_from_mesh, group_name, resolve_group_name
 from mtp.utils import (
@@ -87,10 +90,12 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[str, int, int]:
 
 
 def _all_gather_stats(stats: torch.Tensor, group_name: str) -> torch.Tensor:
-    """``[world, rows + 2, 3]``: every rank's ``stats`` (one collective, also with 0 rows)."""
+    """``[world, rows + 2, 3]``: every rank's ``stats`` (one collective, also with 0 rows),
+    after the agreement check on the row count (the ranks' sizes must match)."""
     group = resolve_group_name(group_name)
     world = dist.get_world_size(group)
-    check_collective("vocab_parallel_cross_entropy all_gather", stats, group)
+    rows = (stats.shape[0] - META_ROWS, stats.shape[1])
+    check_collective("vocab_parallel_cross_entropy", stats, group, shape=rows)
     gathered = torch.empty((world, *stats.shape), dtype=stats.dtype, device=stats.device)
     dist.all_gather(list(gathered.unbind(0)), stats, group=group)
     return gathered
@@ -421,7 +426,8 @@ def vocab_parallel_cross_entropy(
 
     Launches (triton): one rank: 1 kernel forward (+1 ``_assert_async`` with the default
     ``validate``), 1 kernel backward (it returns at once where the upstream gradient is 1).
-    With a group: 2 kernels and one ``all_gather`` of ``3 * (rows + 2)`` fp32 per rank forward,
+    With a group: 2 kernels, the agreement row (an ``all_gather`` of 14 int64 per rank and its
+    device-side comparison) and one ``all_gather`` of ``3 * (rows + 2)`` fp32 per rank forward,
     1 kernel and no communication backward.
     Memory: when ``logits`` requires grad, the forward allocates the gradient (``logits``' shape
     and dtype; none with ``inplace_backward``), which autograd keeps until the backward; that
@@ -434,8 +440,9 @@ def vocab_parallel_cross_entropy(
         TypeError / ValueError: bad arguments (named in the message).
         TargetOutOfRangeError: (``validate="sync"``) a target outside ``[0, V)`` other than
             ``ignore_index``.
-        RankMismatchError: (``validate="sync"``) the target or the shard size differs between
-            the ranks of ``group`` (raised on every rank).
+        RankMismatchError: the row count differs between the ranks of ``group`` (on CPU, or
+            with ``validate="sync"``; a device-side assert on CUDA by default), or
+            (``validate="sync"``) the target or the shard size does (raised on every rank).
         NotImplementedError: called inside a ``torch.func`` transform.
     """
     _check_args(logits, target, label_smoothing, ignore_index, reduction, z_loss_weight)

@@ -26,10 +26,8 @@ def check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=FLOAT_DTYPES, out
     if not isinstance(trans_b, bool):
         raise TypeError(f"trans_b must be a bool, got {type(trans_b).__name__}")
     if tokens_per_expert.device not in (x.device, torch.device("cpu")):
-        raise ValueError(
-            f"tokens_per_expert must be on {x.device} (like x) or on the CPU, got "
-            f"{tokens_per_expert.device}"
-        )
+        where = "the CPU, like x" if x.device.type == "cpu" else f"{x.device} (like x) or the CPU"
+        raise ValueError(f"tokens_per_expert must be on {where}, got {tokens_per_expert.device}")
     E = w.shape[0]
     if tokens_per_expert.shape[0] != E:
         raise ValueError(

@@ -37,8 +37,8 @@ Backends (the GEMMs are cuBLAS / CPU ``torch.mm`` / ``addmm`` in both):
 * ``"fused"`` (opt-in): as ``"triton"``, except that the forward computes each chunk's logits
   in a Triton GEMM whose epilogue folds them into the row statistics
   (:mod:`mtp.kernels.linear_cross_entropy_gemm`): the forward writes no logits at all.
-* ``"torch"`` (default on CPU and for fp64): the same maths as fp32 PyTorch ops, several passes
-  over each chunk.
+* ``"torch"``, also named ``"reference"`` as in every op (default on CPU and for fp64): the same
+  maths as fp32 PyTorch ops, several passes over each chunk.
 
 ``MTP_BACKEND=triton`` / ``fused`` / ``torch`` (``reference`` is an alias of ``torch``) steers
 ``"auto"``.
@@ -61,6 +61,7 @@ from mtp.ops.linear_cross_entropy.checks import (
     REDUCTIONS,
     TRITON_BACKENDS,
     check_args,
+    check_targets,
     resolve_backend,
 )
 from mtp.ops.linear_cross_entropy.maths import (
@@ -74,7 +75,6 @@ from mtp.ops.linear_cross_entropy.maths import (
     mm_fp32,
 )
 from mtp.parallel.agree import agreement
-from mtp.parallel.agreement import check_collective
 from mtp.utils import check_values
 
 __all__ = ["linear_cross_entropy", "default_chunk_size", "REDUCTIONS", "BACKENDS"]
@@ -112,7 +112,6 @@ def _exchange_meta(spec, meta: torch.Tensor, group, world: int, validate) -> tor
     """All-gather this rank's agreement row ``meta`` (``spec``'s fields: vocab shard size, row
     count, hidden size, dtype, target checksum, chunk size) and check that every rank agrees on
     everything but the vocab shard size; returns the gathered ``[world, 6]``."""
-    check_collective("linear_cross_entropy metadata", meta, group)
     gathered = _all_gather(meta, group, world)
     spec.check_device(
         gathered, group, validate=validate, skip=("vocab shard size",), tensors=(meta,),
@@ -171,14 +170,8 @@ class _Setup:
         else:
             start = torch.zeros((), dtype=torch.int64, device=t.device)
             vocab = torch.full((), self.v_local, dtype=torch.int64, device=t.device)
-        check_values(
-            (~self.valid | ((t >= 0) & (t < vocab))).all(),
-            f"linear_cross_entropy: target holds ids outside [0, vocab_size) that are not "
-            f"ignore_index={ignore_index} (vocab_size is the global vocab: the sum of the "
-            "ranks' weight rows)",
-            validate=validate,
-            tensors=(t,),
-        )
+        check_targets(t, self.valid, vocab, ignore_index, validate,
+                      self.v_local if self.world == 1 else None)  # fmt: skip
         local = t - start
         self.owns = (local >= 0) & (local < self.v_local)
         self.local_t = local.clamp(0, self.v_local - 1)
@@ -340,19 +333,22 @@ def linear_cross_entropy(
         label_smoothing: in ``[0, 1]``, spread over the global vocab as in ``F.cross_entropy``.
         ignore_index: rows with this target get loss 0 and no gradient.
         z_loss_weight: adds ``z_loss_weight * lse**2`` per row (PaLM's z-loss).
-        reduction: ``"mean"`` (over non-ignored rows; NaN when all are ignored, as PyTorch),
-            ``"sum"`` or ``"none"`` (per-row fp32 loss of ``target``'s shape).
+        reduction: ``"mean"`` (the default, as ``F.cross_entropy``'s; over non-ignored rows;
+            NaN when all are ignored, as PyTorch), ``"sum"`` or ``"none"`` (per-row fp32 loss
+            of ``target``'s shape; :func:`mtp.ops.vocab_parallel_cross_entropy`'s default).
         chunk_size: rows whose logits are live at once (sequence parallel: gathered rows);
             default :func:`default_chunk_size`.
         sequence_parallel: ``hidden`` is sequence-sharded; its rows are all-gathered chunk by
             chunk and ``d_hidden`` is reduce-scattered.
         validate: data checks (targets in range, ranks agree) on the device by default;
-            ``"sync"`` raises Python errors after a host sync; False skips them.
+            ``"sync"`` raises typed errors after a host sync (``TargetOutOfRangeError`` naming
+            the vocab size and a bad id, ``RankMismatchError``); False skips them.
         backend: ``"auto"`` (``"triton"`` on CUDA for fp32 / fp16 / bf16, else ``"torch"``;
             ``MTP_BACKEND`` overrides), ``"triton"`` (Triton loss kernels per chunk; CPU needs
             ``TRITON_INTERPRET=1``), ``"fused"`` (as ``"triton"``, but the forward's logits GEMM
             is a Triton kernel with the row statistics in its epilogue: no logits are written;
-            opt-in until GPU timings exist) or ``"torch"`` (fp32 PyTorch maths per chunk).
+            opt-in until GPU timings exist) or ``"reference"`` / ``"torch"`` (the same backend:
+            fp32 PyTorch maths per chunk, fp64 for fp64 inputs).
 
     Returns:
         fp32 loss: a scalar, or ``target``'s shape for ``reduction="none"``; identical on every

@@ -1,5 +1,6 @@
 """Argument checks of :func:`mtp.ops.linear_cross_entropy` (types, shapes, dtypes, devices,
-the scalar options: free, always on) and the choice of its backend."""
+the scalar options: free, always on), the target range check (on the device, or typed after a
+sync) and the choice of its backend."""
 
 from __future__ import annotations
 
@@ -9,12 +10,21 @@ import torch.distributed as dist
 from mtp.dtypes import FLOATS, INDEX_DTYPES
 from mtp.kernels._common import launchable
 from mtp.ops._backend import auto_backend
-from mtp.utils import check_tensor
+from mtp.ops.cross_entropy import TargetOutOfRangeError
+from mtp.utils import check_tensor, check_values, data_checks_enabled, validation_mode
 
-__all__ = ["BACKENDS", "REDUCTIONS", "TRITON_BACKENDS", "check_args", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "REDUCTIONS",
+    "TRITON_BACKENDS",
+    "check_args",
+    "check_targets",
+    "resolve_backend",
+]
 
 REDUCTIONS = ("none", "mean", "sum")
-BACKENDS = ("auto", "triton", "fused", "torch")
+#: ``"reference"`` is the plain-PyTorch backend, ``"torch"``, under the name every op has.
+BACKENDS = ("auto", "triton", "fused", "torch", "reference")
 #: The backends whose loss maths are Triton kernels.
 TRITON_BACKENDS = ("triton", "fused")
 _DTYPES = FLOATS
@@ -23,20 +33,25 @@ _TARGET_DTYPES = INDEX_DTYPES
 
 def resolve_backend(backend, hidden: torch.Tensor) -> str:
     """``"triton"``, ``"fused"`` or ``"torch"`` for ``backend`` (see
-    :func:`mtp.ops.linear_cross_entropy`)."""
+    :func:`mtp.ops.linear_cross_entropy`; ``"reference"`` is ``"torch"``)."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "reference":
+        return "torch"
     fp64 = hidden.dtype == torch.float64
     if backend == "auto":
         backend = auto_backend(BACKENDS[1:], hidden.device, reference="torch")
         if fp64:
             return "torch"
     if backend in TRITON_BACKENDS and fp64:
-        raise ValueError(f"backend={backend!r} takes fp32 / fp16 / bf16 inputs; fp64 needs 'torch'")
+        raise ValueError(
+            f"backend={backend!r} takes fp32 / fp16 / bf16 inputs; fp64 needs 'reference' "
+            "('torch')"
+        )
     if backend in TRITON_BACKENDS and not launchable(hidden.device):
         raise ValueError(
-            f"backend={backend!r} needs CUDA tensors; on CPU use backend='torch' or set "
-            "TRITON_INTERPRET=1 to run the kernels in the interpreter"
+            f"backend={backend!r} needs CUDA tensors; on CPU use backend='reference' ('torch'), "
+            "or set TRITON_INTERPRET=1 before importing mtp to run the kernels in the interpreter"
         )
     return backend
 
@@ -81,3 +96,33 @@ def check_args(hidden, weight, target, bias, group, sp, eps, ignore_index, z, re
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk!r}")
     if not isinstance(sp, bool):
         raise TypeError(f"sequence_parallel must be a bool, got {sp!r}")
+
+
+def check_targets(t, valid, vocab, ignore_index: int, validate, local_vocab: int | None) -> None:
+    """Every id of ``t`` (flat int64) in ``[0, vocab)`` or ``ignore_index`` (``valid``:
+    ``t != ignore_index``; ``vocab``: the global vocab size, 0-d on ``t``'s device;
+    ``local_vocab``: the same as an int when known without a sync, one rank). On the device by
+    default; ``validate="sync"``: :class:`TargetOutOfRangeError` naming the vocab size and a
+    bad id."""
+    in_range = ~valid | ((t >= 0) & (t < vocab))
+    if validation_mode(validate) == "sync":
+        if data_checks_enabled(validate, t) and not bool(in_range.all()):
+            raise TargetOutOfRangeError(_out_of_range(t[~in_range], int(vocab), ignore_index))
+        return
+    size = "vocab_size" if local_vocab is None else str(local_vocab)
+    check_values(
+        in_range.all(),
+        f"linear_cross_entropy: target holds ids outside [0, {size}) that are not "
+        f"ignore_index={ignore_index} (the vocab size is the global vocab: the sum of the "
+        "ranks' weight rows)",
+        validate=validate,
+        tensors=(t,),
+    )
+
+
+def _out_of_range(bad: torch.Tensor, vocab: int, ignore_index: int) -> str:
+    return (
+        f"linear_cross_entropy: target holds {bad.numel()} id(s) outside [0, {vocab}) that are "
+        f"not ignore_index={ignore_index} (e.g. {int(bad[0])}); the vocab size {vocab} is the "
+        "global vocab: the sum of the ranks' weight rows. Pass validate=False to skip this check."
+    )
