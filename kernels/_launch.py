@@ -115,3 +115,12 @@ class Plans(dict):
             self.clear()
         self[key] = launch
         return launch
+
+    def run(self, key, kernel, grid, args: tuple, options) -> None:
+        """Launch ``kernel`` on ``args`` through the plan of ``key``, built the first time from
+        ``grid`` and ``options()`` (a callable: the constexprs and launch options are only
+        assembled when the plan is built)."""
+        launch = self.get(key)
+        if launch is None:
+            launch = self.add(key, Launch(kernel, grid, args, options()))
+        launch(*args)

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from mtp.kernels._common import interpreting, next_power_of_2
+from mtp.kernels._launch import Plans, aligned
 from mtp.kernels.cross_entropy_rows import (
     _finish_row,
     _reduce_epilogue,
@@ -273,7 +274,7 @@ def row_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 def vector_width(dtype: torch.dtype) -> int:
     """Elements per 16-byte load of ``dtype`` (4 for fp32, 8 for fp16 / bf16)."""
-    return VECTOR_BYTES // torch.empty((), dtype=dtype).element_size()
+    return VECTOR_BYTES // dtype.itemsize
 
 
 def num_programs(rows: int) -> int:
@@ -282,6 +283,7 @@ def num_programs(rows: int) -> int:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_PLANS = Plans()
 
 
 def reduction_counter(device: torch.device) -> torch.Tensor:
@@ -335,15 +337,19 @@ def cross_entropy_fused(
     rows, vocab = target.numel(), logits.shape[-1]
     partial, counter, g = _reduce_buffers(loss, reduction, rows, logits.device)
     coef_target, coef_uniform = _coefs(label_smoothing, vocab)
-    _ce_fused_kernel[(g,)](
-        logits, grad if grad is not None else logits, target, loss, partial, counter, info,
-        rows, *layout, *(grad_layout or layout), vocab, ignore_index, coef_target, coef_uniform,
-        z_loss_weight,
+    g_arg = grad if grad is not None else logits
+    g_layout = grad_layout or layout
+    args = (logits, g_arg, target, loss, partial, counter, info, rows, *layout, *g_layout, vocab,
+            ignore_index, coef_target, coef_uniform, z_loss_weight)
+    key = ("fused", rows, layout, g_layout, vocab, ignore_index, logits.dtype, g_arg.dtype,
+           target.dtype, label_smoothing > 0.0, grad is not None, reduction, check,
+           aligned(logits, g_arg, target, loss, partial, counter, info), logits.device)
+    _PLANS.run(key, _ce_fused_kernel, (g,), args, lambda: dict(
         SMOOTHING=label_smoothing > 0.0, GRAD=grad is not None, REDUCE=reduction != "none",
         MEAN=reduction == "mean", CHECK=check, SAME_LAYOUT=grad_layout in (None, layout),
         NT=LANES, VEC=vector_width(logits.dtype), MAX_G=next_power_of_2(g),
         num_warps=NUM_WARPS, **_register_cap(grad is not None),
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def cross_entropy_stats(
@@ -360,12 +366,15 @@ def cross_entropy_stats(
     """tp > 1, pass 1: ``stats`` fp32 ``[R + 2, 3]``: ``(m, s, c)`` per row and the metadata."""
     rows = target.numel()
     coef_target, coef_uniform = _coefs(label_smoothing, vocab_size)
-    _ce_stats_kernel[(num_programs(rows),)](
-        logits, target, stats, rows, *layout, logits.shape[-1], vocab_start, vocab_size,
-        ignore_index, coef_target, coef_uniform,
+    args = (logits, target, stats, rows, *layout, logits.shape[-1], vocab_start, vocab_size,
+            ignore_index, coef_target, coef_uniform)
+    key = ("stats", rows, layout, logits.shape[-1], vocab_start, vocab_size, ignore_index,
+           logits.dtype, target.dtype, label_smoothing > 0.0, aligned(logits, target, stats),
+           logits.device)
+    _PLANS.run(key, _ce_stats_kernel, (num_programs(rows),), args, lambda: dict(
         SMOOTHING=label_smoothing > 0.0, NT=LANES, VEC=vector_width(logits.dtype),
         num_warps=NUM_WARPS,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def cross_entropy_finish(
@@ -391,15 +400,20 @@ def cross_entropy_finish(
     world, rows = gathered.shape[0], target.numel()
     partial, counter, g = _reduce_buffers(loss, reduction, rows, logits.device)
     coef_target, coef_uniform = _coefs(label_smoothing, vocab_size)
-    _ce_finish_kernel[(g,)](
-        gathered, logits, grad if grad is not None else logits, target, loss, partial, counter,
-        info, rows, world, rank, *layout, *(grad_layout or layout), logits.shape[-1],
-        vocab_start, ignore_index, coef_target, coef_uniform, z_loss_weight,
+    g_arg = grad if grad is not None else logits
+    g_layout = grad_layout or layout
+    args = (gathered, logits, g_arg, target, loss, partial, counter, info, rows, world, rank,
+            *layout, *g_layout, logits.shape[-1], vocab_start, ignore_index, coef_target,
+            coef_uniform, z_loss_weight)
+    key = ("finish", rows, world, rank, layout, g_layout, logits.shape[-1], vocab_start,
+           ignore_index, logits.dtype, g_arg.dtype, target.dtype, grad is not None, reduction,
+           aligned(gathered, logits, g_arg, target, loss, partial, counter, info), logits.device)
+    _PLANS.run(key, _ce_finish_kernel, (g,), args, lambda: dict(
         GRAD=grad is not None, REDUCE=reduction != "none", MEAN=reduction == "mean",
         SAME_LAYOUT=grad_layout in (None, layout), NT=LANES, VEC=vector_width(logits.dtype),
         MAX_G=next_power_of_2(g), WB=next_power_of_2(world), num_warps=NUM_WARPS,
         **_register_cap(grad is not None),
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def cross_entropy_scale(
@@ -412,7 +426,8 @@ def cross_entropy_scale(
     if rows == 0:
         return
     stride = dloss.stride(0) if dloss.dim() else 0
-    block = min(next_power_of_2(vocab), SCALE_BLOCK)
-    _ce_scale_kernel[(num_programs(rows),)](
-        grad, dloss, stride, rows, *layout, vocab, BLOCK=block, num_warps=NUM_WARPS
-    )
+    args = (grad, dloss, stride, rows, *layout, vocab)
+    key = ("scale", stride, rows, layout, vocab, grad.dtype, dloss.dtype, aligned(grad, dloss),
+           grad.device)
+    _PLANS.run(key, _ce_scale_kernel, (num_programs(rows),), args, lambda: dict(
+        BLOCK=min(next_power_of_2(vocab), SCALE_BLOCK), num_warps=NUM_WARPS))

@@ -52,10 +52,13 @@ def is_fake(t: torch.Tensor) -> bool:
 
 
 def _is_fake_or_traced(t: torch.Tensor) -> bool:
+    kind = type(t)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:  # the common case, decided at once
+        return t.is_meta
     if is_fake(t):
         return True
     # Functional / proxy tensors used by export and AOTAutograd are wrapper subclasses.
-    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+    return not isinstance(t, torch.nn.Parameter)
 
 
 def is_capturing() -> bool:
@@ -76,7 +79,10 @@ def data_checks_enabled(validate: bool | str, *tensors: torch.Tensor) -> bool:
         return False
     if torch.compiler.is_compiling() or is_capturing():
         return False
-    return not any(_is_fake_or_traced(t) for t in tensors if isinstance(t, torch.Tensor))
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and _is_fake_or_traced(t):
+            return False
+    return True
 
 
 def validation_mode(validate: bool | str) -> str:

@@ -30,5 +30,23 @@ def _bias_act():
                     y.backward(torch.ones_like(y))
 
 
+def _cross_entropy():
+    from mtp.ops import vocab_parallel_cross_entropy
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for make in (lambda s: torch.randn(s).to(dtype), lambda s: _misaligned(s, dtype)):
+            for rows, ignore in ((1, -100), (16, 1), (33, 16), (5, 0)):
+                for reduction in ("none", "mean", "sum"):
+                    x = make((rows, 160)).requires_grad_()
+                    t = torch.randint(0, 160, (rows,), dtype=torch.int32)
+                    loss = vocab_parallel_cross_entropy(
+                        x, t, ignore_index=ignore, reduction=reduction, label_smoothing=0.1,
+                        z_loss_weight=1e-3 if rows > 1 else 0.0)
+                    loss.backward(torch.ones_like(loss) * 2)
+                    with torch.no_grad():
+                        vocab_parallel_cross_entropy(x, t.long(), ignore_index=ignore)
+
+
 def run() -> None:
     _bias_act()
+    _cross_entropy()

@@ -27,6 +27,8 @@ BUDGETS = {
     ("bias_gelu", "fwd+bwd"): (235, 3),
     ("bias_swiglu", "fwd"): (90, 1),
     ("bias_swiglu", "fwd+bwd"): (235, 3),
+    ("cross_entropy", "fwd"): (175, 1),
+    ("cross_entropy", "fwd+bwd"): (280, 2),
 }
 
 _WORKER = r"""

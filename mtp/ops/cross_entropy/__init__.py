@@ -31,24 +31,24 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 
-from mtp.dtypes import INDEX_DTYPES, KERNEL_FLOATS
-from mtp.ops._backend import resolve_backend
-from mtp.ops.cross_entropy.reference import reference_forward
-from mtp.parallel.agree import agreement
+from mtp.kernels import cross_entropy as kernels
 from mtp.kernels.cross_entropy import META_ROWS
+from mtp.ops._backend import resolve_backend
+from mtp.ops._eager import CheckedKeys, eager
+from mtp.ops.cross_entropy.checks import (
+    REDUCTIONS,
+    TargetOutOfRangeError,
+    check_args,
+    check_info,
+    check_transforms,
+)
+from mtp.ops.cross_entropy.reference import reference_forward
 from mtp.parallel.collective_check import check_collective
 from mtp.parallel.errors import RankMismatchError
 from mtp.parallel.groups import group_from_mesh, group_name, resolve_group_name
-from mtp.utils import (
-    check_tensor,
-    check_values,
-    data_checks_enabled,
-    empty,
-    poison_,
-    poison_enabled,
-    validation_mode,
-)
+from mtp.utils import data_checks_enabled, empty, poison_, poison_enabled, validation_mode
 
 __all__ = [
     "vocab_parallel_cross_entropy",
@@ -58,18 +58,8 @@ __all__ = [
     "REDUCTIONS",
 ]
 
-_LOGIT_DTYPES = KERNEL_FLOATS
-_TARGET_DTYPES = INDEX_DTYPES
 _BACKENDS = ("triton", "reference")
-REDUCTIONS = ("none", "mean", "sum")
-
-class TargetOutOfRangeError(ValueError, IndexError):
-    """A target id is outside ``[0, vocab_size)`` and is not ``ignore_index``.
-
-    A ``ValueError`` (the project's bad-input error) and an ``IndexError`` (what
-    ``torch.nn.functional.cross_entropy`` raises for the same mistake).
-    """
-
+_CHECKED = CheckedKeys()
 
 # --------------------------------------------------------------------------------------------
 # Process groups
@@ -108,12 +98,10 @@ def _all_gather_stats(stats: torch.Tensor, group_name: str) -> torch.Tensor:
 
 def _kernel_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``t`` (or a contiguous copy) and its row layout, as the kernels read it."""
-    from mtp.kernels.cross_entropy import row_layout
-
-    layout = row_layout(t) if (t.stride(-1) == 1 or t.shape[-1] == 1) else None
+    layout = kernels.row_layout(t) if (t.stride(-1) == 1 or t.shape[-1] == 1) else None
     if layout is None:
         t = t.contiguous()
-        layout = row_layout(t)
+        layout = kernels.row_layout(t)
     return t, layout
 
 
@@ -140,8 +128,6 @@ def _forward(
         if grad is not None:
             grad.copy_(g)
         return loss.reshape(target.shape) if reduction == "none" else loss, info
-
-    from mtp.kernels import cross_entropy as kernels
 
     device = logits.device
     loss_shape = target.shape if reduction == "none" else ()
@@ -188,6 +174,15 @@ def _ce_op(
     check: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ce(
+        logits, target, label_smoothing, ignore_index, z_loss_weight, vocab_start, vocab_size,
+        group_name, world_size, reduction, compute_grad, check, backend,
+    )  # fmt: skip
+
+
+def _ce(logits, target, label_smoothing, ignore_index, z_loss_weight, vocab_start, vocab_size,
+        group_name, world_size, reduction, compute_grad, check, backend):  # fmt: skip
+    """The body of ``mtp::vocab_parallel_cross_entropy`` (the eager path calls it directly)."""
     grad = _new_grad(logits) if compute_grad else logits.new_empty(0)
     loss, info = _forward(
         logits, target, grad if compute_grad else None, label_smoothing, ignore_index,
@@ -237,14 +232,17 @@ def _(logits, target, eps, ii, z, start, size, group, world, reduction, *args):
 @torch.library.custom_op("mtp::vocab_parallel_cross_entropy_scale_", mutates_args=("grad",))
 def _ce_scale_op(grad: torch.Tensor, dloss: torch.Tensor, backend: str) -> None:
     """``grad[..., :] *= dloss[...]`` (``dloss``: the loss's shape, fp32)."""
+    _scale(grad, dloss, backend)
+
+
+def _scale(grad: torch.Tensor, dloss: torch.Tensor, backend: str) -> None:
+    """The body of ``mtp::vocab_parallel_cross_entropy_scale_``."""
     backend = resolve_backend("vocab_parallel_cross_entropy", backend, grad.device, _BACKENDS)
     if backend == "reference":
         grad.mul_(dloss.unsqueeze(-1).to(grad.dtype) if dloss.dim() else dloss.to(grad.dtype))
         return
-    from mtp.kernels.cross_entropy import cross_entropy_scale
-
     view, layout = _kernel_view(grad)
-    cross_entropy_scale(view, layout, dloss.reshape(-1) if dloss.dim() else dloss)
+    kernels.cross_entropy_scale(view, layout, dloss.reshape(-1) if dloss.dim() else dloss)
     if view is not grad:
         grad.copy_(view)
 
@@ -262,15 +260,19 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, args, inplace, backend):
+        direct = eager(logits, target)
         if inplace:
-            loss, info = torch.ops.mtp.vocab_parallel_cross_entropy_(
-                logits, target, *args, backend
-            )
+            if direct:  # the custom op's mutation, version bump included
+                loss, info = _forward(logits, target, logits, *args, backend)
+                increment_version(logits)
+            else:
+                loss, info = torch.ops.mtp.vocab_parallel_cross_entropy_(
+                    logits, target, *args, backend
+                )
             grad = logits
         else:
-            loss, grad, info = torch.ops.mtp.vocab_parallel_cross_entropy(
-                logits, target, *args[:-1], True, args[-1], backend
-            )
+            op = _ce if direct else torch.ops.mtp.vocab_parallel_cross_entropy
+            loss, grad, info = op(logits, target, *args[:-1], True, args[-1], backend)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(info)
         ctx.set_materialize_grads(False)
@@ -284,93 +286,17 @@ class _CrossEntropyFunction(torch.autograd.Function):
             return None, None, None, None, None
         # A second backward through the same graph (retain_graph=True) fails in autograd's
         # version check of ``grad``: it was scaled in place by the first one.
-        torch.ops.mtp.vocab_parallel_cross_entropy_scale_(grad, dloss, ctx.backend)
+        if eager(grad, dloss):  # as the custom op: in place, version bumped
+            _scale(grad, dloss, ctx.backend)
+            increment_version(grad)
+        else:
+            torch.ops.mtp.vocab_parallel_cross_entropy_scale_(grad, dloss, ctx.backend)
         return grad, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-
-
-def _check_args(logits, target, label_smoothing, ignore_index, reduction, z_loss_weight) -> None:
-    check_tensor("logits", logits, dtypes=_LOGIT_DTYPES)
-    if logits.dim() == 0 or logits.shape[-1] == 0:
-        raise ValueError(
-            "logits must be [..., vocab] with a non-empty last (vocab) dim, got shape "
-            f"{tuple(logits.shape)}"
-        )
-    if isinstance(target, torch.Tensor) and target.dtype.is_floating_point:
-        raise TypeError(
-            f"target must hold class indices (int64 or int32), got {target.dtype}; class "
-            "probabilities (soft targets) are not supported"
-        )
-    check_tensor("target", target, dtypes=_TARGET_DTYPES, device=logits.device)
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"target must have shape {tuple(logits.shape[:-1])} (logits shape "
-            f"{tuple(logits.shape)} without the vocab dim), got {tuple(target.shape)}"
-        )
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
-    if not isinstance(z_loss_weight, (int, float)) or not 0.0 <= z_loss_weight < float("inf"):
-        raise ValueError(f"z_loss_weight must be a finite float >= 0, got {z_loss_weight!r}")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
-
-
-def _raise_from_info(info, target, ignore_index, vocab_size, world) -> None:
-    """``validate="sync"``: the typed error for a failed check (reads ``info`` on the host)."""
-    rows = info.tolist()
-    if rows[world][0]:
-        return
-    per_rank = rows[:world]
-    for col, name, hint in (
-        (0, "vocab shard size", "every rank must hold a vocab shard of the same size (pad the "
-         "vocab to a multiple of the tensor-parallel size)"),
-        (2, "target checksum", "every tensor-parallel rank must pass the same target"),
-    ):  # fmt: skip
-        agreement("vocab_parallel_cross_entropy", {name: 0}).check_rows(
-            [[row[col]] for row in per_rank], list(range(world)), hint=hint,
-            where="tensor-parallel group (ranks numbered in the group)",
-        )
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
-    first = target[bad][0].item() if bool(bad.any()) else "?"
-    raise TargetOutOfRangeError(
-        f"target holds {int(bad.sum())} id(s) outside [0, {vocab_size}) that are not "
-        f"ignore_index={ignore_index} (e.g. {first}); vocab_size is the global vocab "
-        "(shard size x group size). Pass validate=False to skip this check."
-    )
-
-
-def _check_info(info, target, ignore_index, vocab_size, world, validate) -> None:
-    if validation_mode(validate) == "sync":
-        _raise_from_info(info, target, ignore_index, vocab_size, world)
-        return
-    message = (
-        f"vocab_parallel_cross_entropy: target holds ids outside [0, {vocab_size}) that are not "
-        f"ignore_index={ignore_index}"
-    )
-    if world > 1:
-        message += (
-            ", or the target or the vocab shard size differs between the tensor-parallel ranks"
-        )
-    message += " (validate='sync' or MTP_VALIDATE=sync raises a typed error with the values)"
-    check_values(info[world, 0], message, validate=validate, tensors=(target,))
-
-
-def _check_transforms(logits: torch.Tensor) -> None:
-    if torch.compiler.is_compiling():
-        return
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        raise NotImplementedError(
-            "vocab_parallel_cross_entropy does not support torch.func transforms (grad, vmap, "
-            "jacrev...): its fused kernel computes the gradient during the forward and the "
-            "backward scales it in place. Use loss.backward() / torch.autograd.grad, or "
-            "torch.nn.functional.cross_entropy inside the transform."
-        )
 
 
 def vocab_parallel_cross_entropy(
@@ -445,8 +371,14 @@ def vocab_parallel_cross_entropy(
             (``validate="sync"``) the target or the shard size does (raised on every rank).
         NotImplementedError: called inside a ``torch.func`` transform.
     """
-    _check_args(logits, target, label_smoothing, ignore_index, reduction, z_loss_weight)
-    _check_transforms(logits)
+    direct = eager(logits, target)
+    key = (logits.shape, logits.dtype, logits.device, target.shape, target.dtype, target.device,
+           label_smoothing, ignore_index, reduction, z_loss_weight) if direct else None
+    if key is None or key not in _CHECKED:
+        check_args(logits, target, label_smoothing, ignore_index, reduction, z_loss_weight)
+        check_transforms(logits)
+        if key is not None:
+            _CHECKED.add(key)
     group_name, rank, world = _group_info(group)
     backend = resolve_backend("vocab_parallel_cross_entropy", backend, logits.device, _BACKENDS)
     v_local = logits.shape[-1]
@@ -473,11 +405,10 @@ def vocab_parallel_cross_entropy(
             logits, target, args, bool(inplace_backward), backend
         )
     else:
-        loss, _, info = torch.ops.mtp.vocab_parallel_cross_entropy(
-            logits, target, *args[:-1], False, check, backend
-        )
+        op = _ce if direct else torch.ops.mtp.vocab_parallel_cross_entropy
+        loss, _, info = op(logits, target, *args[:-1], False, check, backend)
     if check:
-        _check_info(info, target, ignore_index, vocab_size, world, validate)
+        check_info(info, target, ignore_index, vocab_size, world, validate)
     return loss
 
 
