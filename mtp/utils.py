@@ -65,6 +65,13 @@ def is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def capturing_on(t: torch.Tensor) -> bool:
+    """:func:`is_capturing` for work on ``t``'s device, cheaper: only CUDA streams capture."""
+    if getattr(_state, "capturing", False):
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def data_checks_enabled(validate: bool | str, *tensors: torch.Tensor) -> bool:
     """Whether a data-dependent check should run now.
 

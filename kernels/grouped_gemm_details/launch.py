@@ -122,7 +122,9 @@ class _TileGemm:
         if not self.block_m:
             self.launch(*tensors, counts, *self.ints)
             return
-        args = (*tensors, routing.tile_map(self.block_m), *self.ints)
+        block_m = self.block_m
+        args = (*tensors, routing.head if routing.block == block_m else routing.tile_map(block_m),
+                *self.ints)  # fmt: skip
         try:
             self.launch(*args)
         except RuntimeError as err:

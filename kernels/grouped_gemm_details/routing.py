@@ -33,17 +33,20 @@ class Routing:
     """Routing metadata of ``counts`` (``[E]`` int32/int64 on the kernels' device) for ``M``
     rows. :meth:`tile_map` and :meth:`rows` launch what is missing and return int32 tensors."""
 
-    __slots__ = ("counts", "M", "E", "check", "head", "maps")
+    __slots__ = ("counts", "M", "E", "check", "head", "block", "more")
 
     def __init__(self, counts: torch.Tensor, M: int, E: int, check: str | None = None):
         self.counts, self.M, self.E, self.check = counts, M, E, check
-        self.head = None  # [head_size(E)]: rows of each expert and the status word
-        self.maps: dict = {}
+        self.head = None  # the first routing buffer: its head serves every launch
+        self.block = -1  # the row-tile height of its map (0: the head only)
+        self.more = None  # {row-tile height: routing buffer} for other heights
 
     def tile_map(self, block_m: int) -> torch.Tensor:
         """The routing buffer (head, then the tile map, :func:`.tiles.routing_map`) of
         ``block_m``-row tiles: what the TMA kernels' ``map_ptr`` takes."""
-        found = self.maps.get(block_m)
+        if block_m == self.block:
+            return self.head
+        found = None if self.more is None else self.more.get(block_m)
         return found if found is not None else self._build(block_m)
 
     def rows(self) -> torch.Tensor:
@@ -66,12 +69,14 @@ class Routing:
         launch, size, row_tiles = plan
         buf = torch.empty(size, dtype=torch.int32, device=counts.device)
         launch(counts, buf, self.M, self.E, row_tiles)
-        if block_m:
-            self.maps[block_m] = buf
         if self.head is None:
-            self.head = buf
+            self.head, self.block = buf, block_m
             if self.check is not None:
                 torch._assert_async(buf[2 * self.E], self.check)
+        elif self.more is None:
+            self.more = {block_m: buf}
+        else:
+            self.more[block_m] = buf
         return buf
 
 

@@ -185,8 +185,8 @@ def tile_map_kernel(
 def map_tile(map_ptr, tile, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              GROUP_M: tl.constexpr):  # fmt: skip
     """``(expert, its first row, its rows, tile's first row, tile's first column)`` of expert
-    tile ``tile`` from the map of :func:`tile_map_kernel` (:func:`routing_map`); inside an expert ``GROUP_M`` row
-    tiles share each column tile of ``b[e]`` (L2 reuse)."""
+    tile ``tile`` from the map of :func:`tile_map_kernel` (:func:`routing_map`); inside an
+    expert ``GROUP_M`` row tiles share each column tile of ``b[e]`` (L2 reuse)."""
     entry = map_ptr + MAP_HEADER + (tile // num_n) * MAP_FIELDS
     expert = tl.load(entry)
     row0 = tl.load(entry + 1)

@@ -64,8 +64,9 @@ def grouped_gemm_tma_kernel(
     with ``TRANS_B`` an ``[E, N, K]`` tensor with unit K stride (``stride_bk`` / ``stride_bn``
     then name its K / N strides). ``c`` has unit column stride. ``map_ptr``: the routing buffer
     of :func:`.tiles.tile_map_kernel`, whose tile map replaces reductions here (Hopper's
-    automatic warp specialisation does not take them). Any grid: program ``p`` handles tiles ``p, p + grid, ...``; inside an expert
-    ``GROUP_M`` row tiles share each column tile of ``b[e]`` (L2 reuse).
+    automatic warp specialisation does not take them). Any grid: program ``p`` handles tiles
+    ``p, p + grid, ...``; inside an expert ``GROUP_M`` row tiles share each column tile of
+    ``b[e]`` (L2 reuse).
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)

@@ -27,7 +27,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mtp.ops._backend import resolve_backend
-from mtp.ops._eager import eager, needs_grad
+from mtp.ops._eager import autograd_apply, eager, needs_grad
 from mtp.ops.grouped_gemm import (
     ACTIVATIONS,
     GROUPED_GEMM_BACKENDS,
@@ -43,7 +43,7 @@ from mtp.ops.grouped_gemm.checks import (
     check_main_grad,
 )
 from mtp.ops.grouped_gemm.ops import bias_grad, dact, forward, weight_grad
-from mtp.utils import check_tensor, validation_mode
+from mtp.utils import check_tensor
 
 __all__ = ["grouped_mlp", "clamped_swiglu", "GROUPED_MLP_ACTIVATIONS"]
 
@@ -62,14 +62,16 @@ def _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing):
 
 
 class _FusedGroupedMLP(torch.autograd.Function):
-    """Both GEMMs and the fused backward; ``routing`` (the eager path's, else None: the custom
-    ops) is shared by all of their launches."""
+    """Both GEMMs and the fused backward: ``apply(x, w1, w2, probs, b1, b2, counts, call)``
+    with ``call = ((activation, limit, alpha), accumulate, routing)``; ``routing`` (the eager
+    path's, else None: the custom ops) is shared by all of their launches."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, counts, probs, b1, b2, act, accumulate, routing):
+    def forward(ctx, x, w1, w2, probs, b1, b2, counts, call):
+        act, accumulate, routing = call
         out, h, y = _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing)
         ctx.save_for_backward(x, w1, w2, counts, probs, h, y)
-        ctx.act, ctx.accumulate, ctx.routing = act, accumulate, routing
+        ctx.call = call
         ctx.dtypes = (None if probs is None else probs.dtype, None if b1 is None else b1.dtype,
                       None if b2 is None else b2.dtype)  # fmt: skip
         return out
@@ -78,29 +80,32 @@ class _FusedGroupedMLP(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         x, w1, w2, counts, probs, h, y = ctx.saved_tensors
+        act, accumulate, routing = ctx.call
         need = ctx.needs_input_grad
         p_dtype, b1_dtype, b2_dtype = ctx.dtypes
-        routing = ctx.routing
         if routing is not None and not eager(dout):
             routing = None  # traced (compiled autograd, a mode): the custom ops
         dout = dout.contiguous()
         dx = dw1 = dw2 = dp = db1 = db2 = None
-        if need[6]:
+        if need[5]:
             db2 = bias_grad(dout, counts, "triton", routing).to(b2_dtype)
         if need[2]:
-            dw2 = weight_grad(w2, y, dout, counts, "triton", ctx.accumulate, routing)
-        if need[0] or need[1] or need[4] or need[5]:
-            dh, dprobs = dact(dout, w2, counts, h, probs, *ctx.act, routing)
-            if need[4]:
+            dw2 = weight_grad(w2, y, dout, counts, "triton", accumulate, routing)
+        if need[0] or need[1] or need[3] or need[4]:
+            dh, dprobs = dact(dout, w2, counts, h, probs, *act, routing)
+            if need[3]:
                 dp = dprobs.to(p_dtype)
-            if need[5]:
+            if need[4]:
                 db1 = bias_grad(dh, counts, "triton", routing).to(b1_dtype)
             if need[1]:
-                dw1 = weight_grad(w1, x, dh, counts, "triton", ctx.accumulate, routing)
+                dw1 = weight_grad(w1, x, dh, counts, "triton", accumulate, routing)
             if need[0]:
                 dx, _ = forward(dh, w1, counts, None, None, None, True, "triton", None,
-                                *ctx.act[1:], routing)  # fmt: skip
-        return dx, dw1, dw2, None, dp, db1, db2, None, None, None
+                                *act[1:], routing)  # fmt: skip
+        return dx, dw1, dw2, dp, db1, db2, None, None
+
+
+_APPLY = autograd_apply(_FusedGroupedMLP)
 
 
 def _check_activation(weight1, activation) -> None:
@@ -206,10 +211,12 @@ def _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, lim
     bias1 = None if bias1 is None else bias1.contiguous()
     bias2 = None if bias2 is None else bias2.contiguous()
     act = (activation, limit, alpha)
-    if routing is not None and not needs_grad(x, weight1, weight2, probs, bias1, bias2):
+    if routing is None:
+        return _FusedGroupedMLP.apply(x, weight1, weight2, probs, bias1, bias2, counts,
+                                      (act, accumulate, None))  # fmt: skip
+    if not needs_grad(x, weight1, weight2, probs, bias1, bias2):
         return _fused_forward(x, weight1, weight2, counts, probs, bias1, bias2, act, routing)[0]
-    return _FusedGroupedMLP.apply(x, weight1, weight2, counts, probs, bias1, bias2, act,
-                                  accumulate, routing)  # fmt: skip
+    return _APPLY(x, weight1, weight2, probs, bias1, bias2, counts, (act, accumulate, routing))
 
 
 def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activation, limit, alpha,
@@ -217,8 +224,8 @@ def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activati
     """:func:`grouped_mlp` on the eager path: the free checks once per key, the routing
     metadata of the counts derived once for both GEMMs and the backward (its status word is the
     counts' device-side check), no custom op."""
-    mode = validation_mode(validate)
-    name = resolve_backend("grouped_mlp", backend, x.device, _BACKENDS)
+    mode = _eager_gemm.validate_mode(validate)
+    name = _eager_gemm.backend_name("grouped_mlp", backend, x.device, _BACKENDS)
     t = tokens_per_expert
     key = ("grouped_mlp", name, activation, x.shape, x.dtype, x.device, weight1.shape,
            weight1.dtype, weight1.device, weight2.shape, weight2.dtype, weight2.device, t.shape,
@@ -235,5 +242,6 @@ def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activati
     counts, routing = _eager_gemm.counts_and_routing(t, x, weight1.shape[0], impl, mode)
     out = _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, limit, alpha,
                accumulate, routing)  # fmt: skip
-    routing.validate()
+    if routing.head is None:
+        routing.validate()
     return out

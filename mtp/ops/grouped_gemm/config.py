@@ -153,7 +153,7 @@ def _tma_setting() -> bool | None:
 def choice_state() -> tuple:
     """What :func:`make_config` reads besides its arguments (the open :func:`override` blocks,
     ``MTP_TRITON_TMA``): part of the key of anything cached from a config."""
-    return _GENERATION[0], _tma_setting()
+    return _GENERATION[0], settings.current().triton_tma  # _tma_setting's read
 
 
 @contextlib.contextmanager

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from mtp import settings
+from mtp.kernels._common import gpu_like
+from mtp.kernels._launch import Plans
 from mtp.kernels.grouped_gemm_details.routing import Routing
 from mtp.ops._backend import resolve_backend
-from mtp.ops._eager import CheckedKeys, needs_grad
+from mtp.ops._eager import CheckedKeys, autograd_apply, needs_grad
 from mtp.ops.grouped_gemm.backends import GROUPED_GEMM_BACKENDS
 from mtp.ops.grouped_gemm.checks import (
     check_arguments,
@@ -31,26 +34,51 @@ from mtp.ops.grouped_gemm.checks import (
     count_message,
 )
 from mtp.ops.grouped_gemm.ops import GroupedGemmFunction, forward
-from mtp.utils import is_capturing, validation_mode
+from mtp.utils import capturing_on, validation_mode
 
-__all__ = ["call", "counts_and_routing", "seen"]
+__all__ = ["backend_name", "call", "counts_and_routing", "remember", "seen", "validate_mode"]
 
 _CHECKED = CheckedKeys()
 _NAMES = tuple(GROUPED_GEMM_BACKENDS)
 _TRITON = GROUPED_GEMM_BACKENDS["triton"]
+_APPLY = autograd_apply(GroupedGemmFunction)
+_RESOLVED: dict = {}
+_MESSAGES = Plans(64)  # the counts check's message per M
 
 
 def seen(key) -> bool:
     """Whether the checks of ``key`` passed before (False for an unhashable key: an argument of
     a wrong type, which the checks then name)."""
     try:
-        return key in _CHECKED
+        return key in _CHECKED.keys
     except TypeError:
         return False
 
 
 def remember(key) -> None:
     _CHECKED.add(key)
+
+
+def validate_mode(validate) -> str:
+    """:func:`mtp.utils.validation_mode` (``True``: the ``validate`` setting)."""
+    if validate is True:
+        return settings.current().validate
+    return validation_mode(validate)
+
+
+def backend_name(op: str, backend, device: torch.device, names: tuple) -> str:
+    """:func:`mtp.ops._backend.resolve_backend`, kept per (op, backend, device) while the
+    settings object and :func:`mtp.kernels._common.gpu_like` (what it reads) stay the same."""
+    if backend.__class__ is not str:
+        return resolve_backend(op, backend, device, names)
+    now = settings.current()
+    key = (op, backend, device, gpu_like(device))
+    hit = _RESOLVED.get(key)
+    if hit is None or hit[0] is not now:
+        if len(_RESOLVED) > 64:
+            _RESOLVED.clear()
+        hit = _RESOLVED[key] = (now, resolve_backend(op, backend, device, names))
+    return hit[1]
 
 
 def counts_and_routing(tokens_per_expert, x, E: int, impl, mode: str):
@@ -64,9 +92,9 @@ def counts_and_routing(tokens_per_expert, x, E: int, impl, mode: str):
         counts = counts.to(x.device)
     M = x.shape[0]
     check = None
-    if mode != "off" and counts.numel() and not is_capturing():
+    if mode != "off" and E and not capturing_on(counts):
         if mode == "device" and impl is _TRITON:
-            check = count_message(M)
+            check = _MESSAGES.get(M) or _MESSAGES.add(M, count_message(M))
         else:
             check_count_values(counts, M, mode)
     return counts, Routing(counts, M, E, check)
@@ -75,8 +103,8 @@ def counts_and_routing(tokens_per_expert, x, E: int, impl, mode: str):
 def call(x, w, tokens_per_expert, trans_b, backend, out, validate, bias, activation, probs,
          limit, alpha, accumulate):  # fmt: skip
     """:func:`mtp.ops.grouped_gemm` on the eager path (same arguments, resolved defaults)."""
-    mode = validation_mode(validate)
-    name = resolve_backend("grouped_gemm", backend, x.device, _NAMES)
+    mode = validate_mode(validate)
+    name = backend_name("grouped_gemm", backend, x.device, _NAMES)
     t = tokens_per_expert
     key = (name, x.shape, x.dtype, x.device, w.shape, w.dtype, w.device, t.shape, t.dtype,
            t.device, trans_b, trans_b.__class__, activation,
@@ -84,7 +112,11 @@ def call(x, w, tokens_per_expert, trans_b, backend, out, validate, bias, activat
            probs is None or (probs.shape, probs.dtype, probs.device),
            out is None or (out.shape, out.dtype, out.device))  # fmt: skip
     impl = GROUPED_GEMM_BACKENDS[name]
-    if not seen(key):
+    try:
+        known = key in _CHECKED.keys
+    except TypeError:  # an argument of a wrong type: the checks name it
+        known = False
+    if not known:
         check_arguments(x, w, t, trans_b, out, bias, activation)
         check_backend(name, impl, x, w, t)
         check_probs(probs, x, activation)
@@ -94,12 +126,14 @@ def call(x, w, tokens_per_expert, trans_b, backend, out, validate, bias, activat
     if accumulate and w.requires_grad:
         check_main_grad(w)
     counts, routing = counts_and_routing(t, x, w.shape[0], impl, mode)
-    limit, alpha = float(limit), float(alpha)
+    if limit.__class__ is not float or alpha.__class__ is not float:
+        limit, alpha = float(limit), float(alpha)
     if needs_grad(x, w, bias, probs):
-        y = GroupedGemmFunction.apply(x, w, bias, probs, out, counts, (
+        y = _APPLY(x, w, bias, probs, out, counts, (
             trans_b, name, activation, limit, alpha, accumulate, routing))
     else:
         y = forward(x, w, counts, out, bias, probs, trans_b, name, activation, limit, alpha,
                     routing)[0]  # fmt: skip
-    routing.validate()
+    if routing.head is None:
+        routing.validate()
     return y

@@ -29,9 +29,9 @@ _PLANS = Plans()
 _F32 = torch.float32
 
 
-def _tf32(dtype: torch.dtype) -> bool:
-    """PyTorch's TF32 switch where it matters (fp32 operands: the pointer kernels' precision)."""
-    return dtype is _F32 and torch.backends.cuda.matmul.allow_tf32
+def _tf32() -> bool:
+    """PyTorch's TF32 switch (the fp32 pointer kernels' precision; keys read it for fp32)."""
+    return torch.backends.cuda.matmul.allow_tf32
 
 
 def _config(a: torch.Tensor, M: int, N: int, K: int, E: int, **choice):
@@ -50,7 +50,7 @@ def triton_forward(x, w, counts, trans_b, out, bias=None, routing=None):
         bias = bias.contiguous()
     key = ("fwd", trans_b, M, N, K, E, x.stride(), w.stride(), out.stride(), x.dtype, out.dtype,
            counts.dtype, None if bias is None else bias.dtype, aligned(x, w, out, bias, counts),
-           x.device, choice_state(), _tf32(x.dtype))  # fmt: skip
+           x.device, choice_state(), x.dtype is _F32 and _tf32())  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         b = w.transpose(1, 2) if trans_b else w
@@ -69,7 +69,7 @@ def triton_wgrad(a, b, counts, out, accumulate=False, routing=None):
     (M, P), Q, E = a.shape, b.shape[1], out.shape[0]
     key = ("wgrad", M, P, Q, E, a.stride(), b.stride(), out.stride(), a.dtype, b.dtype,
            out.dtype, counts.dtype, aligned(a, b, out, counts), a.device, accumulate,
-           choice_state(), _tf32(a.dtype))  # fmt: skip
+           choice_state(), a.dtype is _F32 and _tf32())  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         tma_ok = tma_aligned(a, 1) and tma_aligned(b, 1) and out.stride(2) == 1
@@ -89,7 +89,7 @@ def triton_forward_act(x, w, counts, trans_b, h, y, act, bias, probs, limit, alp
            h.dtype, y.dtype, counts.dtype, None if bias is None else bias.dtype,
            None if probs is None else probs.dtype, aligned(x, w, h, y, bias, probs, counts),
            x.device, act, (limit, alpha) if clamped else None, choice_state(),
-           _tf32(x.dtype))  # fmt: skip
+           x.dtype is _F32 and _tf32())  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         b = w.transpose(1, 2) if trans_b else w
@@ -109,7 +109,8 @@ def triton_dgrad_act(dy, w, counts, h, dh, act, probs, limit, alpha, routing=Non
     key = ("dact", M, F, K, E, dy.stride(), w.stride(), h.stride(), dh.stride(), dy.dtype,
            h.dtype, dh.dtype, counts.dtype, None if probs is None else probs.dtype,
            aligned(dy, w, h, dh, probs, counts), dy.device, act,
-           (limit, alpha) if clamped else None, choice_state(), _tf32(dy.dtype))  # fmt: skip
+           (limit, alpha) if clamped else None, choice_state(),
+           dy.dtype is _F32 and _tf32())  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         b = w.transpose(1, 2)
