@@ -115,11 +115,11 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (extent + 1) * t.element_size()
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _shares_memory(a: torch.Tensor, b: torch.Tensor, plain: bool) -> bool:
     """True when ``a`` and ``b`` may overlap in memory (same storage, intersecting spans)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
         return False
-    if is_fake(a) or is_fake(b):
+    if not plain and (is_fake(a) or is_fake(b)):
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
@@ -127,17 +127,18 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def check_out_memory(out: torch.Tensor, x, w, tokens_per_expert) -> None:
+def check_out_memory(out: torch.Tensor, x, w, tokens_per_expert, plain: bool = False) -> None:
     """``out`` must be written without clobbering an input or itself, and with autograd (the
-    part of the checks that depends on addresses and flags: every call)."""
+    part of the checks that depends on addresses and flags: every call). ``plain``: the
+    tensors are known to be plain (the eager path), never fake."""
     for name, t in (("x", x), ("w", w), ("tokens_per_expert", tokens_per_expert)):
-        if _shares_memory(out, t):
+        if _shares_memory(out, t, plain):
             raise ValueError(
                 f"out shares memory with {name}; grouped_gemm cannot write its result over an "
                 "input (the rows of one expert would overwrite what the others still read): "
                 "pass a separate buffer"
             )
-    if not is_fake(out) and torch._debug_has_internal_overlap(out) == 1:
+    if (plain or not is_fake(out)) and torch._debug_has_internal_overlap(out) == 1:
         raise ValueError(
             f"out (shape {tuple(out.shape)}, strides {out.stride()}) has elements that share "
             "memory (an expanded or broadcast tensor); pass a dense buffer"

@@ -122,7 +122,7 @@ def call(x, w, tokens_per_expert, trans_b, backend, out, validate, bias, activat
         check_probs(probs, x, activation)
         remember(key)
     elif out is not None:
-        check_out_memory(out, x, w, t)
+        check_out_memory(out, x, w, t, plain=True)
     if accumulate and w.requires_grad:
         check_main_grad(w)
     counts, routing = counts_and_routing(t, x, w.shape[0], impl, mode)
