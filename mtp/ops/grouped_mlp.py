@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from mtp import settings
 from mtp.ops._backend import resolve_backend
 from mtp.ops._eager import autograd_apply, eager, needs_grad
 from mtp.ops.grouped_gemm import (
@@ -43,7 +44,7 @@ from mtp.ops.grouped_gemm.checks import (
     check_main_grad,
 )
 from mtp.ops.grouped_gemm.ops import bias_grad, dact, forward, weight_grad
-from mtp.utils import check_tensor
+from mtp.utils import check_tensor, validation_mode
 
 __all__ = ["grouped_mlp", "clamped_swiglu", "GROUPED_MLP_ACTIVATIONS"]
 
@@ -224,7 +225,7 @@ def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activati
     """:func:`grouped_mlp` on the eager path: the free checks once per key, the routing
     metadata of the counts derived once for both GEMMs and the backward (its status word is the
     counts' device-side check), no custom op."""
-    mode = _eager_gemm.validate_mode(validate)
+    mode = settings.current().validate if validate is True else validation_mode(validate)
     name = _eager_gemm.backend_name("grouped_mlp", backend, x.device, _BACKENDS)
     t = tokens_per_expert
     key = ("grouped_mlp", name, activation, x.shape, x.dtype, x.device, weight1.shape,

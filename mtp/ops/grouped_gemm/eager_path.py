@@ -36,7 +36,7 @@ from mtp.ops.grouped_gemm.checks import (
 from mtp.ops.grouped_gemm.ops import GroupedGemmFunction, forward
 from mtp.utils import capturing_on, validation_mode
 
-__all__ = ["backend_name", "call", "counts_and_routing", "remember", "seen", "validate_mode"]
+__all__ = ["backend_name", "call", "counts_and_routing", "remember", "seen"]
 
 _CHECKED = CheckedKeys()
 _NAMES = tuple(GROUPED_GEMM_BACKENDS)
@@ -57,13 +57,6 @@ def seen(key) -> bool:
 
 def remember(key) -> None:
     _CHECKED.add(key)
-
-
-def validate_mode(validate) -> str:
-    """:func:`mtp.utils.validation_mode` (``True``: the ``validate`` setting)."""
-    if validate is True:
-        return settings.current().validate
-    return validation_mode(validate)
 
 
 def backend_name(op: str, backend, device: torch.device, names: tuple) -> str:
@@ -103,7 +96,7 @@ def counts_and_routing(tokens_per_expert, x, E: int, impl, mode: str):
 def call(x, w, tokens_per_expert, trans_b, backend, out, validate, bias, activation, probs,
          limit, alpha, accumulate):  # fmt: skip
     """:func:`mtp.ops.grouped_gemm` on the eager path (same arguments, resolved defaults)."""
-    mode = validate_mode(validate)
+    mode = settings.current().validate if validate is True else validation_mode(validate)
     name = backend_name("grouped_gemm", backend, x.device, _NAMES)
     t = tokens_per_expert
     key = (name, x.shape, x.dtype, x.device, w.shape, w.dtype, w.device, t.shape, t.dtype,
