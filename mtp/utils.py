@@ -26,7 +26,11 @@ import torch
 from mtp import settings
 from mtp.dtypes import dtype_name
 
-_state = threading.local()
+class _State(threading.local):
+    capturing = False  # a class default: no AttributeError raised and caught per lookup
+
+
+_state = _State()
 
 
 @contextlib.contextmanager
