@@ -28,10 +28,10 @@ BUDGETS = {
     ("bias_swiglu", "fwd"): (90, 1),
     ("bias_swiglu", "fwd+bwd"): (235, 3),
     # --- grouped_gemm / grouped_mlp: the tile map (with the counts' status word) and the GEMMs
-    ("grouped_gemm", "fwd"): (100, 2),
+    ("grouped_gemm", "fwd"): (98, 2),
     ("grouped_gemm", "fwd+bwd"): (250, 4),
-    ("grouped_mlp", "fwd"): (158, 3),
-    ("grouped_mlp", "fwd+bwd"): (425, 7),
+    ("grouped_mlp", "fwd"): (157, 3),
+    ("grouped_mlp", "fwd+bwd"): (422, 7),
 }
 
 _WORKER = r"""
