@@ -62,6 +62,11 @@ def _grouped():
                                    ("clamped_swiglu", p, N)):  # fmt: skip
                     w2 = make((E, f, K)).requires_grad_()
                     _grouped_backward(grouped_mlp(x, w, w2, counts, p_, b, b2, activation=act))
+    # The zeros that F.grouped_mm leaves (backend="torch"): tail rows, empty experts.
+    for counts in (torch.tensor([5, 0, 17, 3]), torch.tensor([5, 0, 17, 3], dtype=torch.int32)):
+        x = torch.randn(28, K, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(E, K, N, dtype=torch.bfloat16, requires_grad=True)
+        _grouped_backward(grouped_gemm(x, w, counts, backend="torch"))
     # bf16, TMA: the weight gradient split over rows (2048 rows, 4 output tiles), fc1 and fc2
     # on tiles of different heights (150 rows per expert: two tile maps for one routing).
     for M in (2048, 600):
