@@ -164,12 +164,15 @@ def _counts(tokens: int, experts: int):
 
 
 def _case_grouped_gemm():
+    # Small operands: the aten column computes on the CPU for real, and so does autograd's
+    # accumulation of the gradients into x.grad and w.grad (the host path does not depend on
+    # the sizes).
     torch = _torch()
     from mtp.ops import grouped_gemm
 
-    x = torch.randn(256, 128, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(8, 128, 256, dtype=torch.bfloat16, requires_grad=True)
-    counts = _counts(256, 8)
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8, 32, 32, dtype=torch.bfloat16, requires_grad=True)
+    counts = _counts(64, 8)
     offs = counts.cumsum(0).to(torch.int32)
     mm = getattr(torch.nn.functional, "grouped_mm", None)
     aten = None
@@ -190,11 +193,11 @@ def _case_grouped_mlp():
     torch = _torch()
     from mtp.ops import grouped_mlp
 
-    x = torch.randn(256, 128, dtype=torch.bfloat16, requires_grad=True)
-    w1 = torch.randn(8, 128, 512, dtype=torch.bfloat16, requires_grad=True)
-    w2 = torch.randn(8, 256, 128, dtype=torch.bfloat16, requires_grad=True)
-    counts = _counts(256, 8)
-    probs = torch.rand(256, dtype=torch.float32)
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)  # small: see grouped_gemm
+    w1 = torch.randn(8, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(8, 32, 32, dtype=torch.bfloat16, requires_grad=True)
+    counts = _counts(64, 8)
+    probs = torch.rand(64, dtype=torch.float32)
     return {
         "mtp": _passes(lambda x, a, b: grouped_mlp(x, a, b, counts, probs), (x, w1, w2)),
         "aten": None,

@@ -26,7 +26,11 @@ import torch
 from mtp import settings
 from mtp.dtypes import dtype_name
 
-_state = threading.local()
+class _State(threading.local):
+    capturing = False  # a class default: no AttributeError raised and caught per lookup
+
+
+_state = _State()
 
 
 @contextlib.contextmanager
@@ -66,6 +70,13 @@ def is_capturing() -> bool:
     if getattr(_state, "capturing", False):
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capturing_on(t: torch.Tensor) -> bool:
+    """:func:`is_capturing` for work on ``t``'s device, cheaper: only CUDA streams capture."""
+    if getattr(_state, "capturing", False):
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def data_checks_enabled(validate: bool | str, *tensors: torch.Tensor) -> bool:

@@ -45,8 +45,55 @@ def _cross_entropy():
                     loss.backward(torch.ones_like(loss) * 2)
                     with torch.no_grad():
                         vocab_parallel_cross_entropy(x, t.long(), ignore_index=ignore)
+# --- grouped_gemm / grouped_mlp --------------------------------------------------------------
+
+
+def _grouped_backward(y):
+    y.backward(torch.ones_like(y))
+
+
+def _grouped():
+    """Both ops on ragged and empty groups, every routing empty, misaligned operands, trans_b,
+    the bias / activation / probs epilogues and fp32 / bf16 / fp16 (TMA and pointer plans)."""
+    from mtp.ops import grouped_gemm, grouped_mlp
+
+    E, K, N = 4, 40, 24
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for make in (lambda s: torch.randn(s).to(dtype), lambda s: _misaligned(s, dtype)):
+            for sizes in ([5, 0, 17, 3], [0, 0, 0, 0])[: 2 if dtype == torch.bfloat16 else 1]:
+                counts = torch.tensor(sizes, dtype=torch.int32 if sizes[0] else torch.int64)
+                M = sum(sizes) + 3
+                x = make((M, K)).requires_grad_()
+                for trans_b in (False, True):
+                    w = make((E, N, K) if trans_b else (E, K, N)).requires_grad_()
+                    _grouped_backward(grouped_gemm(x, w, counts, trans_b=trans_b))
+                w = make((E, K, 2 * N)).requires_grad_()
+                b = make((E, 2 * N)).requires_grad_()
+                p = torch.rand(M, dtype=dtype).requires_grad_()
+                for act in ("swiglu", "gelu"):
+                    _grouped_backward(grouped_gemm(x, w, counts, bias=b, activation=act, probs=p))
+                b2 = make((E, K)).requires_grad_()
+                for act, p_, f in (("swiglu", p, N), ("gelu_tanh", None, 2 * N),
+                                   ("clamped_swiglu", p, N)):  # fmt: skip
+                    w2 = make((E, f, K)).requires_grad_()
+                    _grouped_backward(grouped_mlp(x, w, w2, counts, p_, b, b2, activation=act))
+    # The zeros that F.grouped_mm leaves (backend="torch"): tail rows, empty experts.
+    for counts in (torch.tensor([5, 0, 17, 3]), torch.tensor([5, 0, 17, 3], dtype=torch.int32)):
+        x = torch.randn(28, K, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(E, K, N, dtype=torch.bfloat16, requires_grad=True)
+        _grouped_backward(grouped_gemm(x, w, counts, backend="torch"))
+    # bf16, TMA: the weight gradient split over rows (2048 rows, 4 output tiles), fc1 and fc2
+    # on tiles of different heights (150 rows per expert: two tile maps for one routing).
+    for M in (2048, 600):
+        counts = torch.tensor([M // 4] * 3 + [M - 3 * (M // 4)])
+        x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(E, K, 2 * N, dtype=torch.bfloat16, requires_grad=True)
+        _grouped_backward(grouped_gemm(x, w, counts))
+        w2 = torch.randn(E, N, K, dtype=torch.bfloat16, requires_grad=True)
+        _grouped_backward(grouped_mlp(x, w, w2, counts))
 
 
 def run() -> None:
     _bias_act()
     _cross_entropy()
+    _grouped()

@@ -411,7 +411,7 @@ def test_aot_tile_map_no_spills(E):
     block_t = max(2, min(32, 4096 // E))  # as the launcher's tile map picks it
     build = compile_for_targets(
         tiles.tile_map_kernel,
-        {"counts_ptr": "*i64", "map_ptr": "*i32", "M": "i32", "E": "i32", "row_tiles": "i32"},
+        {"counts_ptr": "*i64", "head_ptr": "*i32", "M": "i32", "E": "i32", "row_tiles": "i32"},
         {"BLOCK_M": 64, "BLOCK_E": E, "BLOCK_T": block_t}, targets=(90,),
     )[90]
     info = build.ptxas()
@@ -419,13 +419,14 @@ def test_aot_tile_map_no_spills(E):
 
 
 @pytest.mark.parametrize("E", [8, 256])
-def test_aot_expert_rows_and_split_reduce_no_spills(E):
-    """The two small helper launches of the TMA wgrad, for both targets (the minimum-Triton
-    check in CI compiles every kernel an AOT test reaches)."""
+def test_aot_routing_head_and_split_reduce_no_spills(E):
+    """The small helper launches of the TMA wgrad (the routing head alone, the split's sum),
+    for both targets (the minimum-Triton check in CI compiles every kernel an AOT test
+    reaches)."""
     rows = compile_for_targets(
-        tiles.expert_rows_kernel,
-        {"counts_ptr": "*i64", "rows_ptr": "*i32", "M": "i32", "E": "i32"},
-        {"BLOCK_E": E},
+        tiles.tile_map_kernel,
+        {"counts_ptr": "*i64", "head_ptr": "*i32", "M": "i32", "E": "i32", "row_tiles": "i32"},
+        {"BLOCK_M": 16, "BLOCK_E": E, "BLOCK_T": max(2, min(32, 4096 // E))},
     )
     reduce = compile_for_targets(
         tk.split_reduce_kernel,

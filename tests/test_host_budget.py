@@ -29,6 +29,11 @@ BUDGETS = {
     ("bias_swiglu", "fwd+bwd"): (235, 3),
     ("cross_entropy", "fwd"): (175, 1),
     ("cross_entropy", "fwd+bwd"): (280, 2),
+    # --- grouped_gemm / grouped_mlp: the tile map (with the counts' status word) and the GEMMs
+    ("grouped_gemm", "fwd"): (98, 2),
+    ("grouped_gemm", "fwd+bwd"): (250, 4),
+    ("grouped_mlp", "fwd"): (157, 3),
+    ("grouped_mlp", "fwd+bwd"): (422, 7),
 }
 
 _WORKER = r"""

@@ -16,9 +16,12 @@ Modules, bottom to top:
   interpreter, GPUs before sm_90).
 - :mod:`.tma`: the same contracts through TMA tensor descriptors (sm_90a / sm_100a,
   fp16/bf16, 16-byte aligned operands).
+- :mod:`.routing`: the routing metadata of one op call (the experts' rows, the counts' status
+  word, the TMA kernels' tile maps), written once by the tile-map kernel and shared by the
+  call's launches.
 - :mod:`.launch`: launchers that take tensors, preallocated outputs and a config object (tiles,
-  pointer or TMA, persistent grid, split). They decide nothing: the config does
-  (:func:`mtp.ops.grouped_gemm.config.make_config`).
+  pointer or TMA, persistent grid, split), as plans compiled once per key. They decide nothing:
+  the config does (:func:`mtp.ops.grouped_gemm.config.make_config`).
 - :mod:`.fill`: the zeros that ``torch.nn.functional.grouped_mm`` leaves unwritten (the rows
   past the routed ones, the weight gradient of an empty group), for the ``torch`` backend.
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mtp.kernels._launch import Launch, Plans, aligned
+
 __all__ = ["zero_empty_groups", "zero_empty_groups_kernel", "zero_tail_rows",
            "zero_tail_rows_kernel"]  # fmt: skip
 
@@ -55,6 +57,9 @@ def zero_empty_groups_kernel(c_ptr, counts_ptr, PQ, stride_e,
             tl.store(base + idx, zeros, mask=idx < PQ)
 
 
+_PLANS = Plans()
+
+
 def zero_tail_rows(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Zero the rows of ``y [M, N]`` at or past ``offs[-1]`` in place (``offs``: int32 end
     offsets of the groups, on ``y``'s device); returns ``y``."""
@@ -63,9 +68,13 @@ def zero_tail_rows(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return y
     if y.stride(1) != 1:
         raise ValueError(f"zero_tail_rows: y needs unit column stride, got strides {y.stride()}")
-    grid = (triton.cdiv(M, _BLOCK_M),)
-    zero_tail_rows_kernel[grid](y, offs, M, N, offs.shape[0], y.stride(0),
-                                BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)  # fmt: skip
+    args = (M, N, offs.shape[0], y.stride(0))
+    key = ("tail", *args, y.dtype, offs.dtype, aligned(y, offs), y.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        launch = _PLANS.add(key, Launch(zero_tail_rows_kernel, (triton.cdiv(M, _BLOCK_M),),
+                                        (y, offs, *args), dict(BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)))
+    launch(y, offs, *args)
     return y
 
 
@@ -77,6 +86,11 @@ def zero_empty_groups(c: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return c
     if c.stride(1) != Q or c.stride(2) != 1:
         raise ValueError(f"zero_empty_groups: c[e] must be contiguous, got strides {c.stride()}")
-    zero_empty_groups_kernel[(E, _SPLITS)](c, counts, P * Q, c.stride(0),
-                                           BLOCK=_BLOCK, SPLITS=_SPLITS)  # fmt: skip
+    args = (P * Q, c.stride(0))
+    key = ("groups", E, *args, c.dtype, counts.dtype, aligned(c, counts), c.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        launch = _PLANS.add(key, Launch(zero_empty_groups_kernel, (E, _SPLITS), (c, counts, *args),
+                                        dict(BLOCK=_BLOCK, SPLITS=_SPLITS)))
+    launch(c, counts, *args)
     return c

@@ -11,11 +11,12 @@ import triton.language as tl
 __all__ = [
     "MAP_FIELDS",
     "MAP_HEADER",
-    "expert_rows_kernel",
     "expert_tile_map",
+    "head_size",
     "locate_expert_tile",
     "map_tile",
     "mma_loop",
+    "routing_map",
     "tail_tile",
     "tile_map_kernel",
     "tile_map_size",
@@ -124,40 +125,68 @@ def tile_map_size(M: int, E: int, block_m: int) -> int:
     return MAP_HEADER.value + MAP_FIELDS.value * (triton.cdiv(M, block_m) + E)
 
 
+def head_size(E: int) -> int:
+    """int32 entries of the routing head (``2E`` expert rows and the status word), rounded up
+    to 16 bytes so that the tile map stored after it stays 16-byte aligned."""
+    return (2 * E + 4) // 4 * 4
+
+
+@triton.jit
+def routing_map(buf_ptr, E):
+    """The tile map in a routing buffer of :func:`tile_map_kernel` (after the head)."""
+    return buf_ptr + (2 * E + 4) // 4 * 4
+
+
 @triton.jit
 def tile_map_kernel(
-    counts_ptr, map_ptr, M, E, row_tiles,
+    counts_ptr, head_ptr, M, E, row_tiles,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """The tile -> expert map of one call (grid ``cdiv(row_tiles, BLOCK_T)``): row tile ``r``
-    of the expert-major order belongs to the expert whose prefix sum of row tiles passes ``r``.
-    Entries past the experts' tiles are never read."""
+    """The routing buffer of one counts tensor (grid ``max(1, cdiv(row_tiles, BLOCK_T))``): the
+    head, then the tile map (:func:`routing_map`).
+
+    Program 0 writes the head: ``head[e]`` the first row of expert ``e`` and ``head[E + e]`` its
+    rows, both clamped to ``[0, M]`` (negative counts read as 0; what the TMA weight gradient
+    reads), and the status word ``head[2E]``: 1 when the counts are non-negative and sum to at
+    most ``M``, else 0. Every program writes its ``BLOCK_T`` entries of the tile -> expert map
+    for ``BLOCK_M``-row tiles: row tile ``r`` of the expert-major order belongs to the expert
+    whose prefix sum of row tiles passes ``r``; entries past the experts' tiles are never read.
+    ``row_tiles == 0``: the head only."""
+    map_ptr = routing_map(head_ptr, E)
     lane = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + lane, mask=lane < E, other=0).to(tl.int32)
-    counts = tl.maximum(counts, 0)
+    raw = tl.load(counts_ptr + lane, mask=lane < E, other=0)
+    counts = tl.maximum(raw.to(tl.int32), 0)
     starts = tl.cumsum(counts, axis=0) - counts  # first row of each expert
-    m_tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(m_tiles, axis=0)
     if tl.program_id(0) == 0:
-        tl.store(map_ptr, tl.sum(m_tiles, axis=0))
-        tl.store(map_ptr + 1, tl.minimum(tl.sum(counts, axis=0), M))
-    r = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    expert = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), axis=1)
-    pick = lane[None, :] == expert[:, None]
-    base = map_ptr + MAP_HEADER + r * MAP_FIELDS
-    keep = r < row_tiles
-    tl.store(base, expert, mask=keep)
-    tl.store(base + 1, tl.sum(tl.where(pick, starts[None, :], 0), axis=1), mask=keep)
-    tl.store(base + 2, tl.sum(tl.where(pick, counts[None, :], 0), axis=1), mask=keep)
-    tl.store(base + 3, tl.sum(tl.where(pick, (ends - m_tiles)[None, :], 0), axis=1), mask=keep)
+        first = tl.minimum(starts, M)
+        tl.store(head_ptr + lane, first, mask=lane < E)
+        tl.store(head_ptr + E + lane, tl.minimum(counts, M - first), mask=lane < E)
+        valid = (tl.min(raw, axis=0) >= 0) & (tl.sum(raw.to(tl.int64), axis=0) <= M)
+        tl.store(head_ptr + 2 * E, valid.to(tl.int32))
+    if row_tiles > 0:
+        m_tiles = (counts + BLOCK_M - 1) // BLOCK_M
+        ends = tl.cumsum(m_tiles, axis=0)
+        if tl.program_id(0) == 0:
+            tl.store(map_ptr, tl.sum(m_tiles, axis=0))
+            tl.store(map_ptr + 1, tl.minimum(tl.sum(counts, axis=0), M))
+        r = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        expert = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), axis=1)
+        pick = lane[None, :] == expert[:, None]
+        base = map_ptr + MAP_HEADER + r * MAP_FIELDS
+        keep = r < row_tiles
+        tl.store(base, expert, mask=keep)
+        tl.store(base + 1, tl.sum(tl.where(pick, starts[None, :], 0), axis=1), mask=keep)
+        tl.store(base + 2, tl.sum(tl.where(pick, counts[None, :], 0), axis=1), mask=keep)
+        tl.store(base + 3, tl.sum(tl.where(pick, (ends - m_tiles)[None, :], 0), axis=1),
+                 mask=keep)
 
 
 @triton.jit
 def map_tile(map_ptr, tile, num_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              GROUP_M: tl.constexpr):  # fmt: skip
     """``(expert, its first row, its rows, tile's first row, tile's first column)`` of expert
-    tile ``tile`` from the map of :func:`tile_map_kernel`; inside an expert ``GROUP_M`` row
-    tiles share each column tile of ``b[e]`` (L2 reuse)."""
+    tile ``tile`` from the map of :func:`tile_map_kernel` (:func:`routing_map`); inside an
+    expert ``GROUP_M`` row tiles share each column tile of ``b[e]`` (L2 reuse)."""
     entry = map_ptr + MAP_HEADER + (tile // num_n) * MAP_FIELDS
     expert = tl.load(entry)
     row0 = tl.load(entry + 1)
@@ -192,14 +221,3 @@ def wgrad_tile(pid, E, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     first_p = (local // per_group) * GROUP_P
     size_p = tl.minimum(num_p - first_p, GROUP_P)
     return split, expert, first_p + (local % per_group) % size_p, (local % per_group) // size_p
-
-
-@triton.jit
-def expert_rows_kernel(counts_ptr, rows_ptr, M, E, BLOCK_E: tl.constexpr):
-    """``rows[e]`` = first row of expert ``e``, ``rows[E + e]`` = its rows, both clamped to
-    ``[0, M]`` (negative counts read as 0). One program."""
-    lane = tl.arange(0, BLOCK_E)
-    counts = tl.maximum(tl.load(counts_ptr + lane, mask=lane < E, other=0).to(tl.int32), 0)
-    starts = tl.minimum(tl.cumsum(counts, axis=0) - counts, M)
-    tl.store(rows_ptr + lane, starts, mask=lane < E)
-    tl.store(rows_ptr + E + lane, tl.minimum(counts, M - starts), mask=lane < E)

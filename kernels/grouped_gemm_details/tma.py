@@ -11,7 +11,7 @@ other strides are 16-byte multiples.
   descriptors; ``b`` as a 3-d ``[E, K, N]`` (or ``[E, N, K]``) descriptor so a partial K tile
   never reads the next expert. A row tile may run past its expert into the next one's rows:
   those rows are computed but masked out in the epilogue. A second loop writes the zero tail.
-- :func:`grouped_wgrad_tma_kernel` (after :func:`.tiles.expert_rows_kernel`): ``c[e] = a_e^T @
+- :func:`grouped_wgrad_tma_kernel` (after :func:`.tiles.tile_map_kernel`'s head): ``c[e] = a_e^T @
   b_e`` with per-expert descriptors whose row count ends at the expert's (or the split's) last
   row, so TMA zero-fills the rows past it. With ``SPLIT > 1`` each expert's rows are cut into
   ``SPLIT`` chunks writing fp32 partial sums that :func:`split_reduce_kernel` adds in a fixed
@@ -36,7 +36,7 @@ from mtp.kernels.grouped_gemm_details.epilogue import (
     fwd_epilogue,
     fwd_zero,
 )
-from mtp.kernels.grouped_gemm_details.tiles import map_tile, tail_tile, wgrad_tile
+from mtp.kernels.grouped_gemm_details.tiles import map_tile, routing_map, tail_tile, wgrad_tile
 
 __all__ = [
     "grouped_gemm_act_tma_kernel",
@@ -62,13 +62,15 @@ def grouped_gemm_tma_kernel(
 
     ``a`` is ``[M, K]`` with unit column stride; ``b`` is ``[E, K, N]`` with unit N stride, or
     with ``TRANS_B`` an ``[E, N, K]`` tensor with unit K stride (``stride_bk`` / ``stride_bn``
-    then name its K / N strides). ``c`` has unit column stride. ``map_ptr``: the tile map of
-    :func:`.tiles.tile_map_kernel` (no reductions here: Hopper's automatic warp specialisation does
-    not take them). Any grid: program ``p`` handles tiles ``p, p + grid, ...``; inside an expert
-    ``GROUP_M`` row tiles share each column tile of ``b[e]`` (L2 reuse).
+    then name its K / N strides). ``c`` has unit column stride. ``map_ptr``: the routing buffer
+    of :func:`.tiles.tile_map_kernel`, whose tile map replaces reductions here (Hopper's
+    automatic warp specialisation does not take them). Any grid: program ``p`` handles tiles
+    ``p, p + grid, ...``; inside an expert ``GROUP_M`` row tiles share each column tile of
+    ``b[e]`` (L2 reuse).
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    map_ptr = routing_map(map_ptr, E)
     a_desc = tl.make_tensor_descriptor(
         a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -141,7 +143,8 @@ def grouped_wgrad_tma_kernel(
     p0 = pid_p * BLOCK_P
     q0 = pid_q * BLOCK_Q
 
-    # Expert rows from :func:`.tiles.expert_rows_kernel` (no reductions here, as in the forward).
+    # Expert rows from :func:`.tiles.tile_map_kernel`'s head (no reductions here, as in the
+    # forward).
     row0 = tl.load(rows_ptr + expert)
     rows_e = tl.load(rows_ptr + E + expert)
     # This split's rows, whole BLOCK_R chunks each (the last split may get fewer or none).
@@ -211,6 +214,7 @@ def grouped_gemm_act_tma_kernel(
     ``a`` ``[M, K]`` and ``b`` ``[E, K, W]`` with unit last strides."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    map_ptr = routing_map(map_ptr, E)
     a_desc = tl.make_tensor_descriptor(
         a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -263,6 +267,7 @@ def grouped_gemm_dact_tma_kernel(
     unit last stride and ``b_ptr`` the ``[E, F, K]`` weight ``w2`` with a unit last stride."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
+    map_ptr = routing_map(map_ptr, E)
     g_desc = tl.make_tensor_descriptor(
         g_ptr, shape=[M, K], strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_K]
     )

@@ -20,9 +20,10 @@ same name. Each op's path, API and autograd -> config -> kernel:
 - ``permute``, ``unpermute``: :mod:`.moe_permute` (``.checks``, ``.row_map``, ``.token_map``,
   ``.row_ops``, ``.reference``) -> ``map_config``/``block_config`` ->
   :mod:`mtp.kernels.moe_row_map` and :mod:`mtp.kernels.moe_permute`.
-- ``grouped_gemm``: :mod:`.grouped_gemm` (``.checks``, ``.backends``, ``.cutlass``) ->
-  ``.config.make_config`` -> :mod:`mtp.kernels.grouped_gemm_details` (``launch``, ``pointer``,
-  ``tma``, ``epilogue``, ``tiles``, ``fill``); the CUTLASS kernels in ``csrc/``.
+- ``grouped_gemm``: :mod:`.grouped_gemm` (``.checks``, ``.eager_path``, ``.ops``: custom ops
+  and autograd, ``.backends``, ``.plans``: the triton backend's launch plans, ``.cutlass``) ->
+  ``.config.make_config`` -> :mod:`mtp.kernels.grouped_gemm_details` (``launch``, ``routing``,
+  ``pointer``, ``tma``, ``epilogue``, ``tiles``, ``fill``); the CUTLASS kernels in ``csrc/``.
 - ``grouped_mlp``: :mod:`.grouped_mlp` -> two ``grouped_gemm`` calls with chained epilogues.
 """
 

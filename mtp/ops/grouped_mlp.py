@@ -26,67 +26,102 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from mtp import settings
 from mtp.ops._backend import resolve_backend
+from mtp.ops._eager import autograd_apply, eager, needs_grad
 from mtp.ops.grouped_gemm import (
     ACTIVATIONS,
-    _forward,
-    bias_grad,
+    GROUPED_GEMM_BACKENDS,
     clamped_swiglu,
     grouped_gemm,
     prepare_call,
-    weight_grad,
 )
-from mtp.ops.grouped_gemm.checks import FLOAT_DTYPES, check_main_grad
-from mtp.utils import check_tensor
+from mtp.ops.grouped_gemm import eager_path as _eager_gemm
+from mtp.ops.grouped_gemm.checks import (
+    FLOAT_DTYPES,
+    check_arguments,
+    check_backend,
+    check_main_grad,
+)
+from mtp.ops.grouped_gemm.ops import bias_grad, dact, forward, weight_grad
+from mtp.utils import check_tensor, validation_mode
 
 __all__ = ["grouped_mlp", "clamped_swiglu", "GROUPED_MLP_ACTIVATIONS"]
 
 #: Activations fused into the epilogues (``"gelu"``: exact erf GeLU).
 GROUPED_MLP_ACTIVATIONS = ACTIVATIONS
+_BACKENDS = ("triton", "reference")
+
+
+def _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing):
+    """``(out, h, y)``: fc1 with its epilogue (``h`` the pre-activation, ``y = act(h) * p``),
+    then fc2 with its bias."""
+    act, limit, alpha = act
+    y, h = forward(x, w1, counts, None, b1, probs, False, "triton", act, limit, alpha, routing)
+    out, _ = forward(y, w2, counts, None, b2, None, False, "triton", None, limit, alpha, routing)
+    return out, h, y
 
 
 class _FusedGroupedMLP(torch.autograd.Function):
+    """Both GEMMs and the fused backward: ``apply(x, w1, w2, probs, b1, b2, counts, call)``
+    with ``call = ((activation, limit, alpha), accumulate, routing)``; ``routing`` (the eager
+    path's, else None: the custom ops) is shared by all of their launches."""
+
     @staticmethod
-    def forward(ctx, x, w1, w2, counts, probs, b1, b2, act, accumulate):
-        act, limit, alpha = act
-        y, h = _forward(x, w1, counts, None, b1, probs, False, "triton", act, limit, alpha)
-        out, _ = _forward(y, w2, counts, None, b2, None, False, "triton", None, limit, alpha)
+    def forward(ctx, x, w1, w2, probs, b1, b2, counts, call):
+        act, accumulate, routing = call
+        out, h, y = _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing)
         ctx.save_for_backward(x, w1, w2, counts, probs, h, y)
-        ctx.act, ctx.accumulate = (act, limit, alpha), accumulate
-        ctx.dtypes = tuple(None if t is None else t.dtype for t in (probs, b1, b2))
+        ctx.call = call
+        ctx.dtypes = (None if probs is None else probs.dtype, None if b1 is None else b1.dtype,
+                      None if b2 is None else b2.dtype)  # fmt: skip
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         x, w1, w2, counts, probs, h, y = ctx.saved_tensors
+        act, accumulate, routing = ctx.call
         need = ctx.needs_input_grad
         p_dtype, b1_dtype, b2_dtype = ctx.dtypes
+        if routing is not None and not eager(dout):
+            routing = None  # traced (compiled autograd, a mode): the custom ops
         dout = dout.contiguous()
         dx = dw1 = dw2 = dp = db1 = db2 = None
-        if need[6]:
-            db2 = bias_grad(dout, counts, "triton").to(b2_dtype)
+        if need[5]:
+            db2 = bias_grad(dout, counts, "triton", routing).to(b2_dtype)
         if need[2]:
-            dw2 = weight_grad(w2, y, dout, counts, "triton", ctx.accumulate)
-        if need[0] or need[1] or need[4] or need[5]:
-            dh, dprobs = torch.ops.mtp.grouped_gemm_dact(dout, w2, counts, h, probs, *ctx.act)
-            if need[4]:
+            dw2 = weight_grad(w2, y, dout, counts, "triton", accumulate, routing)
+        if need[0] or need[1] or need[3] or need[4]:
+            dh, dprobs = dact(dout, w2, counts, h, probs, *act, routing)
+            if need[3]:
                 dp = dprobs.to(p_dtype)
-            if need[5]:
-                db1 = bias_grad(dh, counts, "triton").to(b1_dtype)
+            if need[4]:
+                db1 = bias_grad(dh, counts, "triton", routing).to(b1_dtype)
             if need[1]:
-                dw1 = weight_grad(w1, x, dh, counts, "triton", ctx.accumulate)
+                dw1 = weight_grad(w1, x, dh, counts, "triton", accumulate, routing)
             if need[0]:
-                dx, _ = _forward(dh, w1, counts, None, None, None, True, "triton", None,
-                                 *ctx.act[1:])  # fmt: skip
-        return dx, dw1, dw2, None, dp, db1, db2, None, None
+                dx, _ = forward(dh, w1, counts, None, None, None, True, "triton", None,
+                                *act[1:], routing)  # fmt: skip
+        return dx, dw1, dw2, dp, db1, db2, None, None
 
 
-def _check(x, weight1, weight2, probs, bias2, activation: str) -> None:
+_APPLY = autograd_apply(_FusedGroupedMLP)
+
+
+def _check_activation(weight1, activation) -> None:
     if activation not in GROUPED_MLP_ACTIVATIONS:
         raise ValueError(
             f"activation must be one of {GROUPED_MLP_ACTIVATIONS}, got {activation!r}"
         )
+    if activation in ("swiglu", "clamped_swiglu") and weight1.dim() == 3 and weight1.shape[2] % 2:
+        raise ValueError(
+            f"weight1 [E, H, 2F] holds the gate and up columns for {activation!r}: its last dim "
+            f"must be even, got {tuple(weight1.shape)}"
+        )
+
+
+def _check(x, weight1, weight2, probs, bias2, activation: str) -> None:
     gated = activation in ("swiglu", "clamped_swiglu")
     E, H, F = weight1.shape[0], x.shape[1], weight1.shape[2] // (2 if gated else 1)
     check_tensor("weight2", weight2, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -148,25 +183,26 @@ def grouped_mlp(
         ``[M, H]`` in ``x``'s dtype; rows past ``sum(tokens_per_expert)`` are zero.
         Differentiable in ``x``, the weights, biases and ``probs`` (once).
     """
-    name = resolve_backend("grouped_mlp", backend, x.device, ("triton", "reference"))
-    if activation not in GROUPED_MLP_ACTIVATIONS:
-        raise ValueError(
-            f"activation must be one of {GROUPED_MLP_ACTIVATIONS}, got {activation!r}"
-        )
-    if activation in ("swiglu", "clamped_swiglu") and weight1.dim() == 3 and weight1.shape[2] % 2:
-        raise ValueError(
-            f"weight1 [E, H, 2F] holds the gate and up columns for {activation!r}: its last dim "
-            f"must be even, got {tuple(weight1.shape)}"
-        )
+    args = (x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activation,
+            float(activation_limit), float(activation_alpha), bool(gradient_accumulation_fusion),
+            backend, validate)  # fmt: skip
+    if eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2):
+        return _eager(*args)
+    name = resolve_backend("grouped_mlp", backend, x.device, _BACKENDS)
+    _check_activation(weight1, activation)
     _, counts = prepare_call(x, weight1, tokens_per_expert, False, None, name, validate, bias1,
                              activation)  # fmt: skip
     _check(x, weight1, weight2, probs, bias2, activation)
-    accumulate = bool(gradient_accumulation_fusion)
+    return _run(name, *args[:3], counts, *args[4:11], None)
+
+
+def _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, limit, alpha,
+         accumulate, routing):  # fmt: skip
+    """The call on checked arguments (``routing``: the eager path's, else None)."""
     if accumulate:
         for w in (weight1, weight2):
             if w.requires_grad:
                 check_main_grad(w)
-    limit, alpha = float(activation_limit), float(activation_alpha)
     if name == "reference":
         kw = dict(backend="reference", validate=False, gradient_accumulation_fusion=accumulate)
         y = grouped_gemm(x, weight1, counts, bias=bias1, activation=activation, probs=probs,
@@ -175,5 +211,38 @@ def grouped_mlp(
     probs = None if probs is None else probs.contiguous()
     bias1 = None if bias1 is None else bias1.contiguous()
     bias2 = None if bias2 is None else bias2.contiguous()
-    return _FusedGroupedMLP.apply(x, weight1, weight2, counts, probs, bias1, bias2,
-                                  (activation, limit, alpha), accumulate)  # fmt: skip
+    act = (activation, limit, alpha)
+    if routing is None:
+        return _FusedGroupedMLP.apply(x, weight1, weight2, probs, bias1, bias2, counts,
+                                      (act, accumulate, None))  # fmt: skip
+    if not needs_grad(x, weight1, weight2, probs, bias1, bias2):
+        return _fused_forward(x, weight1, weight2, counts, probs, bias1, bias2, act, routing)[0]
+    return _APPLY(x, weight1, weight2, probs, bias1, bias2, counts, (act, accumulate, routing))
+
+
+def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activation, limit, alpha,
+           accumulate, backend, validate):  # fmt: skip
+    """:func:`grouped_mlp` on the eager path: the free checks once per key, the routing
+    metadata of the counts derived once for both GEMMs and the backward (its status word is the
+    counts' device-side check), no custom op."""
+    mode = settings.current().validate if validate is True else validation_mode(validate)
+    name = _eager_gemm.backend_name("grouped_mlp", backend, x.device, _BACKENDS)
+    t = tokens_per_expert
+    key = ("grouped_mlp", name, activation, x.shape, x.dtype, x.device, weight1.shape,
+           weight1.dtype, weight1.device, weight2.shape, weight2.dtype, weight2.device, t.shape,
+           t.dtype, t.device, probs is None or (probs.shape, probs.dtype, probs.device),
+           bias1 is None or (bias1.shape, bias1.dtype, bias1.device),
+           bias2 is None or (bias2.shape, bias2.dtype, bias2.device))  # fmt: skip
+    impl = GROUPED_GEMM_BACKENDS[name]
+    if not _eager_gemm.seen(key):
+        _check_activation(weight1, activation)
+        check_arguments(x, weight1, t, False, None, bias1, activation)
+        check_backend(name, impl, x, weight1, t)
+        _check(x, weight1, weight2, probs, bias2, activation)
+        _eager_gemm.remember(key)
+    counts, routing = _eager_gemm.counts_and_routing(t, x, weight1.shape[0], impl, mode)
+    out = _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, limit, alpha,
+               accumulate, routing)  # fmt: skip
+    if routing.head is None:
+        routing.validate()
+    return out

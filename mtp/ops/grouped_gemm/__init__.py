@@ -8,15 +8,20 @@ The path of a call, top to bottom:
    for the table) and the epilogue options: ``bias``, ``activation`` (GeLU, SwiGLU, clamped
    SwiGLU) with routing ``probs``, ``gradient_accumulation_fusion`` (the weight gradient added
    to ``w.main_grad``), and ``out=`` (a fixed output buffer for CUDA graphs).
-2. Autograd (here): one :class:`torch.autograd.Function` for every option, over the custom ops.
-3. Custom ops (here, each with its fake, the only registrations of the grouped GEMM):
+   On plain tensors outside any trace the eager path (:mod:`mtp.ops.grouped_gemm.eager_path`) does
+   it with the checks once per key and runs the autograd function and the custom ops' bodies
+   directly (no custom-op layer); compiling and tracing take the custom ops.
+2. Autograd (:mod:`mtp.ops.grouped_gemm.ops`): one :class:`torch.autograd.Function` for every
+   option, over the custom ops (or, eagerly, their bodies).
+3. Custom ops (:mod:`mtp.ops.grouped_gemm.ops`, each with its fake, the only registrations of
+   the grouped GEMM):
    ``mtp::grouped_gemm_out`` (every forward and data gradient, epilogues included),
    ``mtp::grouped_gemm_wgrad`` (weight gradients, accumulating or not, and the bias
    gradient's per-expert sums), ``mtp::grouped_gemm_dact`` (the data gradient of the GEMM after
    an activation with the activation's backward in its epilogue: :func:`mtp.ops.grouped_mlp`).
-4. The backend; for ``triton`` the config of :func:`mtp.ops.grouped_gemm.config.make_config`
-   (TMA or pointer kernels, tiles, grid) and the launchers and kernels of
-   :mod:`mtp.kernels.grouped_gemm_details`.
+4. The backend; for ``triton`` (:mod:`mtp.ops.grouped_gemm.plans`: launch plans per key) the
+   config of :func:`mtp.ops.grouped_gemm.config.make_config` (TMA or pointer kernels, tiles,
+   grid) and the launchers and kernels of :mod:`mtp.kernels.grouped_gemm_details`.
 
 ``auto`` is ``triton`` on CUDA and ``reference`` on CPU. Backends that read the counts on the
 host (``sequential``, ``multistream``, ``reference``) copy them once per call; the backward
@@ -27,27 +32,29 @@ from __future__ import annotations
 
 import torch
 
+from mtp.kernels.grouped_gemm_details.routing import Routing
 from mtp.ops._backend import resolve_backend
+from mtp.ops._eager import eager
+from mtp.ops.grouped_gemm import eager_path as _eager_path
 from mtp.ops.grouped_gemm.backends import (
     GROUPED_GEMM_BACKENDS,
     GroupedGemmBackend,
     _reference_forward,
-    activation_reference,
-    add_expert_bias_,
     clamped_swiglu,
-    expert_bias_sums,
     torch_grouped_mm,
-    triton_dgrad_act,
-    triton_forward_act,
 )
 from mtp.ops.grouped_gemm.checks import (
+    ACTIVATIONS,
     FLOAT_DTYPES,
+    check_arguments,
+    check_backend,
     check_count_values,
     check_inputs,
     check_main_grad,
-    n_of,
+    check_probs,
 )
-from mtp.utils import check_tensor, empty, validation_mode
+from mtp.ops.grouped_gemm.ops import GroupedGemmFunction, forward, run_wgrad
+from mtp.utils import empty, validation_mode
 
 __all__ = [
     "ACTIVATIONS",
@@ -61,210 +68,6 @@ __all__ = [
     "torch_grouped_mm",
 ]
 
-#: Activations of the epilogue (``"gelu"``: exact erf GeLU; the gated ones read ``2F`` columns).
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "clamped_swiglu")
-GATED = ("swiglu", "clamped_swiglu")
-
-
-def activation_width(n: int, activation: str | None) -> int:
-    """Columns of the result: ``N``, or ``N / 2`` after a gated activation."""
-    return n // 2 if activation in GATED else n
-
-
-# --------------------------------------------------------------------------------------------
-# Custom ops: the device work, opaque to torch.compile (fakes below each)
-# --------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("mtp::grouped_gemm_out", mutates_args=("out", "h"))
-def _forward_op(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    out: torch.Tensor,
-    trans_b: bool,
-    backend: str,
-    bias: torch.Tensor | None,
-    h: torch.Tensor | None,
-    probs: torch.Tensor | None,
-    activation: str,
-    limit: float,
-    alpha: float,
-) -> None:
-    """``out = x @ w[e] (+ bias[e])`` per expert; with an ``activation``: ``h`` gets that
-    pre-activation and ``out = act(h) * probs``. Zeros past ``sum(tokens_per_expert)``.
-
-    No argument has a default: torch 2.11's in-place kernel of a custom op finds a mutated
-    argument by its position in a list whose trailing defaults were dropped (``h`` at 7 was
-    out of range whenever ``h, probs, ...`` were all defaults: IndexError on the H200)."""
-    impl = GROUPED_GEMM_BACKENDS[backend]
-    counts = tokens_per_expert
-    if activation == "none":
-        if impl.fused_epilogues:
-            impl.forward(x, w, counts, trans_b, out, bias)
-            return
-        impl.forward(x, w, counts, trans_b, out)
-        if bias is not None:
-            add_expert_bias_(out, bias, counts)
-        return
-    contiguous = [None if t is None else t.contiguous() for t in (bias, probs)]
-    if impl.fused_epilogues:
-        triton_forward_act(x, w, counts, trans_b, h, out, activation, *contiguous, limit, alpha)
-        return
-    impl.forward(x, w, counts, trans_b, h)
-    if bias is not None:
-        add_expert_bias_(h, bias, counts)
-    out.copy_(activation_reference(h, activation, probs, limit, alpha))
-
-
-@_forward_op.register_fake
-def _(x, w, tokens_per_expert, out, trans_b, backend, bias, h, probs, activation, limit, alpha):
-    return None
-
-
-@torch.library.custom_op("mtp::grouped_gemm_wgrad", mutates_args=("out",))
-def _wgrad_op(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    out: torch.Tensor,
-    backend: str,
-    accumulate: bool = False,
-) -> None:
-    """``out[e] = a_e^T b_e`` (``[E, P, Q]`` for ``a [M, P]``, ``b [M, Q]``); ``accumulate``:
-    ``out[e] += ...`` (in the epilogue, fp32, where the backend fuses it)."""
-    impl = GROUPED_GEMM_BACKENDS[backend]
-    if not accumulate:
-        impl.wgrad(a, b, tokens_per_expert, out)
-    elif impl.fused_epilogues:
-        impl.wgrad(a, b, tokens_per_expert, out, True)
-    else:
-        out.add_(impl.wgrad(a, b, tokens_per_expert, None))
-
-
-@_wgrad_op.register_fake
-def _(a, b, tokens_per_expert, out, backend, accumulate=False):
-    return None
-
-
-@torch.library.custom_op("mtp::grouped_gemm_dact", mutates_args=())
-def _dact_op(
-    dy: torch.Tensor,
-    w: torch.Tensor,
-    counts: torch.Tensor,
-    h: torch.Tensor,
-    probs: torch.Tensor | None,
-    activation: str,
-    limit: float,
-    alpha: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dh, dprobs)``: ``dh = (dy @ w[e]^T) * probs * act'(h)`` (``w [E, F, K]``: the weight of
-    the GEMM after the activation) and ``dL/dprobs`` (fp32; empty without ``probs``)."""
-    dh = empty(h.shape, dtype=h.dtype, device=h.device)
-    part = triton_dgrad_act(dy, w, counts, h, dh, activation, probs, limit, alpha)
-    if part is None:
-        return dh, dy.new_empty((0,), dtype=torch.float32)
-    return dh, part.sum(0)  # fixed order over the column tiles: deterministic
-
-
-@_dact_op.register_fake
-def _(dy, w, counts, h, probs, activation, limit, alpha):
-    n = 0 if probs is None else dy.shape[0]
-    return h.new_empty(h.shape), dy.new_empty((n,), dtype=torch.float32)
-
-
-# --------------------------------------------------------------------------------------------
-# Autograd
-# --------------------------------------------------------------------------------------------
-
-
-def _forward(x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha):
-    """``(y, h)``: the forward into ``out`` (or a new buffer); ``h`` the pre-activation."""
-    n = n_of(w, trans_b)
-    y = out if out is not None else empty((x.shape[0], activation_width(n, act)),
-                                          dtype=x.dtype, device=x.device)  # fmt: skip
-    h = None if act is None else empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    torch.ops.mtp.grouped_gemm_out(x, w, counts, y, trans_b, backend, bias, h, probs,
-                                   act or "none", limit, alpha)  # fmt: skip
-    return y, h
-
-
-def bias_grad(dy: torch.Tensor, counts: torch.Tensor, backend: str) -> torch.Tensor:
-    """fp32 ``[E, N]``: the sum of ``dy``'s rows of each expert. Fused backends: their weight
-    gradient with a column of ones as the left operand (``1_e^T dy_e``: one launch, fp32
-    accumulation, exact zeros for empty experts, no copy of ``dy``); otherwise a segment sum."""
-    E, (M, N) = counts.shape[0], dy.shape
-    if not GROUPED_GEMM_BACKENDS[backend].fused_epilogues:
-        return expert_bias_sums(dy, counts)
-    ones = torch.ones((1, 1), dtype=dy.dtype, device=dy.device).expand(M, 1)
-    out = torch.empty((E, 1, N), dtype=torch.float32, device=dy.device)
-    torch.ops.mtp.grouped_gemm_wgrad(ones, dy, counts, out, backend)
-    return out.view(E, N)
-
-
-def weight_grad(w, a, b, counts, backend: str, accumulate: bool) -> torch.Tensor | None:
-    """``dW[e] = a_e^T b_e``. With ``accumulate``: added to ``w.main_grad`` instead, and the
-    gradient autograd returns is a placeholder when ``w`` has Megatron's
-    ``grad_added_to_main_grad`` flag (set here; the data-parallel hook drops it), else None."""
-    if not accumulate:
-        dw = empty((counts.shape[0], a.shape[1], b.shape[1]), dtype=a.dtype, device=a.device)
-        torch.ops.mtp.grouped_gemm_wgrad(a, b, counts, dw, backend)
-        return dw
-    torch.ops.mtp.grouped_gemm_wgrad(a, b, counts, w.main_grad, backend, True)
-    if hasattr(w, "grad_added_to_main_grad"):  # a DDP hook waits for a gradient
-        w.grad_added_to_main_grad = True
-        return torch.empty_like(w)  # never read: the hook sees the flag and drops it
-    return None
-
-
-def _activation_backward(h, dy, probs, act, limit, alpha, need_probs: bool):
-    """``(dL/dh, dL/dprobs)`` of ``y = act(h) * probs`` by a PyTorch pass (the standalone
-    activation epilogue; :func:`mtp.ops.grouped_mlp` fuses it into the next GEMM instead)."""
-    with torch.enable_grad():
-        hh = h.detach().requires_grad_()
-        pp = None if probs is None else probs.detach().requires_grad_(need_probs)
-        y = activation_reference(hh, act, pp, limit, alpha)
-        inputs = [hh, pp] if need_probs else [hh]
-        grads = torch.autograd.grad(y, inputs, dy)
-    return grads[0], (grads[1] if need_probs else None)
-
-
-class _GroupedGemm(torch.autograd.Function):
-    """Every option of :func:`grouped_gemm`: forward through ``mtp::grouped_gemm_out``, backward
-    through the same op (data gradient) and ``mtp::grouped_gemm_wgrad`` (weight and bias)."""
-
-    @staticmethod
-    def forward(ctx, x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha,
-                accumulate):  # fmt: skip
-        y, h = _forward(x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha)
-        if out is not None:
-            ctx.mark_dirty(out)
-        ctx.save_for_backward(x, w, counts, h, probs)
-        ctx.call = (trans_b, backend, act, limit, alpha, accumulate)
-        ctx.dtypes = tuple(None if t is None else t.dtype for t in (bias, probs))
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, counts, h, probs = ctx.saved_tensors
-        trans_b, backend, act, limit, alpha, accumulate = ctx.call
-        need = ctx.needs_input_grad
-        dy = dy.contiguous()
-        dx = dw = db = dp = None
-        if act is not None:  # dy is dL/d(act(h) * probs): make it dL/dh
-            dy, dp = _activation_backward(h, dy, probs, act, limit, alpha, need[5])
-            dp = None if dp is None else dp.to(ctx.dtypes[1])
-        if need[4]:
-            db = bias_grad(dy, counts, backend).to(ctx.dtypes[0])
-        if need[0]:  # dx = dy @ w[e]^T: the same grouped GEMM with the weight read the other way
-            dx, _ = _forward(dy, w, counts, None, None, None, not trans_b, backend, None,
-                             limit, alpha)
-        if need[1]:  # dw[e] = x_e^T dy_e ([K, N]); with trans_b the weight is [N, K]: dy_e^T x_e
-            a, b = (dy, x) if trans_b else (x, dy)
-            dw = weight_grad(w, a, b, counts, backend, accumulate)
-        return dx, dw, None, None, db, dp, None, None, None, None, None, None
-
-
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
@@ -277,30 +80,12 @@ def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=
     validation_mode(validate)  # a bad value raises here, naming the argument
     if isinstance(tokens_per_expert, (list, tuple)):
         tokens_per_expert = torch.tensor(tokens_per_expert, dtype=torch.int64)
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS} or None, got {activation!r}")
-    n = n_of(w, trans_b) if w.dim() == 3 else 0
-    if activation in GATED and n % 2:
-        raise ValueError(f"w holds the gate and up columns for {activation!r}: its N ({n}) must "
-                         f"be even, got w of shape {tuple(w.shape)}")  # fmt: skip
-    check_inputs(x, w, tokens_per_expert, trans_b, out, out_cols=activation_width(n, activation))
-    if bias is not None:
-        check_tensor("bias", bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
-        if tuple(bias.shape) != (w.shape[0], n):
-            raise ValueError(f"bias must be [{w.shape[0]}, {n}] (experts, N), "
-                             f"got {tuple(bias.shape)}")  # fmt: skip
+    check_arguments(x, w, tokens_per_expert, trans_b, out, bias, activation)
     name = resolve_backend("grouped_gemm", backend, x.device, tuple(GROUPED_GEMM_BACKENDS))
     impl = GROUPED_GEMM_BACKENDS[name]
-    if impl.check is not None:
-        impl.check(x, w)
+    check_backend(name, impl, x, w, tokens_per_expert)
     # Loop backends read the sizes on the host: copy them once here (their only sync); the
     # validation and the backward read that copy. Single-launch backends read them on the device.
-    if not impl.device_counts and tokens_per_expert.device.type == "meta":
-        raise ValueError(
-            f"grouped_gemm: backend={name!r} reads tokens_per_expert on the host, but it is a "
-            "meta tensor (no values); pass the counts on the CPU, or use a backend that reads "
-            "them on the device ('triton', 'torch')"
-        )
     tokens_per_expert = tokens_per_expert.contiguous()  # [E] ints: a no-op or a tiny copy
     counts = tokens_per_expert if impl.device_counts else tokens_per_expert.to("cpu")
     check_count_values(counts, x.shape[0], validate)
@@ -371,25 +156,22 @@ def grouped_gemm(
         TypeError, ValueError: bad shapes, dtypes or devices (naming the argument), counts
             summing past ``M`` (``validate="sync"``), or a backend that cannot run here.
     """
+    accumulate = bool(gradient_accumulation_fusion)
+    if eager(x, w, tokens_per_expert, out, bias, probs):
+        return _eager_path.call(x, w, tokens_per_expert, trans_b, backend, out, validate, bias,
+                                activation, probs, activation_limit, activation_alpha,
+                                accumulate)  # fmt: skip
     name, counts = prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias,
                                 activation)  # fmt: skip
-    if probs is not None:
-        if activation is None:
-            raise ValueError("probs multiplies the activation's output: pass activation=... "
-                             "(or scale the result yourself)")  # fmt: skip
-        check_tensor("probs", probs, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
-        if probs.shape[0] != x.shape[0]:
-            raise ValueError(f"probs must be [{x.shape[0]}] (one per row of x), got "
-                             f"{tuple(probs.shape)}")  # fmt: skip
-    accumulate = bool(gradient_accumulation_fusion)
+    check_probs(probs, x, activation)
     if accumulate and w.requires_grad:
         check_main_grad(w)
-    args = (x, w, counts, out, bias, probs, trans_b, name, activation, float(activation_limit),
-            float(activation_alpha))  # fmt: skip
+    limit, alpha = float(activation_limit), float(activation_alpha)
     needs_grad = any(t is not None and t.requires_grad for t in (x, w, bias, probs))
     if torch.is_grad_enabled() and needs_grad:
-        return _GroupedGemm.apply(*args, accumulate)
-    return _forward(*args)[0]
+        return GroupedGemmFunction.apply(x, w, bias, probs, out, counts, (
+            trans_b, name, activation, limit, alpha, accumulate, None))
+    return forward(x, w, counts, out, bias, probs, trans_b, name, activation, limit, alpha)[0]
 
 
 def grouped_gemm_accumulate_wgrad(
@@ -431,7 +213,11 @@ def grouped_gemm_wgrad(
     if out is None:
         out = empty((tokens_per_expert.shape[0], a.shape[1], b.shape[1]), dtype=a.dtype,
                     device=a.device)  # fmt: skip
-    torch.ops.mtp.grouped_gemm_wgrad(a, b, tokens_per_expert, out, backend, accumulate)
+    if eager(a, b, tokens_per_expert, out):
+        run_wgrad(a, b, tokens_per_expert, out, backend, accumulate,
+                  Routing(tokens_per_expert, a.shape[0], out.shape[0]))  # fmt: skip
+    else:
+        torch.ops.mtp.grouped_gemm_wgrad(a, b, tokens_per_expert, out, backend, accumulate)
     return out
 
 

@@ -34,11 +34,15 @@ from typing import Any
 
 import torch
 
-from mtp.kernels.grouped_gemm_details import fill as _fill
 from mtp.kernels._common import launchable
-from mtp.kernels.grouped_gemm_details import launch as _launch
+from mtp.kernels.grouped_gemm_details import fill as _fill
 from mtp.ops.bias_act import bias_gelu, bias_swiglu
-from mtp.ops.grouped_gemm.config import device_arch, make_config, tma_aligned
+from mtp.ops.grouped_gemm.plans import (
+    triton_dgrad_act,
+    triton_forward,
+    triton_forward_act,
+    triton_wgrad,
+)
 from mtp.utils import empty
 
 __all__ = [
@@ -205,58 +209,6 @@ def _loop_wgrad(a, b, counts, out, *, streams: bool):
             pool.run(e, lambda rows=rows, e=e: torch.mm(a[rows].t(), b[rows], out=out[e]))
             row += m
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Triton: the config (make_config) and the launchers of mtp.kernels.grouped_gemm_details
-# --------------------------------------------------------------------------------------------
-
-
-def _config(a: torch.Tensor, M: int, N: int, K: int, E: int, **choice):
-    arch, sms = device_arch(a.device)
-    return make_config(arch, a.dtype, M, N, K, E, sms=sms, **choice)
-
-
-def triton_forward(x, w, counts, trans_b, out, bias=None):
-    """``x @ w[e] (+ bias[e])`` (the bias in the epilogue)."""
-    b = w.transpose(1, 2) if trans_b else w
-    (M, K), (E, _, N) = x.shape, b.shape
-    out = _out_or_new(out, (M, N), x)
-    tma_ok = (K > 0 and tma_aligned(x, 1) and (tma_aligned(b, 2) or tma_aligned(b, 1))
-              and out.stride(1) == 1)  # fmt: skip
-    config = _config(x, M, N, K, E, bias=bias is not None, tma_ok=tma_ok)
-    return _launch.forward(x, b, counts, out, config,
-                           bias=None if bias is None else bias.contiguous())  # fmt: skip
-
-
-def triton_wgrad(a, b, counts, out, accumulate=False):
-    """``out[e] (+)= a_e^T b_e`` (``accumulate``: added in fp32 in the epilogue)."""
-    out = _out_or_new(out, (counts.shape[0], a.shape[1], b.shape[1]), a)
-    tma_ok = tma_aligned(a, 1) and tma_aligned(b, 1) and out.stride(2) == 1
-    config = _config(a, a.shape[0], b.shape[1], a.shape[1], out.shape[0], gemm="wgrad",
-                     tma_ok=tma_ok)  # fmt: skip
-    return _launch.wgrad(a, b, counts, out, config, accumulate=accumulate)
-
-
-def triton_forward_act(x, w, counts, trans_b, h, y, act, bias, probs, limit, alpha) -> None:
-    """``h = x @ w[e] + bias[e]`` and ``y = act(h) * probs`` in one launch (TMA: two)."""
-    b = w.transpose(1, 2) if trans_b else w
-    (M, K), E, F = x.shape, b.shape[0], y.shape[1]
-    tma_ok = K > 0 and act != "clamped_swiglu" and tma_aligned(x, 1) and tma_aligned(b, 2)
-    config = _config(x, M, F, K, E, activation=act, bias=bias is not None, tma_ok=tma_ok)
-    _launch.forward_act(x, b, counts, h, y, config, act, bias=bias, probs=probs, limit=limit,
-                        alpha=alpha)  # fmt: skip
-
-
-def triton_dgrad_act(dy, w, counts, h, dh, act, probs, limit, alpha):
-    """``dh = (dy @ w[e]^T) * probs * act'(h)`` (``w [E, F, K]``, the weight of the GEMM after
-    the activation) and the fp32 partials of ``dL/dprobs`` (None without ``probs``)."""
-    b = w.transpose(1, 2)
-    (M, K), E, F = dy.shape, b.shape[0], b.shape[2]
-    tma_ok = K > 0 and act != "clamped_swiglu" and tma_aligned(dy, 1) and tma_aligned(b, 1)
-    config = _config(dy, M, F, K, E, activation=act, tma_ok=tma_ok)
-    return _launch.dgrad_act(dy, b, counts, h, dh, config, act, probs=probs, limit=limit,
-                             alpha=alpha)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,15 +8,72 @@ import torch
 
 from mtp.utils import check_tensor, check_values, data_checks_enabled, is_fake, validation_mode
 
-__all__ = ["check_count_values", "check_inputs", "check_main_grad", "n_of"]
+__all__ = [
+    "ACTIVATIONS",
+    "GATED",
+    "check_arguments",
+    "check_backend",
+    "check_count_values",
+    "check_inputs",
+    "check_main_grad",
+    "check_out_memory",
+    "check_probs",
+    "count_message",
+    "n_of",
+]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 COUNT_DTYPES = (torch.int32, torch.int64)
+#: Activations of the epilogue (``"gelu"``: exact erf GeLU; the gated ones read ``2F`` columns).
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "clamped_swiglu")
+GATED = ("swiglu", "clamped_swiglu")
 
 
 def n_of(w: torch.Tensor, trans_b: bool) -> int:
     """``N``: the output columns of ``x @ w[e]`` (``w [E, K, N]``, or ``[E, N, K]``)."""
     return w.shape[1] if trans_b else w.shape[2]
+
+
+def check_arguments(x, w, tokens_per_expert, trans_b, out, bias, activation) -> None:
+    """The free checks of :func:`mtp.ops.grouped_gemm`'s tensors and options (shapes, dtypes,
+    devices, the activation, ``out``)."""
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS} or None, got {activation!r}")
+    n = n_of(w, trans_b) if w.dim() == 3 else 0
+    if activation in GATED and n % 2:
+        raise ValueError(f"w holds the gate and up columns for {activation!r}: its N ({n}) must "
+                         f"be even, got w of shape {tuple(w.shape)}")  # fmt: skip
+    check_inputs(x, w, tokens_per_expert, trans_b, out,
+                 out_cols=n // 2 if activation in GATED else n)  # fmt: skip
+    if bias is not None:
+        check_tensor("bias", bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+        if tuple(bias.shape) != (w.shape[0], n):
+            raise ValueError(f"bias must be [{w.shape[0]}, {n}] (experts, N), "
+                             f"got {tuple(bias.shape)}")  # fmt: skip
+
+
+def check_probs(probs, x, activation) -> None:
+    if probs is None:
+        return
+    if activation is None:
+        raise ValueError("probs multiplies the activation's output: pass activation=... "
+                         "(or scale the result yourself)")  # fmt: skip
+    check_tensor("probs", probs, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+    if probs.shape[0] != x.shape[0]:
+        raise ValueError(f"probs must be [{x.shape[0]}] (one per row of x), got "
+                         f"{tuple(probs.shape)}")  # fmt: skip
+
+
+def check_backend(name: str, impl, x, w, tokens_per_expert) -> None:
+    """What backend ``name`` (``impl``, a ``GroupedGemmBackend``) needs of the arguments."""
+    if impl.check is not None:
+        impl.check(x, w)
+    if not impl.device_counts and tokens_per_expert.device.type == "meta":
+        raise ValueError(
+            f"grouped_gemm: backend={name!r} reads tokens_per_expert on the host, but it is a "
+            "meta tensor (no values); pass the counts on the CPU, or use a backend that reads "
+            "them on the device ('triton', 'torch')"
+        )
 
 
 def check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=FLOAT_DTYPES, out_cols=None) -> None:
@@ -46,7 +103,7 @@ def check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=FLOAT_DTYPES, out
         shape = (x.shape[0], n_of(w, trans_b) if out_cols is None else out_cols)
         if tuple(out.shape) != shape:
             raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
-        _check_out_memory(out, {"x": x, "w": w, "tokens_per_expert": tokens_per_expert})
+        check_out_memory(out, x, w, tokens_per_expert)
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -56,11 +113,11 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (extent + 1) * t.element_size()
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _shares_memory(a: torch.Tensor, b: torch.Tensor, plain: bool) -> bool:
     """True when ``a`` and ``b`` may overlap in memory (same storage, intersecting spans)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
         return False
-    if is_fake(a) or is_fake(b):
+    if not plain and (is_fake(a) or is_fake(b)):
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
@@ -68,16 +125,18 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _check_out_memory(out: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
-    """``out`` must be written without clobbering an input or itself, and with autograd."""
-    for name, t in inputs.items():
-        if _shares_memory(out, t):
+def check_out_memory(out: torch.Tensor, x, w, tokens_per_expert, plain: bool = False) -> None:
+    """``out`` must be written without clobbering an input or itself, and with autograd (the
+    part of the checks that depends on addresses and flags: every call). ``plain``: the
+    tensors are known to be plain (the eager path), never fake."""
+    for name, t in (("x", x), ("w", w), ("tokens_per_expert", tokens_per_expert)):
+        if _shares_memory(out, t, plain):
             raise ValueError(
                 f"out shares memory with {name}; grouped_gemm cannot write its result over an "
                 "input (the rows of one expert would overwrite what the others still read): "
                 "pass a separate buffer"
             )
-    if not is_fake(out) and torch._debug_has_internal_overlap(out) == 1:
+    if (plain or not is_fake(out)) and torch._debug_has_internal_overlap(out) == 1:
         raise ValueError(
             f"out (shape {tuple(out.shape)}, strides {out.stride()}) has elements that share "
             "memory (an expanded or broadcast tensor); pass a dense buffer"
@@ -118,9 +177,13 @@ def check_count_values(tokens_per_expert: torch.Tensor, M: int, validate: bool |
     if not data_checks_enabled(True, tokens_per_expert):
         return
     ok = (tokens_per_expert.min() >= 0) & (tokens_per_expert.sum() <= M)
-    check_values(ok, f"tokens_per_expert must be non-negative and sum to at most x.shape[0] = "
-                     f"{M} rows (validate='sync' reports the values)", validate=mode,
-                 tensors=(tokens_per_expert,))  # fmt: skip
+    check_values(ok, count_message(M), validate=mode, tensors=(tokens_per_expert,))
+
+
+def count_message(M: int) -> str:
+    """The message of the counts' device-side check."""
+    return (f"tokens_per_expert must be non-negative and sum to at most x.shape[0] = {M} rows "
+            "(validate='sync' reports the values)")
 
 
 def check_main_grad(w: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "FORWARD_TABLE",
     "GroupedGemmConfig",
     "WGRAD_TABLE",
+    "choice_state",
     "device_arch",
     "fit_block",
     "make_config",
@@ -133,6 +134,8 @@ _INTERPRETER_PROGRAMS = 4  # persistent loops under the interpreter: a few progr
 # runs CUDA backwards on its own threads, which a thread- or context-local value would miss.
 _OVERRIDES: list[dict] = []
 _OVERRIDE_LOCK = threading.Lock()
+# Bumped whenever an override block opens or closes: launch plans cached per key include it.
+_GENERATION = [0]
 _FIELDS = {f.name for f in dataclasses.fields(GroupedGemmConfig)}
 
 
@@ -145,6 +148,12 @@ def _tma_setting() -> bool | None:
     """``MTP_TRITON_TMA`` through :mod:`mtp.settings`: True / False forced, None the default
     choice. The one place this module reads it."""
     return settings.current().triton_tma
+
+
+def choice_state() -> tuple:
+    """What :func:`make_config` reads besides its arguments (the open :func:`override` blocks,
+    ``MTP_TRITON_TMA``): part of the key of anything cached from a config."""
+    return _GENERATION[0], settings.current().triton_tma  # _tma_setting's read
 
 
 @contextlib.contextmanager
@@ -163,11 +172,13 @@ def override(**fields) -> Iterator[None]:
                          f"choose from {sorted(_FIELDS)}")  # fmt: skip
     with _OVERRIDE_LOCK:
         _OVERRIDES.append(fields)
+        _GENERATION[0] += 1
     try:
         yield
     finally:
         with _OVERRIDE_LOCK:
             del _OVERRIDES[next(i for i, f in enumerate(_OVERRIDES) if f is fields)]
+            _GENERATION[0] += 1
 
 
 def _forced() -> dict:

@@ -1,0 +1,130 @@
+"""The ``triton`` backend of :func:`mtp.ops.grouped_gemm`: launch plans per key.
+
+Each function keeps, per key, what its launch needs (the config of
+:func:`mtp.ops.grouped_gemm.config.make_config` and the compiled launches of
+:mod:`mtp.kernels.grouped_gemm_details.launch` bound to their grids), so a call costs a key, a
+dictionary look-up and the launches. The key holds everything the choice and the builds depend
+on: the sizes, strides and dtypes, the 16-byte alignment of every pointer (``aligned``), the
+device, the epilogue, :func:`~mtp.ops.grouped_gemm.config.choice_state` (overrides and
+``MTP_TRITON_TMA``) and, for fp32, PyTorch's TF32 switch.
+
+``routing``: the :class:`~mtp.kernels.grouped_gemm_details.routing.Routing` of the counts for
+this ``M`` (tile maps, expert rows), shared by the GEMMs of one op call; None builds one for the
+call (the custom ops' way).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtp.kernels._launch import Plans, aligned
+from mtp.kernels.grouped_gemm_details import launch as _launch
+from mtp.kernels.grouped_gemm_details.routing import Routing
+from mtp.ops.grouped_gemm.config import choice_state, device_arch, make_config, tma_aligned
+from mtp.utils import empty
+
+__all__ = ["triton_dgrad_act", "triton_forward", "triton_forward_act", "triton_wgrad"]
+
+_PLANS = Plans()
+_F32 = torch.float32
+
+
+def _tf32() -> bool:
+    """PyTorch's TF32 switch (the fp32 pointer kernels' precision; keys read it for fp32)."""
+    return torch.backends.cuda.matmul.allow_tf32
+
+
+def _config(a: torch.Tensor, M: int, N: int, K: int, E: int, **choice):
+    arch, sms = device_arch(a.device)
+    return make_config(arch, a.dtype, M, N, K, E, sms=sms, **choice)
+
+
+def triton_forward(x, w, counts, trans_b, out, bias=None, routing=None):
+    """``x @ w[e] (+ bias[e])`` (the bias in the epilogue). The kernels take ``w`` itself, read
+    through the strides of its ``[E, K, N]`` view (no view per call)."""
+    M, K = x.shape
+    E, N = w.shape[0], w.shape[1] if trans_b else w.shape[2]
+    if out is None:
+        out = empty((M, N), dtype=x.dtype, device=x.device)
+    if bias is not None:
+        bias = bias.contiguous()
+    key = ("fwd", trans_b, M, N, K, E, x.stride(), w.stride(), out.stride(), x.dtype, out.dtype,
+           counts.dtype, None if bias is None else bias.dtype, aligned(x, w, out, bias, counts),
+           x.device, choice_state(), x.dtype is _F32 and _tf32())  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        b = w.transpose(1, 2) if trans_b else w
+        tma_ok = (K > 0 and tma_aligned(x, 1) and (tma_aligned(b, 2) or tma_aligned(b, 1))
+                  and out.stride(1) == 1)  # fmt: skip
+        config = _config(x, M, N, K, E, bias=bias is not None, tma_ok=tma_ok)
+        plan = _PLANS.add(key, _launch.forward_plan(x, b, counts, out, config, bias=bias))
+    plan((x, w, out, out if bias is None else bias), counts, routing or Routing(counts, M, E))
+    return out
+
+
+def triton_wgrad(a, b, counts, out, accumulate=False, routing=None):
+    """``out[e] (+)= a_e^T b_e`` (``accumulate``: added in fp32 in the epilogue)."""
+    if out is None:
+        out = empty((counts.shape[0], a.shape[1], b.shape[1]), dtype=a.dtype, device=a.device)
+    (M, P), Q, E = a.shape, b.shape[1], out.shape[0]
+    key = ("wgrad", M, P, Q, E, a.stride(), b.stride(), out.stride(), a.dtype, b.dtype,
+           out.dtype, counts.dtype, aligned(a, b, out, counts), a.device, accumulate,
+           choice_state(), a.dtype is _F32 and _tf32())  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        tma_ok = tma_aligned(a, 1) and tma_aligned(b, 1) and out.stride(2) == 1
+        config = _config(a, M, Q, P, E, gemm="wgrad", tma_ok=tma_ok)
+        plan = _PLANS.add(key, _launch.wgrad_plan(a, b, counts, out, config,
+                                                  accumulate=accumulate))  # fmt: skip
+    plan(a, b, counts, out, routing or Routing(counts, M, E))
+    return out
+
+
+def triton_forward_act(x, w, counts, trans_b, h, y, act, bias, probs, limit, alpha,
+                       routing=None) -> None:  # fmt: skip
+    """``h = x @ w[e] + bias[e]`` and ``y = act(h) * probs`` in one launch (TMA: two)."""
+    (M, K), E, F = x.shape, w.shape[0], y.shape[1]
+    clamped = act == "clamped_swiglu"
+    key = ("act", trans_b, M, F, K, E, x.stride(), w.stride(), h.stride(), y.stride(), x.dtype,
+           h.dtype, y.dtype, counts.dtype, None if bias is None else bias.dtype,
+           None if probs is None else probs.dtype, aligned(x, w, h, y, bias, probs, counts),
+           x.device, act, (limit, alpha) if clamped else None, choice_state(),
+           x.dtype is _F32 and _tf32())  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        b = w.transpose(1, 2) if trans_b else w
+        tma_ok = K > 0 and not clamped and tma_aligned(x, 1) and tma_aligned(b, 2)
+        config = _config(x, M, F, K, E, activation=act, bias=bias is not None, tma_ok=tma_ok)
+        plan = _PLANS.add(key, _launch.forward_act_plan(
+            x, b, counts, h, y, config, act, bias=bias, probs=probs, limit=limit, alpha=alpha))
+    plan((x, w, h, y, h if bias is None else bias, h if probs is None else probs), counts,
+         routing or Routing(counts, M, E))
+
+
+def triton_dgrad_act(dy, w, counts, h, dh, act, probs, limit, alpha, routing=None):
+    """``dh = (dy @ w[e]^T) * probs * act'(h)`` (``w [E, F, K]``, the weight of the GEMM after
+    the activation) and the fp32 partials of ``dL/dprobs`` (None without ``probs``)."""
+    (M, K), E, F = dy.shape, w.shape[0], w.shape[1]
+    clamped = act == "clamped_swiglu"
+    key = ("dact", M, F, K, E, dy.stride(), w.stride(), h.stride(), dh.stride(), dy.dtype,
+           h.dtype, dh.dtype, counts.dtype, None if probs is None else probs.dtype,
+           aligned(dy, w, h, dh, probs, counts), dy.device, act,
+           (limit, alpha) if clamped else None, choice_state(),
+           dy.dtype is _F32 and _tf32())  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        b = w.transpose(1, 2)
+        tma_ok = K > 0 and not clamped and tma_aligned(dy, 1) and tma_aligned(b, 1)
+        config = _config(dy, M, F, K, E, activation=act, tma_ok=tma_ok)
+        plan = _PLANS.add(key, (_launch.dgrad_act_plan(
+            dy, b, counts, h, dh, config, act, probs=probs, limit=limit, alpha=alpha),
+            _launch.part_rows(config, F)))  # fmt: skip
+    gemm, rows = plan
+    part = None
+    if probs is not None:
+        part = torch.empty((rows, M), dtype=torch.float32, device=dy.device)
+        if M == 0 or F == 0:
+            return part.zero_()
+    gemm((dy, w, h, dh if probs is None else probs, dh, dh if part is None else part), counts,
+         routing or Routing(counts, M, E))
+    return part
