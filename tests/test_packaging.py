@@ -198,11 +198,12 @@ def test_library_files_are_at_most_500_lines():
 
 def test_each_op_is_one_package_and_the_index_names_every_part():
     """mtp/ops holds one module or package per op family and nothing private at its top but
-    the backend rule; every module of an op package is named in mtp/ops/__init__'s index."""
+    the two dispatch rules every op shares (the backend choice and the eager path); every
+    module of an op package is named in mtp/ops/__init__'s index."""
     import mtp.ops
 
     top = sorted(p.name for p in (ROOT / "mtp" / "ops").iterdir() if p.name != "__pycache__")
-    assert [n for n in top if n.startswith("_")] == ["__init__.py", "_backend.py"], top
+    assert [n for n in top if n.startswith("_")] == ["__init__.py", "_backend.py", "_eager.py"], top
     for name in OP_PACKAGES:
         package = ROOT / "mtp" / "ops" / name
         assert (package / "__init__.py").is_file(), name

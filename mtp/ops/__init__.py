@@ -11,9 +11,9 @@ same name. Each op's path, API and autograd -> config -> kernel:
 
 - ``bias_gelu``, ``bias_swiglu``: :mod:`.bias_act` -> ``tile_shape``/``row_programs`` ->
   :mod:`mtp.kernels.bias_act`.
-- ``vocab_parallel_cross_entropy``: :mod:`.cross_entropy` (its PyTorch reference in
-  ``.reference``) -> ``vector_width``/``num_programs`` -> :mod:`mtp.kernels.cross_entropy`
-  (row helpers in ``cross_entropy_rows``).
+- ``vocab_parallel_cross_entropy``: :mod:`.cross_entropy` (``.checks``: arguments and the
+  data check; its PyTorch reference in ``.reference``) -> ``vector_width``/``num_programs`` ->
+  :mod:`mtp.kernels.cross_entropy` (row helpers in ``cross_entropy_rows``).
 - ``linear_cross_entropy``: :mod:`.linear_cross_entropy` (``.checks``: arguments and backend;
   ``.maths``: the per-chunk GEMMs) -> the same launch config ->
   :mod:`mtp.kernels.linear_cross_entropy` and ``linear_cross_entropy_gemm``.
