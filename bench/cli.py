@@ -54,6 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "times, GB/s or TFLOP/s, fraction of the device floor. Without a GPU: a correctness smoke "
         "pass and structural figures only (no timings).",
     )
+    parser.add_argument("--host", action="store_true",
+                        help="the host benchmark instead: each op's host µs per eager call under "
+                        "the null-GPU stand-in, beside a bare autograd.Function (bench/host.py; "
+                        "its options: mtp-bench --host -h)")
     parser.add_argument("ops", nargs="*", metavar="OP",
                         help=f"op families or ops to run (default: all): {', '.join(OP_NAMES)}")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
@@ -135,6 +139,12 @@ def _bad_names(args, modules, runner, dtype) -> str | None:
 
 
 def main(argv=None) -> int:
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    if "--host" in argv_list:  # the host benchmark: its own options (python -m bench.host -h)
+        from .host import main as host_main
+
+        argv_list.remove("--host")
+        return host_main(argv_list)
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out_root = args.out or default_out()

@@ -16,9 +16,9 @@ not the op's); on the stand-in (CPU tensors) both run on the calling thread. Bes
 kernel launches and Python function calls per call (``sys.setprofile``; deterministic for
 pinned versions), the figures the host-budget tests assert.
 
-    python -m bench.host                 # every case
-    python -m bench.host bias_gelu moe   # cases whose name starts with these
-    python -m bench.host --json out.json
+    mtp-bench --host                     # every case (also: python -m bench.host)
+    mtp-bench --host bias_gelu moe       # cases whose name starts with these
+    mtp-bench --host --json out.json
 
 Needs a process without ``TRITON_INTERPRET``; :func:`main` re-runs itself in one if needed.
 """
@@ -227,9 +227,9 @@ def _case_linear_cross_entropy():
 
     from mtp.ops import linear_cross_entropy
 
-    h = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(1024, 128, dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, 1024, (64,))
+    h = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, 32, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 256, (16,))
     return {
         "mtp": _passes(lambda h, w: linear_cross_entropy(h, w, t), (h, w)),
         "aten": _passes(lambda h, w: F.cross_entropy((h @ w.t()).float(), t), (h, w)),
@@ -356,7 +356,7 @@ def _versions() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.host", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mtp-bench --host", description=__doc__.split("\n")[0])
     parser.add_argument("cases", nargs="*", help="case name prefixes (default: all)")
     parser.add_argument("--repeat", type=int, default=300, help="calls per measurement")
     parser.add_argument("--json", default=None, help="write the rows to this file")
@@ -366,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no case matches {args.cases}; cases: {', '.join(CASES)}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        cmd = [sys.executable, "-m", "bench.host", *names, "--repeat", str(args.repeat)]
+        module = __spec__.name if __spec__ else "bench.host"  # bench.host or mtp.bench.host
+        cmd = [sys.executable, "-m", module, *names, "--repeat", str(args.repeat)]
         if args.json:
             cmd += ["--json", args.json]
         return subprocess.call(cmd, env=env)

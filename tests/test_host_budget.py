@@ -85,3 +85,21 @@ def test_host_budget(measured, case, pas):
         f"{case} {pas}: {calls} Python calls per eager call, budget {most_calls} "
         "(host work was added to the eager path: see docs/ops.md, 'Eager and compiled paths')"
     )
+
+
+def test_host_bench_cli_writes_rows(tmp_path):
+    """``mtp-bench --host`` re-runs itself without the interpreter and writes a row per pass with
+    the op's µs, the bare floor and their ratio, launches and Python calls."""
+    out = tmp_path / "host.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "bench", "--host", "bias_gelu", "--repeat", "5",
+                           "--json", str(out)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"], r["pass"]) for r in rows] == [("bias_gelu", "fwd"), ("bias_gelu", "fwd+bwd")]
+    for r in rows:
+        assert r["mtp_us"] > 0 and r["bare_us"] > 0
+        assert r["ratio_bare"] == pytest.approx(r["mtp_us"] / r["bare_us"])
+        assert r["launches"] == BUDGETS[("bias_gelu", r["pass"])][1]
+    assert "bare us" in proc.stdout
