@@ -181,7 +181,7 @@ def test_low_modules_import_nothing_above_them(name):
 # --------------------------------------------------------------------------------------------
 
 #: The op families with several parts: a package each in mtp/ops, device code under kernels/.
-OP_PACKAGES = ("cross_entropy", "linear_cross_entropy", "moe_permute", "grouped_gemm")
+OP_PACKAGES = ("cross_entropy", "linear_cross_entropy", "moe_permute", "grouped_gemm", "quantize")
 
 
 def test_library_files_are_at_most_500_lines():
