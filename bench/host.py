@@ -189,6 +189,30 @@ def _case_grouped_gemm():
     }
 
 
+def _case_grouped_gemm_fp8():
+    torch = _torch()
+    from mtp.ops import grouped_gemm
+
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)  # small: see grouped_gemm
+    w = torch.randn(8, 256, 128, dtype=torch.bfloat16, requires_grad=True)
+    counts = _counts(64, 8)
+    return {
+        "mtp": _passes(lambda x, w: grouped_gemm(x, w, counts, fp8_recipe="blockwise"), (x, w)),
+        "aten": None,
+        "bare": _bare_passes(x),
+    }
+
+
+def _case_quantize():
+    torch = _torch()
+    from mtp.ops import quantize
+
+    x = torch.randn(64, 512, dtype=torch.bfloat16)
+    return {"mtp": {"fwd": lambda: quantize(x)},
+            "aten": {"fwd": lambda: quantize(x, backend="reference")},
+            "bare": _bare_passes(x)}  # fmt: skip
+
+
 def _case_grouped_mlp():
     torch = _torch()
     from mtp.ops import grouped_mlp
@@ -243,6 +267,8 @@ CASES: dict[str, Callable[[], dict]] = {
     "cross_entropy": _case_cross_entropy,
     "permute": _case_permute,
     "grouped_gemm": _case_grouped_gemm,
+    "grouped_gemm_fp8": _case_grouped_gemm_fp8,
+    "quantize": _case_quantize,
     "grouped_mlp": _case_grouped_mlp,
     "moe_layer": _case_moe_layer,
     "linear_cross_entropy": _case_linear_cross_entropy,
@@ -294,6 +320,8 @@ def run_case(name: str, repeat: int) -> list[dict]:
     case = CASES[name]()
     rows = []
     for pas in ("fwd", "fwd+bwd"):
+        if pas not in case["mtp"]:  # an op without a gradient
+            continue
         fns = {"mtp": case["mtp"][pas], "bare": case["bare"][pas]}
         if case["aten"] is not None:
             fns["aten"] = case["aten"][pas]

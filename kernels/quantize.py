@@ -31,6 +31,7 @@ GPU ``cvt.rn.satfinite`` rounds the same way.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -99,6 +100,11 @@ def _tile_rows(pid_r, map_ptr, R, E, BLOCK_R: tl.constexpr, GROUPED: tl.constexp
     them exist, the rows they take in a ``COL`` output and which of those are written (all of
     a grouped tile: its padding gets zeros), and whether the tile exists at all."""
     offs = tl.arange(0, BLOCK_R)
+    rows = pid_r * BLOCK_R + offs
+    keep = rows < R
+    dest = rows
+    dest_keep = keep
+    live = pid_r >= 0
     if GROUPED:
         tiles = routing_map(map_ptr, E)
         live = pid_r < tl.load(tiles)
@@ -109,9 +115,9 @@ def _tile_rows(pid_r, map_ptr, R, E, BLOCK_R: tl.constexpr, GROUPED: tl.constexp
         rows = row0 + (pid_r - first) * BLOCK_R + offs
         # (a bool vector and a bool scalar do not combine under the interpreter: bounds instead)
         keep = rows < tl.where(live, tl.minimum(row0 + rows_e, R), 0)
-        return rows, keep, pid_r * BLOCK_R + offs, offs < tl.where(live, BLOCK_R, 0), live
-    rows = pid_r * BLOCK_R + offs
-    return rows, rows < R, rows, rows < R, True
+        dest = pid_r * BLOCK_R + offs
+        dest_keep = offs < tl.where(live, BLOCK_R, 0)
+    return rows, keep, dest, dest_keep, live
 
 
 @triton.jit
@@ -254,7 +260,7 @@ class QuantizePlan:
     3-D logical views (None for outputs a mode does not write; ``map_buf`` the routing buffer of
     ``GROUP``-row tiles, or None)."""
 
-    __slots__ = ("launch", "ints")
+    __slots__ = ("launch", "ints", "empty")
 
     def __init__(self, x, q, s, qt, st, *, group: int, row: bool, col: bool, square: bool,
                  experts: int, rows_bound: int, scale: str):  # fmt: skip
@@ -263,14 +269,17 @@ class QuantizePlan:
         self.ints = (R, C, experts, *_strides(x), *_strides(q), *_strides(s), *_strides(qt),
                      *_strides(st))  # fmt: skip
         grid = programs(rows_bound, C, B, block_r, block_c)
-        args = (x, *(t if t is not None else x for t in (q, s, qt, st)), x, *self.ints)
+        self.empty = min(grid) == 0
+        # the routing buffer: an int32 stand-in of the same alignment while compiling
+        map_buf = torch.empty(4, dtype=torch.int32, device=x.device) if experts else x
+        args = (x, *(t if t is not None else x for t in (q, s, qt, st)), map_buf, *self.ints)
         self.launch = Launch(quantize_kernel, grid, args, dict(
             BLOCK_R=block_r, BLOCK_C=block_c, CHUNK=chunk, GROUP=group, ROW=row, COL=col, SQUARE=square,
             GROUPED=experts > 0, SCALE=SCALE_KINDS[scale], SOFT_CVT=interpreting(),
             num_warps=warps))  # fmt: skip
 
     def __call__(self, x, q, s, qt, st, map_buf) -> None:
-        if min(self.launch.grid) == 0:
+        if self.empty:
             return
-        self.launch(x, *(t if t is not None else x for t in (q, s, qt, st)),
-                    x if map_buf is None else map_buf, *self.ints)
+        self.launch(x, x if q is None else q, x if s is None else s, x if qt is None else qt,
+                    x if st is None else st, x if map_buf is None else map_buf, *self.ints)

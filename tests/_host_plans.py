@@ -93,7 +93,60 @@ def _grouped():
         _grouped_backward(grouped_mlp(x, w, w2, counts))
 
 
+# --- quantize and the FP8 grouped GEMM ---------------------------------------------------
+
+
+_FP8_LAYOUTS = (("blockwise", "rowwise"), ("blockwise", "colwise"), ("blockwise", "block"),
+                ("mxfp8", "rowwise"), ("mxfp8", "colwise"))  # fmt: skip
+
+
+def _quantize():
+    """Every layout and recipe, power-of-two scales, 2-D and 3-D, fp32 / bf16, misaligned
+    inputs, the expert-padded column-wise layout on two routings."""
+    from mtp.ops import quantize
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for make in (lambda s: torch.randn(s).to(dtype), lambda s: _misaligned(s, dtype)):
+            for shape in ((33, 200), (3, 40, 136)):
+                x = make(shape)
+                for recipe, layout in _FP8_LAYOUTS:
+                    quantize(x, recipe, layout, pow2_scales=recipe == "blockwise")
+            for sizes in ([20, 0, 17], [0, 0, 0]):
+                counts = torch.tensor(sizes)
+                for recipe in ("blockwise", "mxfp8"):
+                    quantize(make((40, 72)), recipe, "colwise", tokens_per_expert=counts)
+
+
+def _grouped_fp8():
+    """Both recipes, ragged and empty routings, trans_b, misaligned BF16 inputs, the BF16
+    weight-gradient option and pre-quantised operands (a misaligned FP8 x among them)."""
+    from mtp.ops import Fp8Recipe, Fp8Tensor, grouped_gemm, quantize
+
+    E, K, N = 4, 40, 24
+    for recipe in ("blockwise", "mxfp8", Fp8Recipe("blockwise", wgrad="bf16")):
+        for make in (lambda s: torch.randn(s).to(torch.bfloat16),
+                     lambda s: _misaligned(s, torch.bfloat16)):  # fmt: skip
+            for sizes in ([5, 0, 17, 3], [0, 0, 0, 0]):
+                counts = torch.tensor(sizes)
+                x = make((sum(sizes) + 3, K)).requires_grad_()
+                for trans_b in (False, True):
+                    w = make((E, N, K) if trans_b else (E, K, N)).requires_grad_()
+                    _grouped_backward(grouped_gemm(x, w, counts, trans_b=trans_b,
+                                                   fp8_recipe=recipe))  # fmt: skip
+    counts = torch.tensor([5, 0, 17, 3])
+    x = torch.randn(28, K, dtype=torch.bfloat16)
+    for recipe, layout in (("blockwise", "block"), ("mxfp8", "rowwise")):
+        xq = quantize(x, recipe)
+        wq = quantize(torch.randn(E, N, K, dtype=torch.bfloat16), recipe, layout)
+        grouped_gemm(xq, wq, counts, trans_b=True)
+        shifted = torch.empty(28 * K + 1, dtype=torch.float8_e4m3fn)[1:].view(28, K)
+        shifted.copy_(xq.data)
+        grouped_gemm(Fp8Tensor(shifted, xq.scales, recipe, "rowwise"), wq, counts, trans_b=True)
+
+
 def run() -> None:
     _bias_act()
     _cross_entropy()
     _grouped()
+    _quantize()
+    _grouped_fp8()

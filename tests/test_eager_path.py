@@ -250,3 +250,42 @@ def test_grouped_gemm_eager_checks_counts_on_every_call():
         grouped_mlp(x, torch.randn(4, 24, 8), torch.randn(4, 4, 24), counts, backend="triton")
     with pytest.raises(ValueError, match="tokens_per_expert"):
         grouped_gemm(x, w, counts[:3], backend="triton")
+
+
+# --- quantize and the FP8 grouped GEMM -------------------------------------------------------
+
+from mtp.ops import quantize  # noqa: E402
+
+FP8_OPS = ("quantize_fp8", "grouped_gemm_fp8_out", "grouped_gemm_fp8_wgrad")
+
+
+@pytest.mark.parametrize("recipe,layout", [("blockwise", "rowwise"), ("blockwise", "block"),
+                                           ("mxfp8", "colwise")])  # fmt: skip
+def test_quantize_eager_equals_custom_op(recipe, layout):
+    x = torch.randn(37, 72).to(torch.bfloat16)
+    counts = torch.tensor([20, 0, 17]) if layout == "colwise" else None
+    eager_q = quantize(x, recipe, layout, tokens_per_expert=counts, backend="triton")
+    with _CustomOps():
+        op_q = quantize(x, recipe, layout, tokens_per_expert=counts, backend="triton")
+    rows = 64 if counts is not None else x.shape[0]  # the padded blocks the experts use
+    assert torch.equal(eager_q.data[:rows].view(torch.uint8), op_q.data[:rows].view(torch.uint8))
+    assert torch.equal(eager_q.scales.float()[: rows // eager_q.block[0] or None],
+                       op_q.scales.float()[: rows // op_q.block[0] or None])  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_grouped_gemm_fp8_eager_equals_custom_op(recipe, trans_b, monkeypatch):
+    x, w, _ = _gg_inputs(torch.bfloat16, trans_b=trans_b)
+    y_eager, g_eager = _gg_run(x, w, {}, trans_b=trans_b, fp8_recipe=recipe)
+    with _CustomOps():
+        y_op, g_op = _gg_run(x, w, {}, trans_b=trans_b, fp8_recipe=recipe)
+    with torch.no_grad():
+        y_nograd = grouped_gemm(x, w, torch.tensor(GG_SIZES), backend="triton", trans_b=trans_b,
+                                fp8_recipe=recipe)  # fmt: skip
+    assert torch.equal(y_eager, y_op) and torch.equal(y_nograd, y_op)
+    for a, b in zip(g_eager, g_op):
+        assert torch.equal(a, b)
+    for name in FP8_OPS:  # and the eager path runs the bodies, never a custom op
+        monkeypatch.setattr(torch.ops.mtp, name, lambda *a, **k: pytest.fail("a custom op"))
+    _gg_run(x, w, {}, trans_b=trans_b, fp8_recipe=recipe)

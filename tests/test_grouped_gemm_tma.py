@@ -17,6 +17,7 @@ import tempfile
 
 import pytest
 import torch
+import triton
 
 from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch, tiles
@@ -203,14 +204,19 @@ def test_config_table_by_regime_and_split():
 # Ahead-of-time compilation: TMA, wgmma / tcgen05 and warp specialisation in the SASS
 # --------------------------------------------------------------------------------------------
 
-_CUDA_BIN = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia", "cu13", "bin")
+#: cuobjdump (with the nvdisasm it calls beside it): the nvidia-cuda-cuobjdump wheel's, else the
+#: one Triton's NVIDIA backend ships
+_CUOBJDUMP = [os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia", "cu13",
+                           "bin", "cuobjdump"),
+              os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                           "cuobjdump")]  # fmt: skip
 
 
 def _sass(build) -> tuple[str, str]:
     """(ptxas -v output, SASS) of a build, or pytest.skip without ptxas / cuobjdump."""
     ptxas = _find_ptxas(build.arch)
-    cuobjdump = os.path.join(_CUDA_BIN, "cuobjdump")
-    if ptxas is None or not os.path.exists(cuobjdump):
+    cuobjdump = next((t for t in _CUOBJDUMP if os.path.exists(t)), None)
+    if ptxas is None or cuobjdump is None:
         pytest.skip("needs ptxas and cuobjdump (nvidia-cuda-* wheels)")
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")

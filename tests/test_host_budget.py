@@ -34,6 +34,11 @@ BUDGETS = {
     ("grouped_gemm", "fwd+bwd"): (250, 4),
     ("grouped_mlp", "fwd"): (157, 3),
     ("grouped_mlp", "fwd+bwd"): (422, 7),
+    # --- quantize: one launch; the FP8 grouped GEMM: forward the tile map (its status word),
+    # x (row- and column-wise) and w quantised, the GEMM; backward dY quantised once, 2 GEMMs
+    ("quantize", "fwd"): (95, 1),
+    ("grouped_gemm_fp8", "fwd"): (350, 4),
+    ("grouped_gemm_fp8", "fwd+bwd"): (630, 7),
 }
 
 _WORKER = r"""

@@ -16,6 +16,9 @@ Modules, bottom to top:
   interpreter, GPUs before sm_90).
 - :mod:`.tma`: the same contracts through TMA tensor descriptors (sm_90a / sm_100a,
   fp16/bf16, 16-byte aligned operands).
+- :mod:`.fp8`: FP8 e4m3 operands with block scales (the blockwise recipe's fp32 scales per
+  128-deep K block, MXFP8's e8m0 scales through ``tl.dot_scaled``), pointer loads, the forward
+  (and data gradient) and the weight gradient from expert-padded column-wise operands.
 - :mod:`.routing`: the routing metadata of one op call (the experts' rows, the counts' status
   word, the TMA kernels' tile maps), written once by the tile-map kernel and shared by the
   call's launches.

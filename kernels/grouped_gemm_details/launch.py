@@ -11,6 +11,8 @@ the operands' device and are never read on the host.
 - :func:`wgrad`: ``out[e] (+)= a_e^T @ b_e`` (TMA: expert rows, the GEMM, the split's
   reduction when ``split > 1``; pointer: one launch).
 - :func:`forward_act` / :func:`dgrad_act`: the activation epilogue and its backward.
+- :func:`fp8_forward_plan` / :func:`fp8_wgrad_plan`: FP8 operands with block scales
+  (:mod:`.fp8`; one launch each).
 
 Each is a plan builder (``forward_plan``, ...: the config's launches compiled once, bound to
 their grids and constexprs, :class:`mtp.kernels._launch.Launch`) called once. The op layer keeps
@@ -27,7 +29,7 @@ import triton
 
 from mtp.kernels._common import dot_upcast, fp32_dot_precision, next_power_of_2
 from mtp.kernels._launch import Launch
-from mtp.kernels.grouped_gemm_details import pointer, tma
+from mtp.kernels.grouped_gemm_details import fp8, pointer, tma
 from mtp.kernels.grouped_gemm_details.epilogue import ACTIVATIONS
 from mtp.kernels.grouped_gemm_details.routing import Routing
 
@@ -40,6 +42,8 @@ __all__ = [
     "forward_act",
     "forward_act_plan",
     "forward_plan",
+    "fp8_forward_plan",
+    "fp8_wgrad_plan",
     "num_row_tiles_bound",
     "part_rows",
     "tma_aligned",
@@ -395,3 +399,60 @@ def dgrad_act(g, b, counts, h, dh, config, act: str, *, probs=None, limit: float
     plan((g, b, h, dh if probs is None else probs, dh, dh if part is None else part), counts,
          routing or Routing(counts, M, E))
     return part
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 operands with block scales (:mod:`.fp8`)
+# --------------------------------------------------------------------------------------------
+
+
+class _Fp8Launch:
+    """``plan(a, sa, b, sb, counts, out)``: one FP8 launch with its integer arguments bound."""
+
+    __slots__ = ("launch", "ints")
+
+    def __init__(self, launch: Launch, ints: tuple):
+        self.launch, self.ints = launch, ints
+
+    def __call__(self, a, sa, b, sb, counts, out) -> None:
+        self.launch(a, sa, b, sb, out, counts, *self.ints)
+
+
+def fp8_forward_plan(a, sa, b, sb, counts, out, config, *, mx: bool, group_k: int,
+                     group_n: int):  # fmt: skip
+    """``out[rows of e] = a[rows] @ b[e]`` dequantised, zeros past the routed rows: ``a [M, K]``
+    e4m3 with scales ``sa [M, cdiv(K, group_k)]``, ``b [E, K, N]`` e4m3 with scales
+    ``sb [E, cdiv(K, group_k), cdiv(N, group_n)]`` (fp32, or e8m0 bytes with ``mx``), any
+    strides; ``out [M, N]`` with a unit column stride. ``plan(a, sa, b, sb, counts, out)``."""
+    M, K = a.shape
+    E, _, N = b.shape
+    if M == 0 or N == 0:
+        return _nothing
+    ints = (M, N, K, E, *a.stride(), *sa.stride(), *b.stride(), *sb.stride(), out.stride(0))
+    launch = Launch(fp8.grouped_gemm_fp8_kernel, _grid(config, M, N, E),
+                    (a, sa, b, sb, out, counts, *ints), dict(
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=next_power_of_2(E), GROUP_M=config.group_m, GROUP_K=group_k, GROUP_N=group_n,
+        MX=mx, PERSISTENT=config.persistent, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    ))  # fmt: skip
+    return _Fp8Launch(launch, ints)
+
+
+def fp8_wgrad_plan(a, sa, b, sb, counts, out, config, *, mx: bool, group: int,
+                   accumulate: bool = False):  # fmt: skip
+    """``out[e] (+)= a_e^T @ b_e`` dequantised (exact zeros for empty experts): ``a [M', P]``
+    and ``b [M', Q]`` column-wise e4m3 operands in the padded layout (``group x 1`` blocks,
+    scales ``[M' / group, P]`` and ``[M' / group, Q]``), ``out [E, P, Q]``.
+    ``plan(a, sa, b, sb, counts, out)``."""
+    P, Q, E = a.shape[1], b.shape[1], out.shape[0]
+    if E == 0 or P == 0 or Q == 0:
+        return _nothing
+    grid = (E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n),)
+    ints = (P, Q, E, *a.stride(), *sa.stride(), *b.stride(), *sb.stride(), *out.stride())
+    launch = Launch(fp8.grouped_wgrad_fp8_kernel, grid, (a, sa, b, sb, out, counts, *ints), dict(
+        BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
+        BLOCK_E=next_power_of_2(E), GROUP_P=config.group_m, GROUP=group, MX=mx,
+        ACCUMULATE=accumulate, num_warps=config.num_warps, num_stages=config.num_stages,
+    ))  # fmt: skip
+    return _Fp8Launch(launch, ints)

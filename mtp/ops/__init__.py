@@ -21,9 +21,10 @@ same name. Each op's path, API and autograd -> config -> kernel:
   ``.row_ops``, ``.reference``) -> ``map_config``/``block_config`` ->
   :mod:`mtp.kernels.moe_row_map` and :mod:`mtp.kernels.moe_permute`.
 - ``grouped_gemm``: :mod:`.grouped_gemm` (``.checks``, ``.eager_path``, ``.ops``: custom ops
-  and autograd, ``.backends``, ``.plans``: the triton backend's launch plans, ``.cutlass``) ->
-  ``.config.make_config`` -> :mod:`mtp.kernels.grouped_gemm_details` (``launch``, ``routing``,
-  ``pointer``, ``tma``, ``epilogue``, ``tiles``, ``fill``); the CUTLASS kernels in ``csrc/``.
+  and autograd, ``.backends``, ``.plans``: the triton backend's launch plans, ``.fp8``: FP8
+  operands' custom ops and autograd, ``.cutlass``) -> ``.config.make_config`` ->
+  :mod:`mtp.kernels.grouped_gemm_details` (``launch``, ``routing``, ``pointer``, ``tma``,
+  ``fp8``, ``epilogue``, ``tiles``, ``fill``); the CUTLASS kernels in ``csrc/``.
 - ``grouped_mlp``: :mod:`.grouped_mlp` -> two ``grouped_gemm`` calls with chained epilogues.
 - ``quantize`` (FP8 e4m3 with block scales, the grouped GEMM's FP8 operands): :mod:`.quantize`
   (``.tensor``: ``Fp8Tensor``, ``Fp8Recipe``; ``.reference``: the PyTorch definition; ``.ops``:

@@ -13,8 +13,8 @@ The path of a call, top to bottom:
    directly (no custom-op layer); compiling and tracing take the custom ops.
 2. Autograd (:mod:`mtp.ops.grouped_gemm.ops`): one :class:`torch.autograd.Function` for every
    option, over the custom ops (or, eagerly, their bodies).
-3. Custom ops (:mod:`mtp.ops.grouped_gemm.ops`, each with its fake, the only registrations of
-   the grouped GEMM):
+3. Custom ops (:mod:`mtp.ops.grouped_gemm.ops`, each with its fake; the FP8 operands' in
+   :mod:`mtp.ops.grouped_gemm.fp8`):
    ``mtp::grouped_gemm_out`` (every forward and data gradient, epilogues included),
    ``mtp::grouped_gemm_wgrad`` (weight gradients, accumulating or not, and the bias
    gradient's per-expert sums), ``mtp::grouped_gemm_dact`` (the data gradient of the GEMM after
@@ -53,7 +53,9 @@ from mtp.ops.grouped_gemm.checks import (
     check_main_grad,
     check_probs,
 )
+from mtp.ops.grouped_gemm.fp8 import fp8_call
 from mtp.ops.grouped_gemm.ops import GroupedGemmFunction, forward, run_wgrad
+from mtp.ops.quantize import Fp8Recipe, Fp8Tensor
 from mtp.utils import empty, validation_mode
 
 __all__ = [
@@ -107,6 +109,7 @@ def grouped_gemm(
     activation_limit: float = 7.0,
     activation_alpha: float = 1.702,
     gradient_accumulation_fusion: bool = False,
+    fp8_recipe: str | Fp8Recipe | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM over experts: ``y[rows of e] = act(x[rows of e] @ w[e] + bias[e]) * probs``
     (each epilogue optional).
@@ -147,6 +150,15 @@ def grouped_gemm(
         gradient_accumulation_fusion: add the weight gradient to ``w.main_grad`` (in the
             weight-gradient kernel's epilogue, fp32, on ``triton``) instead of returning it
             (Megatron-Core's option; see :func:`grouped_gemm_accumulate_wgrad`).
+        fp8_recipe: ``"blockwise"``, ``"mxfp8"`` or an :class:`~mtp.ops.quantize.Fp8Recipe`:
+            compute in FP8 (e4m3 operands with block scales, fp32 accumulation; the output in
+            ``x``'s dtype). A float ``x``/``w`` is quantised inside (the backward quantises
+            the output gradient once for both gradient GEMMs); ``x`` may also be a row-wise
+            :class:`~mtp.ops.quantize.Fp8Tensor` and ``w`` one quantised along K (then the
+            recipe is theirs and ``fp8_recipe`` may be left None). No alignment of the counts
+            is asked; ``backend`` ``"triton"`` or ``"reference"``; ``"mxfp8"`` needs an sm_100
+            GPU (or the interpreter); no ``bias``/``activation``/``probs`` yet.
+            ``docs/grouped_gemm.md`` ("FP8 operands") has the recipes and their errors.
 
     Returns:
         ``y`` in ``x``'s dtype (fp32 accumulation); rows past ``sum(tokens_per_expert)`` are
@@ -157,6 +169,11 @@ def grouped_gemm(
             summing past ``M`` (``validate="sync"``), or a backend that cannot run here.
     """
     accumulate = bool(gradient_accumulation_fusion)
+    if fp8_recipe is not None or x.__class__ is Fp8Tensor or w.__class__ is Fp8Tensor:
+        given = tuple(name for name, v in (("bias", bias), ("activation", activation),
+                                           ("probs", probs)) if v is not None)  # fmt: skip
+        return fp8_call(x, w, tokens_per_expert, trans_b, backend, out, validate, fp8_recipe,
+                        accumulate, given)  # fmt: skip
     if eager(x, w, tokens_per_expert, out, bias, probs):
         return _eager_path.call(x, w, tokens_per_expert, trans_b, backend, out, validate, bias,
                                 activation, probs, activation_limit, activation_alpha,

@@ -14,6 +14,9 @@ __all__ = [
     "check_arguments",
     "check_backend",
     "check_count_values",
+    "check_fp8_arguments",
+    "check_fp8_device",
+    "fp8_data",
     "check_inputs",
     "check_main_grad",
     "check_out_memory",
@@ -79,6 +82,17 @@ def check_backend(name: str, impl, x, w, tokens_per_expert) -> None:
 def check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=FLOAT_DTYPES, out_cols=None) -> None:
     check_tensor("x", x, ndim=2, dtypes=dtypes)
     check_tensor("w", w, ndim=3, dtypes=(x.dtype,), device=x.device)
+    _check_shapes(x, w, tokens_per_expert, trans_b)
+    if out is not None:
+        check_tensor("out", out, ndim=2, dtypes=(x.dtype,), device=x.device)
+        shape = (x.shape[0], n_of(w, trans_b) if out_cols is None else out_cols)
+        if tuple(out.shape) != shape:
+            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+        check_out_memory(out, x, w, tokens_per_expert)
+
+
+def _check_shapes(x, w, tokens_per_expert, trans_b) -> None:
+    """The counts and how ``x [M, K]`` and ``w`` fit together (experts, K)."""
     check_tensor("tokens_per_expert", tokens_per_expert, ndim=1, dtypes=COUNT_DTYPES)
     if not isinstance(trans_b, bool):
         raise TypeError(f"trans_b must be a bool, got {type(trans_b).__name__}")
@@ -98,12 +112,6 @@ def check_inputs(x, w, tokens_per_expert, trans_b, out, dtypes=FLOAT_DTYPES, out
             f"w of shape {tuple(w.shape)} read as {layout} has K={w.shape[k_dim]}, but x of "
             f"shape {tuple(x.shape)} has K={x.shape[1]}"
         )
-    if out is not None:
-        check_tensor("out", out, ndim=2, dtypes=(x.dtype,), device=x.device)
-        shape = (x.shape[0], n_of(w, trans_b) if out_cols is None else out_cols)
-        if tuple(out.shape) != shape:
-            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
-        check_out_memory(out, x, w, tokens_per_expert)
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -198,4 +206,66 @@ def check_main_grad(w: torch.Tensor) -> None:
         raise ValueError(
             f"w.main_grad must be a floating tensor of w's shape {tuple(w.shape)} on "
             f"{w.device}, got {main.dtype} {tuple(main.shape)} on {main.device}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 operands (fp8_recipe=, Fp8Tensor inputs)
+# --------------------------------------------------------------------------------------------
+
+
+def fp8_data(t):
+    """The data tensor of an :class:`~mtp.ops.quantize.Fp8Tensor` (a NamedTuple with ``data``
+    and ``scales``), else ``t`` itself (a tensor's ``.data`` is another tensor)."""
+    return t.data if isinstance(t, tuple) and hasattr(t, "scales") else t
+
+
+def _fp8_part(name: str, t, ndim: int) -> None:
+    """An :class:`~mtp.ops.quantize.Fp8Tensor` operand (anything with ``data`` and ``scales``)."""
+    check_tensor(f"{name}.data", t.data, ndim=ndim, dtypes=(torch.float8_e4m3fn,))
+    want = torch.float8_e8m0fnu if t.recipe == "mxfp8" else torch.float32
+    check_tensor(f"{name}.scales", t.scales, ndim=ndim, dtypes=(want,), device=t.data.device)
+
+
+def check_fp8_arguments(x, w, tokens_per_expert, trans_b, out, recipe, options) -> None:
+    """The free checks of an FP8 call: ``x`` a float ``[M, K]`` or a row-wise
+    :class:`~mtp.ops.quantize.Fp8Tensor`, ``w`` a float ``[E, K, N]`` (``[E, N, K]``) or an
+    ``Fp8Tensor`` quantised along K, one recipe, no epilogue ``options`` (names of the options
+    given)."""
+    if options:
+        raise ValueError(f"grouped_gemm: {', '.join(options)} cannot be combined with FP8 "
+                         "operands yet; run the epilogue after the GEMM")  # fmt: skip
+    xt, wt = fp8_data(x), fp8_data(w)
+    if xt is not x:
+        _fp8_part("x", x, 2)
+        if x.layout != "rowwise" or x.recipe != recipe:
+            raise ValueError(f"x must be quantised row-wise (blocks along K) with the "
+                             f"{recipe!r} recipe, got {x.layout!r} / {x.recipe!r}")  # fmt: skip
+    if wt is not w:
+        _fp8_part("w", w, 3)
+        along_k = ("block", "rowwise") if trans_b else ("block", "colwise")
+        if w.layout not in along_k or w.recipe != recipe:
+            raise ValueError(f"w must be quantised along K ({' or '.join(along_k)} for "
+                             f"trans_b={trans_b}) with the {recipe!r} recipe, got "
+                             f"{w.layout!r} / {w.recipe!r}")  # fmt: skip
+    floats = FLOAT_DTYPES + (torch.float8_e4m3fn,)
+    check_tensor("x", xt, ndim=2, dtypes=floats)
+    check_tensor("w", wt, ndim=3, dtypes=floats, device=xt.device)
+    if xt is x and wt is w and w.dtype != x.dtype:
+        raise TypeError(f"w must have x's dtype {x.dtype}, got {w.dtype}")
+    _check_shapes(xt, wt, tokens_per_expert, trans_b)
+    if out is not None:
+        check_tensor("out", out, ndim=2, dtypes=FLOAT_DTYPES, device=xt.device)
+        shape = (xt.shape[0], n_of(wt, trans_b))
+        if tuple(out.shape) != shape:
+            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+        check_out_memory(out, xt, wt, tokens_per_expert)
+
+
+def check_fp8_device(recipe: str, device: torch.device, arch: int) -> None:
+    """``"mxfp8"`` needs the block-scaled MMA of sm_100 (Blackwell) on a GPU."""
+    if recipe == "mxfp8" and device.type == "cuda" and arch < 10:
+        raise ValueError(
+            f"fp8_recipe='mxfp8' needs an sm_100 (Blackwell) GPU or newer for its block-scaled "
+            f"MMA; this {device} is sm_{arch}x. Use fp8_recipe='blockwise' (Hopper's recipe)"
         )

@@ -311,6 +311,36 @@ def _tma_wgrad(arch, M, N, K, E, sms) -> GroupedGemmConfig:
     return dataclasses.replace(cfg, split=split, reason=reason)
 
 
+def _fp8(arch, recipe, M, N, K, E, gemm) -> GroupedGemmConfig:
+    """FP8 pointer kernels (:mod:`mtp.kernels.grouped_gemm_details.fp8`), no spills on sm_90a /
+    sm_100a under Triton 3.6 and 3.9. Blockwise: ``block_k`` 128 (one scale block: each step's
+    dot is promoted to fp32 and scaled), 64 columns (the promoted dot and the accumulator are
+    both fp32 tiles in registers; 128 columns spill), 64-row forward tiles when experts average
+    under 128 rows. MXFP8: 128-row tiles (the block-scaled ``tcgen05.mma``'s M; 64 rows fall
+    back to an emulation), 128 x 128 x 128 with 4 warps forward, 64-deep steps with 8 warps for
+    the weight gradient (its 128-deep steps spill)."""
+    mx = recipe == "mxfp8"
+    if arch == 0:
+        return GroupedGemmConfig("pointer", 16, 16, 32, group_m=2, reason=f"interpreter, "
+                                 f"{recipe}: tiny tiles, K steps of 32 (the MX block)")
+    fit_k = max(32, fit_block(128, K))
+    if mx:
+        if gemm == "wgrad":
+            return GroupedGemmConfig("pointer", 128, fit_block(128, N), 64, num_warps=8,
+                                     reason="mxfp8 weight gradient: 128 x 128 x 64, 8 warps")
+        return GroupedGemmConfig("pointer", 128, fit_block(128, N), fit_k, num_warps=4,
+                                 reason="mxfp8: 128 x 128 x 128, 4 warps")  # fmt: skip
+    if gemm == "wgrad":
+        return GroupedGemmConfig("pointer", 128, fit_block(64, N), 128, num_warps=8,
+                                 reason="blockwise weight gradient: 128 x 64 x 128, 8 warps")
+    if M < 128 * max(E, 1):
+        return GroupedGemmConfig("pointer", 64, fit_block(64, N), fit_k, num_warps=4,
+                                 num_stages=4, reason="blockwise, < 128 rows per expert: "
+                                 "64 x 64 x 128")  # fmt: skip
+    return GroupedGemmConfig("pointer", 128, fit_block(64, N), fit_k, num_warps=8,
+                             reason="blockwise: 128 x 64 x 128, 8 warps")  # fmt: skip
+
+
 def _resident(sms: int, cfg: GroupedGemmConfig, elem_size: int, stage_elems: int) -> int:
     """Programs of a pointer kernel that fit on the GPU at once (shared-memory bound)."""
     if sms == 0:
@@ -332,6 +362,7 @@ def make_config(
     bias: bool = False,
     tma_ok: bool = False,
     sms: int = 0,
+    recipe: str | None = None,
 ) -> GroupedGemmConfig:
     """The config of one grouped GEMM launch.
 
@@ -347,6 +378,8 @@ def make_config(
         tma_ok: whether the operands are TMA-aligned (:func:`tma_aligned`) and the epilogue has
             a TMA kernel.
         sms: SMs of the device (0 under the interpreter): persistent grids and the split.
+        recipe: ``"blockwise"`` or ``"mxfp8"`` for FP8 operands (the FP8 pointer kernels),
+            None otherwise.
     """
     forced = _forced()
     want = {"tma": True, "pointer": False}.get(forced.get("kernel"), _tma_setting())
@@ -354,13 +387,17 @@ def make_config(
     # interpreter too (descriptors run there); by default on sm_90+ only.
     use_tma = tma_ok and (arch >= 9 if want is None else want)
     extra = tuple(sorted((k, v) for k, v in forced.items() if k != "kernel"))
-    return _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra)
+    if recipe is not None:  # the FP8 kernels: pointer loads
+        use_tma = False
+    return _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra, recipe)
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra):
+def _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra, recipe=None):
     """:func:`make_config` once the kernel family is known (cached: a call's host time)."""
-    if gemm == "wgrad":
+    if recipe is not None:
+        cfg = _fp8(arch, recipe, M, N, K, E, gemm)
+    elif gemm == "wgrad":
         cfg = _tma_wgrad(arch, M, N, K, E, sms) if use_tma else _pointer_wgrad(arch, dtype, K, N)
     elif gemm != "forward":
         raise ValueError(f"gemm must be 'forward' or 'wgrad', got {gemm!r}")

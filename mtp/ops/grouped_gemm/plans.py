@@ -23,7 +23,8 @@ from mtp.kernels.grouped_gemm_details.routing import Routing
 from mtp.ops.grouped_gemm.config import choice_state, device_arch, make_config, tma_aligned
 from mtp.utils import empty
 
-__all__ = ["triton_dgrad_act", "triton_forward", "triton_forward_act", "triton_wgrad"]
+__all__ = ["triton_dgrad_act", "triton_forward", "triton_forward_act", "triton_fp8_forward",
+           "triton_fp8_wgrad", "triton_wgrad"]
 
 _PLANS = Plans()
 _F32 = torch.float32
@@ -128,3 +129,48 @@ def triton_dgrad_act(dy, w, counts, h, dh, act, probs, limit, alpha, routing=Non
     gemm((dy, w, h, dh if probs is None else probs, dh, dh if part is None else part), counts,
          routing or Routing(counts, M, E))
     return part
+
+
+def _scales(t: torch.Tensor) -> torch.Tensor:
+    """e8m0 scales as the bytes the kernels read."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
+
+
+def triton_fp8_forward(a, b, counts, out, routing=None) -> torch.Tensor:
+    """``out[rows of e] = a[rows] @ b[e]`` with FP8 operands (:class:`~mtp.ops.quantize.Fp8Tensor`
+    parts): ``a`` row-wise ``[M, K]``, ``b`` ``[E, K, N]`` with blocks along K (``"block"`` or
+    ``"colwise"``); ``out`` BF16 (any float). ``routing`` is unused: the kernel reads the
+    counts."""
+    (M, K), (E, _, N) = a.data.shape, b.data.shape
+    sa, sb = _scales(a.scales), _scales(b.scales)
+    group_k, group_n = b.block
+    key = ("fp8", a.recipe, b.layout, M, N, K, E, a.data.stride(), sa.stride(), b.data.stride(),
+           sb.stride(), out.stride(), out.dtype, counts.dtype,
+           aligned(a.data, sa, b.data, sb, out, counts), a.device, choice_state())  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        config = _config(a.data, M, N, K, E, recipe=a.recipe)
+        plan = _PLANS.add(key, _launch.fp8_forward_plan(
+            a.data, sa, b.data, sb, counts, out, config, mx=a.recipe == "mxfp8",
+            group_k=group_k, group_n=group_n))  # fmt: skip
+    plan(a.data, sa, b.data, sb, counts, out)
+    return out
+
+
+def triton_fp8_wgrad(a, b, counts, out, accumulate=False) -> torch.Tensor:
+    """``out[e] (+)= a_e^T b_e`` from expert-padded column-wise FP8 operands ``a [M', P]``,
+    ``b [M', Q]`` (``accumulate``: added in fp32 in the epilogue)."""
+    (_, P), Q, E = a.data.shape, b.data.shape[1], out.shape[0]
+    sa, sb = _scales(a.scales), _scales(b.scales)
+    key = ("fp8_wgrad", a.recipe, P, Q, E, a.data.stride(), sa.stride(), b.data.stride(),
+           sb.stride(), out.stride(), out.dtype, counts.dtype,
+           aligned(a.data, sa, b.data, sb, out, counts), a.device, accumulate,
+           choice_state())  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        config = _config(a.data, a.data.shape[0], Q, P, E, gemm="wgrad", recipe=a.recipe)
+        plan = _PLANS.add(key, _launch.fp8_wgrad_plan(
+            a.data, sa, b.data, sb, counts, out, config, mx=a.recipe == "mxfp8",
+            group=a.block[0], accumulate=accumulate))  # fmt: skip
+    plan(a.data, sa, b.data, sb, counts, out)
+    return out

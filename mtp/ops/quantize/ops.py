@@ -61,15 +61,14 @@ def _outputs(x, counts, block, layouts, kind):
     shapes = output_shapes(tuple(x.shape), None if counts is None else counts.shape[0], block,
                            layouts)  # fmt: skip
     sd = _scale_dtype(kind)
-    return [empty(shape, dtype=dtype, device=x.device)
+    return [empty(shape, dtype=dtype, device=x.device) if shape != (0,) else
+            torch.empty(0, dtype=dtype, device=x.device)
             for shape, dtype in zip(shapes, (_F8, sd, _F8, sd))]  # fmt: skip
 
 
 def _as3(t: torch.Tensor | None, logical_t: bool = False):
     """A 3-D view ``[B, rows, cols]`` of a kernel operand (``logical_t``: of ``t.mT``); e8m0
     scales as bytes."""
-    if t is None or t.numel() == 0:
-        return None
     if t.dtype == torch.float8_e8m0fnu:
         t = t.view(torch.uint8)
     if logical_t:
@@ -82,18 +81,21 @@ def _triton(x, counts, block, layouts, kind, routing):
     if x.numel() == 0:
         return outs
     x3 = _as3(x)
-    square = layouts.startswith("block")
-    views = (_as3(q), _as3(s), _as3(qt, True), None if square else _as3(st, True))
+    square = "block" in layouts
+    first = square or "rowwise" in layouts  # the row-wise (or block) data
+    second = "+t" in layouts or "colwise" in layouts
+    views = (_as3(q) if first else None, _as3(s) if first else None,
+             _as3(qt, True) if second else None,
+             _as3(st, True) if second and not square else None)  # fmt: skip
     E = 0 if counts is None else counts.shape[0]
-    group = 128 if square else block
-    key = (layouts, kind, block, E, tuple(x3.shape), x3.stride(), x.dtype, x.device,
-           aligned(x, q, s, qt, st, counts))  # fmt: skip
+    key = (layouts, kind, block, E, *x3.shape, *x3.stride(), x.dtype, x.device,
+           aligned(x, *views, counts))  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         rows = padded_rows(x3.shape[1], E, block) if E else x3.shape[1]
         plan = _PLANS.add(key, QuantizePlan(
-            x3, *views, group=group, row="rowwise" in layouts, col="colwise" in layouts
-            or layouts == "block+t", square=square, experts=E, rows_bound=rows, scale=kind))
+            x3, *views, group=128 if square else block, row=first and not square, col=second,
+            square=square, experts=E, rows_bound=rows, scale=kind))  # fmt: skip
     map_buf = None
     if E:
         routing = routing or Routing(counts, x3.shape[1], E)
