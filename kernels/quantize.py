@@ -24,9 +24,10 @@ by the maximum and kept in the data): ``s = max(amax / 448, 2^-126)``; ``SCALE =
 (fp32), ``1`` the power of two ``2^ceil(log2 s)`` (fp32), ``2`` the same as an e8m0 byte (the
 biased exponent). The data is ``x / scale`` rounded to nearest even and saturated to ``+-448``
 (``torch``'s ``.to(float8_e4m3fn)`` of the clamped value), bit for bit. The interpreter's own
-fp32 -> e4m3 conversion misrounds (carries lost, subnormals truncated), so under it
-(``SOFT_CVT``) the rounding is done in fp32 arithmetic first and the conversion is exact; on a
-GPU ``cvt.rn.satfinite`` rounds the same way.
+fp32 -> e4m3 conversion misrounds (carries lost, subnormals truncated) and its bf16 -> fp32 one
+loses subnormals, so under it (``SOFT_CVT``) bf16 is widened by its bits and the rounding is
+done in fp32 arithmetic first (the conversion is then exact); on a GPU ``cvt.f32.bf16`` and
+``cvt.rn.satfinite`` give the same bits.
 """
 
 from __future__ import annotations
@@ -121,10 +122,15 @@ def _tile_rows(pid_r, map_ptr, R, E, BLOCK_R: tl.constexpr, GROUPED: tl.constexp
 
 
 @triton.jit
-def _load(x_ptr, b, rows64, keep, cols, C, stride_xb, stride_xr, stride_xc):
-    """fp32 ``[rows, cols]`` tile of ``x`` (zeros where masked; ``+-inf`` as ``+-FLT_MAX``)."""
+def _load(x_ptr, b, rows64, keep, cols, C, stride_xb, stride_xr, stride_xc,
+          SOFT_CVT: tl.constexpr):  # fmt: skip
+    """fp32 ``[rows, cols]`` tile of ``x`` (zeros where masked; ``+-inf`` as ``+-FLT_MAX``).
+    ``SOFT_CVT``: bf16 widened by its bits (the interpreter's conversion loses subnormals)."""
     ptrs = x_ptr + b * stride_xb + rows64[:, None] * stride_xr + cols[None, :] * stride_xc
-    return _finite(tl.load(ptrs, mask=keep[:, None] & (cols < C)[None, :], other=0.0).to(tl.float32))
+    v = tl.load(ptrs, mask=keep[:, None] & (cols < C)[None, :], other=0.0)
+    if SOFT_CVT and v.dtype == tl.bfloat16:
+        v = (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return _finite(v.to(tl.float32))
 
 
 @triton.jit
@@ -198,13 +204,13 @@ def quantize_kernel(
     # columns as int64: a transposed output's column stride is a whole column
     c0 = (pid_c * BLOCK_C).to(tl.int64)
     offs = tl.arange(0, CHUNK)
-    x = _load(x_ptr, b, rows64, keep, c0 + offs, C, stride_xb, stride_xr, stride_xc)
+    x = _load(x_ptr, b, rows64, keep, c0 + offs, C, stride_xb, stride_xr, stride_xc, SOFT_CVT)
     rscale = 0.0
     if ROW or SQUARE:
         amax = _absmax(x, 1)
         for c in tl.static_range(CHUNK, BLOCK_C, CHUNK):
             more = _load(x_ptr, b, rows64, keep, c0 + c + offs, C, stride_xb, stride_xr,
-                         stride_xc)  # fmt: skip
+                         stride_xc, SOFT_CVT)  # fmt: skip
             amax = tl.maximum(amax, _absmax(more, 1))
         if SQUARE:
             rscale, stored = _scale(tl.max(amax, axis=0), SCALE)
@@ -215,7 +221,8 @@ def quantize_kernel(
                      mask=keep)
     for c in tl.static_range(0, BLOCK_C, CHUNK):
         if c > 0:
-            x = _load(x_ptr, b, rows64, keep, c0 + c + offs, C, stride_xb, stride_xr, stride_xc)
+            x = _load(x_ptr, b, rows64, keep, c0 + c + offs, C, stride_xb, stride_xr, stride_xc,
+                      SOFT_CVT)  # fmt: skip
         _emit(x, rscale, b, rows64, keep, dest64, dest_keep, live, pid_r, c0 + c + offs, C,
               q_ptr, qt_ptr, st_ptr, stride_qb, stride_qr, stride_qc, stride_tb, stride_tr,
               stride_tc, stride_ub, stride_ur, stride_uc, ROW, COL, SQUARE, GROUPED, SCALE,

@@ -34,6 +34,7 @@ from torch.autograd.function import once_differentiable
 
 from mtp.ops.bias_act import bias_swiglu
 from mtp.ops.linear_cross_entropy import linear_cross_entropy
+from mtp.ops.quantize.tensor import as_recipe
 from mtp.utils import qualified_name
 
 __all__ = ["apply_kernels", "apply_kernels_to_model", "gate_up_swiglu"]
@@ -293,6 +294,7 @@ def apply_kernels(
     ep: int = 1,
     sequence_parallel: bool = False,
     fused_loss: bool = True,
+    fp8_recipe: str | None = None,
 ) -> nn.Module:
     """Run a Hugging Face causal LM on mtp's kernels (and layers at ``tp > 1``), in place.
 
@@ -312,6 +314,10 @@ def apply_kernels(
         sequence_parallel: Megatron sequence parallelism (``tp > 1``, Llama-like families).
         fused_loss: compute the loss with :func:`mtp.ops.linear_cross_entropy` (vocab-parallel
             at ``tp > 1``); False keeps HF's loss on the logits.
+        fp8_recipe: None, ``"blockwise"`` or ``"mxfp8"`` (or an :class:`mtp.ops.Fp8Recipe`):
+            the swapped MoE blocks' expert GEMMs in FP8 (:class:`mtp.moe.GroupedMLP`'s
+            ``fp8_recipe``; the weights stay in the model's dtype). Needs an MoE family that
+            is swapped.
 
     Returns:
         ``model``. Its ``state_dict()`` is the full HF state dict (HF names and layouts;
@@ -321,8 +327,9 @@ def apply_kernels(
         :class:`mtp.integrations.hf.Trainer`.
 
     Raises:
-        ValueError: bad sizes, ``ep`` without an MoE family or without ``mtp.parallel``'s
-            expert group of that size, a model that is already patched.
+        ValueError: bad sizes, ``ep`` or ``fp8_recipe`` without an MoE family (``ep``: or
+            without ``mtp.parallel``'s expert group of that size), a model that is already
+            patched, ``"mxfp8"`` on a GPU below sm_100.
         TypeError: a model that is not a causal LM, non-bool flags.
     """
     from .hf_moe import MOE_BLOCKS, swap_moe_blocks
@@ -330,6 +337,7 @@ def apply_kernels(
     from .hf_state import _INFO, _num_experts, attach_hf_state
 
     tp, ep = _check_size("tp", tp), _check_size("ep", ep)
+    as_recipe(fp8_recipe)  # a bad name raises before the model changes
     sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
     fused_loss = _check_flag("fused_loss", fused_loss)
     if not isinstance(getattr(model, "lm_head", None), nn.Module) or not hasattr(model, "model"):
@@ -341,11 +349,12 @@ def apply_kernels(
         raise ValueError("apply_kernels: the kernels are already applied to this model")
     family = getattr(getattr(model, "config", None), "model_type", None)
     moe = any(type(m).__name__ in MOE_BLOCKS for m in model.modules())
-    if ep > 1 and not moe:
-        raise ValueError(
-            f"apply_kernels: ep={ep} needs a mixture-of-experts model ({sorted(MOE_BLOCKS)} "
-            f"blocks); {qualified_name(model)} has none"
-        )
+    for name, value in (("ep", ep), ("fp8_recipe", fp8_recipe)):
+        if value not in (1, None) and not moe:
+            raise ValueError(
+                f"apply_kernels: {name}={value!r} needs a mixture-of-experts model "
+                f"({sorted(MOE_BLOCKS)} blocks); {qualified_name(model)} has none"
+            )
     if tp > 1:
         if moe and ep != 1 and ep % tp:
             raise ValueError(
@@ -370,6 +379,17 @@ def apply_kernels(
         info = {"group": None, "ep_group": ep_group, "family": family, "conv1d": set(),
                 "renames": renames, "num_experts": _num_experts(model.config)}  # fmt: skip
         attach_hf_state(model, info)
+    if fp8_recipe is not None:
+        _set_fp8_recipe(model, fp8_recipe)
     apply_kernels_to_model(model, group, sequence_parallel=sequence_parallel,
                            fused_loss=fused_loss)  # fmt: skip
     return model
+
+
+def _set_fp8_recipe(model: nn.Module, fp8_recipe) -> None:
+    """``fp8_recipe`` on the experts of every swapped MoE block."""
+    from .hf_moe import HFMoEBlock
+
+    for block in model.modules():
+        if isinstance(block, HFMoEBlock):
+            block.set_fp8_recipe(fp8_recipe)

@@ -24,6 +24,8 @@ from mtp.moe._checks import check_bool, check_device, check_float_dtype
 from mtp.moe.load_balancing import LOAD_BALANCING_TYPES
 from mtp.moe.routing import check_routing_config
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
+from mtp.ops.quantize import Fp8Recipe
+from mtp.ops.quantize.tensor import as_recipe
 from mtp.utils import check_int
 
 __all__ = ["DispatcherConfig", "ExpertsConfig", "MoEConfig", "RouterConfig"]
@@ -32,6 +34,8 @@ ACTIVATIONS = ("gelu", "swiglu", "clamped_swiglu", "relu2")
 #: Backends of the layer's kernels: the permutation's and the grouped GEMM's names.
 LAYER_BACKENDS = tuple(dict.fromkeys(("auto", "reference", *GROUPED_GEMM_BACKENDS)))
 DISPATCHERS = ("alltoall", "allgather")
+#: the expert backends of FP8 experts (the FP8 grouped GEMM's)
+FP8_BACKENDS = ("auto", "triton", "reference")
 
 
 def check_coeff(name: str, value) -> float:
@@ -149,9 +153,17 @@ class ExpertsConfig:
     gradient_accumulation_fusion: bool = False  # gradient_accumulation_fusion
     bias_activation_fusion: bool = True  # bias_activation_fusion
     backend: str = "auto"
+    fp8_recipe: str | Fp8Recipe | None = None  # fp8_recipe ("blockwise", "mxfp8")
 
     def __post_init__(self) -> None:
         check_int("ffn_hidden_size", self.ffn_hidden_size, 1)
+        recipe = as_recipe(self.fp8_recipe)  # a bad name raises, naming fp8_recipe
+        if recipe is not None and self.bias:
+            raise ValueError("fp8_recipe with bias=True: the FP8 grouped GEMM has no bias "
+                             "epilogue yet; use bias=False or fp8_recipe=None")  # fmt: skip
+        if recipe is not None and self.backend not in FP8_BACKENDS:
+            raise ValueError(f"fp8_recipe runs on backend {FP8_BACKENDS}, got "
+                             f"{self.backend!r}")  # fmt: skip
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         for name in ("activation_limit", "activation_alpha"):

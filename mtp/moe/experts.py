@@ -25,6 +25,8 @@ from here too).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +37,10 @@ from mtp.ops.grouped_mlp import clamped_swiglu
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS, torch_grouped_mm, grouped_gemm
 from mtp.moe._grouped_mlp_weights import GroupedMLPWeights, fc1_shard_columns
 from mtp.moe.config import ACTIVATIONS, ExpertsConfig
+from mtp.ops.grouped_gemm.checks import check_fp8_device
+from mtp.ops.grouped_gemm.config import device_arch
+from mtp.ops.quantize import Fp8Recipe, Fp8WeightCache
+from mtp.ops.quantize.tensor import as_recipe
 from mtp.parallel.params import set_expert_parallel_attributes
 from mtp.utils import check_int
 
@@ -140,6 +146,16 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
             :class:`~mtp.moe.MoELayer`); None: ``ep_rank * num_local_experts`` from
             ``mtp.parallel``'s expert-parallel group. The default of :meth:`load_hf_weights` and
             :meth:`load_full_weights`.
+        fp8_recipe: None, ``"blockwise"``, ``"mxfp8"`` or an :class:`~mtp.ops.Fp8Recipe`: both
+            GEMMs in FP8 (:func:`mtp.ops.grouped_gemm`'s ``fp8_recipe``): the activations
+            quantised on the fly, the output gradient once per GEMM for both of its gradients,
+            the weights once per optimizer step (an :class:`~mtp.ops.Fp8WeightCache`: reused
+            while a weight's ``_version`` and storage are unchanged). Master weights and their
+            gradients stay in ``params_dtype`` (``main_grad`` with
+            ``gradient_accumulation_fusion``, any ``params_dtype``); the activation runs
+            between the GEMMs. No ``bias`` yet; backend ``"auto"``, ``"triton"`` or
+            ``"reference"``; ``"mxfp8"`` needs an sm_100 GPU (or the interpreter on CPU).
+            :meth:`set_fp8_recipe` changes it on a built layer.
 
     Parameters: ``weight1 [L, H, F1]`` and ``weight2 [L, F, H]`` (``[E, K, N]``, ``F1 = F`` or
     ``2F``, both divided by ``tp_size``), optional ``bias1``/``bias2``. Hugging Face expert
@@ -170,6 +186,7 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
         device: torch.device | str | None = None,
         perform_initialization: bool = True,
         expert_offset: int | None = None,
+        fp8_recipe: str | Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -193,7 +210,7 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
             ffn_hidden_size, activation=activation, activation_limit=activation_limit,
             activation_alpha=activation_alpha, bias=bias, probs_after_fc2=probs_after_fc2,
             gradient_accumulation_fusion=gradient_accumulation_fusion,
-            bias_activation_fusion=bias_activation_fusion, backend=backend,
+            bias_activation_fusion=bias_activation_fusion, backend=backend, fp8_recipe=fp8_recipe,
         )  # fmt: skip
         if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
             raise TypeError(f"params_dtype must be a floating torch.dtype, got {params_dtype!r}")
@@ -222,8 +239,19 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
             self.register_parameter("bias1", None)
             self.register_parameter("bias2", None)
         self._set_parallel_attributes()
+        self.set_fp8_recipe(fp8_recipe)
         if perform_initialization:
             self.reset_parameters()
+
+    def set_fp8_recipe(self, fp8_recipe: str | Fp8Recipe | None) -> None:
+        """Run the two GEMMs with ``fp8_recipe`` (None: in the activation dtype) from now on
+        (checked as the constructor's argument; ``"mxfp8"`` refused on a GPU below sm_100)."""
+        config = dataclasses.replace(self.config, fp8_recipe=fp8_recipe)
+        recipe, device = as_recipe(fp8_recipe), self.weight1.device
+        if recipe is not None and device.type == "cuda":
+            check_fp8_device(recipe.name, device, device_arch(device)[0])
+        self.config, self.fp8_recipe = config, recipe
+        self.fp8_weight_cache = None if recipe is None else Fp8WeightCache()
 
     def _set_parallel_attributes(self) -> None:
         """Expert parameters (``allreduce = False``); with ``tp_size > 1`` ``weight1``,
@@ -243,6 +271,7 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
             f"num_local_experts={self.num_local_experts}, hidden_size={self.hidden_size}, "
             f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}, "
             f"bias={self.add_bias}, backend={self.backend!r}, tp_size={self.tp_size}"
+            + ("" if self.fp8_recipe is None else f", fp8_recipe={self.fp8_recipe.name!r}")
         )
 
     def gemm_backend(self, device: torch.device) -> str:
@@ -259,10 +288,10 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
     def _accumulates(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
         """Whether this call adds the gradients of ``weights`` to their ``main_grad`` (gradient-
         accumulation fusion on, autograd recording, one of them trainable); those weights must
-        then be in ``x``'s dtype."""
+        then be in ``x``'s dtype (FP8 experts: any dtype, the weights are quantised anyway)."""
         on = (self.gradient_accumulation_fusion and torch.is_grad_enabled()
               and any(w.requires_grad for w in weights))  # fmt: skip
-        for w in weights if on else ():
+        for w in weights if on and self.fp8_recipe is None else ():
             if w.dtype != x.dtype:
                 raise ValueError(
                     f"gradient_accumulation_fusion needs the expert weights in the activation "
@@ -271,7 +300,12 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
         return on
 
     def _gemm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, bias) -> torch.Tensor:
-        """``x_e @ w[e] (+ bias[e])`` (the bias in the GEMM's epilogue on the Triton backend)."""
+        """``x_e @ w[e] (+ bias[e])`` (the bias in the GEMM's epilogue on the Triton backend);
+        with ``fp8_recipe`` the FP8 grouped GEMM on the master weight (no bias)."""
+        if self.fp8_recipe is not None:
+            return grouped_gemm(x, w, counts, backend=self.backend, validate=False,
+                                fp8_recipe=self.fp8_recipe, fp8_weight_cache=self.fp8_weight_cache,
+                                gradient_accumulation_fusion=self._accumulates(x, w))  # fmt: skip
         backend = self.gemm_backend(x.device)
         if self._accumulates(x, w):
             return ops.grouped_gemm_accumulate_wgrad(x, w, counts, backend=backend,
@@ -325,8 +359,9 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
         return _ZerosWithGrad.apply(self.bias2)
 
     def _fused(self, x: torch.Tensor) -> bool:
-        """Whether this call runs :func:`mtp.ops.grouped_mlp` (see ``bias_activation_fusion``)."""
-        if not self.bias_activation_fusion or self.activation == "relu2":
+        """Whether this call runs :func:`mtp.ops.grouped_mlp` (see ``bias_activation_fusion``;
+        FP8 experts run their two GEMMs and the activation apart)."""
+        if not self.bias_activation_fusion or self.activation == "relu2" or self.fp8_recipe:
             return False
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return False

@@ -127,6 +127,9 @@ class MoELayer(nn.Module):
         bias_activation_fusion: on the ``triton`` backend, the experts' bias, activation and
             probability scaling run in the grouped GEMMs' epilogues, forward and backward (see
             :class:`~mtp.moe.GroupedMLP`); False keeps them as separate kernels.
+        fp8_recipe: None, ``"blockwise"`` or ``"mxfp8"`` (or an :class:`~mtp.ops.Fp8Recipe`):
+            the routed experts' grouped GEMMs in FP8, master weights and gradients in
+            ``params_dtype`` (see :class:`~mtp.moe.GroupedMLP`; :meth:`set_fp8_recipe`).
         backend: kernels of the permutation, activation and grouped GEMMs (``"auto"``,
             ``"triton"``, ``"reference"``, or a grouped GEMM backend such as ``"sequential"``).
         bias: per-expert biases in the experts.
@@ -246,6 +249,12 @@ class MoELayer(nn.Module):
             f"local_experts={self.local_expert_indices[0]}..{self.local_expert_indices[-1]}, "
             f"{mode}, dispatcher={self.token_dispatcher_type!r}, backend={self.backend!r}"
         )
+
+    def set_fp8_recipe(self, fp8_recipe) -> None:
+        """The routed experts' ``fp8_recipe`` from now on (see :class:`~mtp.moe.GroupedMLP`;
+        ``self.config`` follows)."""
+        self.experts.set_fp8_recipe(fp8_recipe)
+        self.config = dataclasses.replace(self.config, experts=self.experts.config)
 
     @property
     def workspace(self) -> MoEWorkspace | None:

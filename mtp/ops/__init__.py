@@ -27,7 +27,7 @@ same name. Each op's path, API and autograd -> config -> kernel:
   ``fp8``, ``epilogue``, ``tiles``, ``fill``); the CUTLASS kernels in ``csrc/``.
 - ``grouped_mlp``: :mod:`.grouped_mlp` -> two ``grouped_gemm`` calls with chained epilogues.
 - ``quantize`` (FP8 e4m3 with block scales, the grouped GEMM's FP8 operands): :mod:`.quantize`
-  (``.tensor``: ``Fp8Tensor``, ``Fp8Recipe``; ``.reference``: the PyTorch definition; ``.ops``:
+  (``.tensor``: ``Fp8Tensor``, ``Fp8Recipe``; ``.cache``: ``Fp8WeightCache``; ``.reference``: the PyTorch definition; ``.ops``:
   the custom op, its bodies and plans) -> ``tile_shape`` -> :mod:`mtp.kernels.quantize`.
 """
 
@@ -35,7 +35,7 @@ from .bias_act import bias_gelu, bias_swiglu  # noqa: E402,F401
 from .cross_entropy import vocab_parallel_cross_entropy  # noqa: E402,F401
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402,F401
 from .moe_permute import permute, unpermute  # noqa: E402,F401
-from .quantize import Fp8Recipe, Fp8Tensor, dequantize, quantize  # noqa: E402,F401
+from .quantize import Fp8Recipe, Fp8Tensor, Fp8WeightCache, dequantize, quantize  # noqa: E402,F401
 from .grouped_gemm import (  # noqa: E402,F401
     grouped_gemm,
     grouped_gemm_accumulate_wgrad,

@@ -55,7 +55,7 @@ from mtp.ops.grouped_gemm.checks import (
 )
 from mtp.ops.grouped_gemm.fp8 import fp8_call
 from mtp.ops.grouped_gemm.ops import GroupedGemmFunction, forward, run_wgrad
-from mtp.ops.quantize import Fp8Recipe, Fp8Tensor
+from mtp.ops.quantize import Fp8Recipe, Fp8Tensor, Fp8WeightCache
 from mtp.utils import empty, validation_mode
 
 __all__ = [
@@ -110,6 +110,7 @@ def grouped_gemm(
     activation_alpha: float = 1.702,
     gradient_accumulation_fusion: bool = False,
     fp8_recipe: str | Fp8Recipe | None = None,
+    fp8_weight_cache: Fp8WeightCache | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM over experts: ``y[rows of e] = act(x[rows of e] @ w[e] + bias[e]) * probs``
     (each epilogue optional).
@@ -159,6 +160,12 @@ def grouped_gemm(
             is asked; ``backend`` ``"triton"`` or ``"reference"``; ``"mxfp8"`` needs an sm_100
             GPU (or the interpreter); no ``bias``/``activation``/``probs`` yet.
             ``docs/grouped_gemm.md`` ("FP8 operands") has the recipes and their errors.
+            A float ``w`` may then be of any float dtype (an FP32 master weight is quantised
+            as it is; its gradient comes back in its dtype).
+        fp8_weight_cache: with ``fp8_recipe``, an :class:`~mtp.ops.quantize.Fp8WeightCache`
+            that keeps the quantised ``w`` and reuses it while ``w`` is unchanged (its
+            ``_version`` and storage): the weight is quantised once per optimizer step, not
+            per call (always quantised while a CUDA graph is captured or when compiling).
 
     Returns:
         ``y`` in ``x``'s dtype (fp32 accumulation); rows past ``sum(tokens_per_expert)`` are
@@ -173,7 +180,9 @@ def grouped_gemm(
         given = tuple(name for name, v in (("bias", bias), ("activation", activation),
                                            ("probs", probs)) if v is not None)  # fmt: skip
         return fp8_call(x, w, tokens_per_expert, trans_b, backend, out, validate, fp8_recipe,
-                        accumulate, given)  # fmt: skip
+                        accumulate, given, fp8_weight_cache)  # fmt: skip
+    if fp8_weight_cache is not None:
+        raise ValueError("fp8_weight_cache is for FP8 operands: pass fp8_recipe too")
     if eager(x, w, tokens_per_expert, out, bias, probs):
         return _eager_path.call(x, w, tokens_per_expert, trans_b, backend, out, validate, bias,
                                 activation, probs, activation_limit, activation_alpha,

@@ -36,6 +36,7 @@ from mtp.ops.grouped_gemm.config import device_arch
 from mtp.ops.grouped_gemm.ops import weight_grad
 from mtp.ops.grouped_gemm.plans import triton_fp8_forward, triton_fp8_wgrad
 from mtp.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_many
+from mtp.ops.quantize.cache import Fp8WeightCache
 from mtp.ops.quantize.tensor import as_recipe
 from mtp.utils import empty, validation_mode
 
@@ -179,6 +180,21 @@ def weight_operands(w, recipe: Fp8Recipe, trans_b: bool, need_dgrad: bool, backe
     return got["colwise"], (got["rowwise"].mT if need_dgrad else None)
 
 
+def cached_weight_operands(w, recipe: Fp8Recipe, trans_b: bool, need_dgrad: bool, backend: str,
+                           cache: Fp8WeightCache | None):  # fmt: skip
+    """:func:`weight_operands`, through ``cache`` when given (reused while ``w`` is
+    unchanged: once per optimizer step; a forward without the data gradient takes the forward
+    operand of an entry with it)."""
+    if cache is None:
+        return weight_operands(w, recipe, trans_b, need_dgrad, backend)
+    key = ("grouped_gemm", recipe, trans_b, backend)
+    both = None if need_dgrad else cache.lookup(w, (*key, True))
+    if both is not None:
+        return both[0], None
+    return cache.get(w, (*key, need_dgrad),
+                     lambda: weight_operands(w, recipe, trans_b, need_dgrad, backend))
+
+
 def _given_weight(w: Fp8Tensor, trans_b: bool, need_dgrad: bool):
     """The operands of a pre-quantised ``w``: blockwise blocks serve both orientations."""
     fwd = w.mT if trans_b else w
@@ -233,12 +249,13 @@ def _saved(ctx) -> list:
 class GroupedGemmFp8Function(torch.autograd.Function):
     """:func:`mtp.ops.grouped_gemm` with FP8 operands: ``apply(x, w, out, counts, call)`` with
     ``x``/``w`` the BF16 tensors (None where the caller passed an Fp8Tensor) and ``call =
-    (trans_b, backend, recipe, accumulate, routing, xq, wq, dtype)`` (``xq``/``wq`` the given
-    Fp8Tensors; ``routing`` the eager path's, None for the custom ops)."""
+    (trans_b, backend, recipe, accumulate, routing, xq, wq, dtype, cache)`` (``xq``/``wq`` the
+    given Fp8Tensors; ``routing`` the eager path's, None for the custom ops; ``cache`` the
+    :class:`~mtp.ops.quantize.cache.Fp8WeightCache` of ``w`` or None)."""
 
     @staticmethod
     def forward(ctx, x, w, out, counts, call):
-        trans_b, backend, recipe, _, routing, xq, wq, dtype = call
+        trans_b, backend, recipe, _, routing, xq, wq, dtype, cache = call
         need_dx, need_dw = ctx.needs_input_grad[:2]
         fp8_wgrad = need_dw and recipe.wgrad == "fp8"
         direct = routing is not None
@@ -249,7 +266,7 @@ class GroupedGemmFp8Function(torch.autograd.Function):
                                 routing)  # fmt: skip
             xq, xc = got[0], (got[1] if fp8_wgrad else None)
         if w is not None:
-            wf, wd = weight_operands(w, recipe, trans_b, need_dx, backend)
+            wf, wd = cached_weight_operands(w, recipe, trans_b, need_dx, backend, cache)
         else:
             wf, wd = _given_weight(wq, trans_b, need_dx)
         y = fp8_forward(x, xq, wf, counts, out, backend, direct, dtype)
@@ -262,7 +279,7 @@ class GroupedGemmFp8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        trans_b, backend, recipe, accumulate, routing, _, _, _ = ctx.call
+        trans_b, backend, recipe, accumulate, routing = ctx.call[:5]
         counts, wd, xs, w = _saved(ctx)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         if routing is not None and not eager(dy):
@@ -311,9 +328,12 @@ def _key_of(t) -> tuple:
 
 
 def fp8_call(x, w, tokens_per_expert, trans_b, backend, out, validate, fp8_recipe, accumulate,
-             options) -> torch.Tensor:  # fmt: skip
+             options, cache=None) -> torch.Tensor:  # fmt: skip
     """:func:`mtp.ops.grouped_gemm` with FP8 operands (``options``: the epilogue options
-    given, refused)."""
+    given, refused; ``cache``: its ``fp8_weight_cache``)."""
+    if cache is not None and not isinstance(cache, Fp8WeightCache):
+        raise TypeError(f"fp8_weight_cache must be None or an Fp8WeightCache, got "
+                        f"{type(cache).__name__}")  # fmt: skip
     recipe = _recipe_of(x, w, fp8_recipe)
     xt, wt = fp8_data(x), fp8_data(w)
     if isinstance(tokens_per_expert, (list, tuple)):
@@ -347,7 +367,7 @@ def fp8_call(x, w, tokens_per_expert, trans_b, backend, out, validate, fp8_recip
         check_count_values(counts, xt.shape[0], validate)
     dtype = x.dtype if x is xt else (out.dtype if out is not None else torch.bfloat16)
     call = (trans_b, name, recipe, bool(accumulate), routing, None if x is xt else x,
-            None if w is wt else w, dtype)  # fmt: skip
+            None if w is wt else w, dtype, cache)  # fmt: skip
     if torch.is_grad_enabled() and (x_grad or w_grad):
         y = GroupedGemmFp8Function.apply(x if x is xt else None, w if w is wt else None, out,
                                          counts, call)  # fmt: skip
@@ -359,9 +379,11 @@ def fp8_call(x, w, tokens_per_expert, trans_b, backend, out, validate, fp8_recip
 
 
 def _forward_only(x, w, counts, out, call, direct) -> torch.Tensor:
-    trans_b, backend, recipe, _, routing, xq, wq, dtype = call
+    trans_b, backend, recipe, _, routing, xq, wq, dtype, cache = call
     if xq is None:
         xq = quantize_many(x, None, recipe, "rowwise", backend, routing)[0]
-    wf = weight_operands(w, recipe, trans_b, False, backend)[0] if wq is None else (
-        _given_weight(wq, trans_b, False)[0])
+    if wq is None:
+        wf = cached_weight_operands(w, recipe, trans_b, False, backend, cache)[0]
+    else:
+        wf = _given_weight(wq, trans_b, False)[0]
     return fp8_forward(None, xq, wf, counts, out, backend, direct, dtype)

@@ -3,6 +3,7 @@ block scales computed on the device: no host sync, graph-safe), the operand type
 :func:`mtp.ops.grouped_gemm`'s FP8 path (``docs/quantize.md``).
 
 - :mod:`.tensor`: :class:`Fp8Tensor` (data, scales, recipe, layout) and :class:`Fp8Recipe`.
+- :mod:`.cache`: :class:`Fp8WeightCache` (quantised weights reused until the weight changes).
 - :mod:`.reference`: the plain-PyTorch definition (the kernel is bitwise equal to it).
 - :mod:`.ops`: the custom op ``mtp::quantize_fp8`` (with its fake), its bodies and the launch
   plans of the ``triton`` backend (:mod:`mtp.kernels.quantize`).
@@ -15,11 +16,13 @@ import torch
 from mtp.kernels.grouped_gemm_details.routing import Routing
 from mtp.ops._backend import resolve_backend
 from mtp.ops._eager import CheckedKeys, eager
+from mtp.ops.quantize.cache import Fp8WeightCache
 from mtp.ops.quantize.ops import run_quantize
 from mtp.ops.quantize.tensor import BLOCKS, LAYOUTS, RECIPES, Fp8Recipe, Fp8Tensor, as_recipe
 from mtp.utils import check_tensor, check_values, data_checks_enabled, validation_mode
 
-__all__ = ["RECIPES", "Fp8Recipe", "Fp8Tensor", "dequantize", "quantize", "quantize_many"]
+__all__ = ["RECIPES", "Fp8Recipe", "Fp8Tensor", "Fp8WeightCache", "dequantize", "quantize",
+           "quantize_many"]
 
 _BACKENDS = ("triton", "reference")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
