@@ -38,6 +38,11 @@ copy inside the timed call, as the loop backends do. ``torch.compile`` of the re
 timed: the per-expert loop reads the sizes on the host, so it compiles to one graph per expert
 (the ``torch`` backend is PyTorch's own grouped GEMM).
 
+FP8 (:mod:`mtp.bench.fp8_providers`): ``triton-fp8`` / ``triton-mxfp8`` (the op's
+``fp8_recipe``) and the FP8 peers (``torch._scaled_grouped_mm``, Transformer Engine's
+``GroupedLinear`` in FP8, DeepGEMM) on the same cases, checked with the recipes' tolerance and
+their floor at the FP8 rate.
+
 FLOPs (``M`` routed rows): forward ``2*M*K*N``; forward+backward adds the data gradient
 (``2*M*K*N``) and the weight gradient (``2*M*K*N``): ``6*M*K*N``.
 Bytes (``s`` = element size; each GEMM reads its operands once and writes its result once):
@@ -57,7 +62,9 @@ from mtp.ops.grouped_gemm import (
 )
 from mtp.ops.grouped_gemm.config import override
 
-from .core import FLOAT64, Case, Provider, Run, import_peer, needs_cuda, peer_attr, randn, seeded
+from . import fp8_providers as fp8
+from .core import (FLOAT64, Case, Provider, Run, Skip, import_peer, needs_cuda, peer_attr, randn,
+                   seeded)  # fmt: skip
 
 FAMILY = "grouped_gemm"
 OPS = ("grouped_gemm",)
@@ -187,7 +194,7 @@ def providers(op: str = "grouped_gemm") -> list[Provider]:
         Provider("grouped_gemm_pkg", "peer", cpu=False,
                  needs=lambda d: needs_cuda(d) or import_peer("grouped_gemm", "ops.gmm")),
     ]  # fmt: skip
-    return out
+    return out + fp8.mtp_providers(backend_ready("triton")) + fp8.peers()
 
 
 def _te_layer(w: torch.Tensor):
@@ -231,6 +238,12 @@ def _provider_fn(provider: str, w: torch.Tensor):
     if provider == "grouped_gemm_pkg":
         gmm = peer_attr("grouped_gemm", "ops.gmm")
         return (lambda x, c: gmm(x, w, c.cpu(), trans_b=False)), [w]
+    if provider in fp8.MTP_FP8:
+        recipe = fp8.MTP_FP8[provider]
+        return (lambda x, c: grouped_gemm(x, w, c, backend="triton", validate=False,
+                                          fp8_recipe=recipe)), [w]  # fmt: skip
+    if provider not in GROUPED_GEMM_BACKENDS and provider != "triton-ptr":
+        return fp8.peer_fn(provider, w, _te_layer)
     backend = "triton" if provider == "triton-ptr" else provider
     return (lambda x, c: grouped_gemm(x, w, c, backend=backend, validate=False)), [w]
 
@@ -248,6 +261,8 @@ def setup_grouped_gemm(case: Case, provider: str, device: torch.device) -> Run:
     dy = randn((M, N), case.dtype, device, gen).to(dtype)
     counts = torch.tensor(expert_counts(M, E, p["skew"]), dtype=torch.int64, device=device)
     f, weights = _provider_fn(provider, w)
+    if grad and weights is None:
+        raise Skip(f"{provider} has no backward: timed for the forward only")
     if not grad:
         fwd = (lambda: (f(x, counts),))
         return Run(_tma_off(fwd) if provider == "triton-ptr" else fwd, inputs=[x, w, counts])

@@ -7,7 +7,10 @@ scaling live in the grouped GEMMs' epilogues (:func:`mtp.ops.grouped_mlp`); ``tr
 is the same backend with them as separate kernels. Each backend of :func:`mtp.ops.grouped_gemm`
 is timed eagerly, forward and forward+backward; the graph-safe ones (``triton``, ``torch``, ``cutlass``:
 no host sync) are also captured in one CUDA graph (forward, no autograd) and timed by replay:
-the eager-vs-graph gap is the CPU launch overhead that seed 003 is about.
+the eager-vs-graph gap is the CPU launch overhead that seed 003 is about. ``triton-fp8`` and
+``triton-mxfp8`` run the experts' GEMMs in FP8 (``fp8_recipe``; weights quantised once and
+reused between optimizer steps, :mod:`mtp.bench.fp8_providers`), checked with the recipes'
+tolerance, their floor at the FP8 rate.
 
 Shapes (``T`` tokens; the DeepSeek-like layer is narrowed to H=4096, F=1024 so that the
 float32 reference of all 256 experts fits next to it in 80 GB):
@@ -36,6 +39,7 @@ import torch
 from mtp.moe import MoELayer
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
 
+from . import fp8_providers as fp8
 from .bench_grouped_gemm import backend_ready
 from .core import FLOAT64, Case, Provider, Run, Skip, needs_cuda, randn, seeded
 
@@ -113,7 +117,7 @@ def providers(op: str = "moe_layer") -> list[Provider]:
     out.append(Provider(UNFUSED, "mtp", cpu=True, needs=backend_ready("triton")))
     for name in GRAPH_BACKENDS:
         out.append(Provider(name + GRAPH, "mtp", cpu=False, needs=_graph_needs(name)))
-    return out
+    return out + fp8.mtp_providers(backend_ready("triton"), fp8.LAYER_TOLERANCE)
 
 
 def build_layer(case: Case, backend: str, device: torch.device, dtype: torch.dtype) -> MoELayer:
@@ -128,10 +132,11 @@ def build_layer(case: Case, backend: str, device: torch.device, dtype: torch.dty
     router."""
     p = case.params
     fused = backend != UNFUSED
-    backend = "triton" if backend == UNFUSED else backend
+    recipe = fp8.MTP_FP8.get(backend)
+    backend = "triton" if backend == UNFUSED or recipe else backend
     layer = MoELayer(
         p["H"], p["F"], p["E"], p["k"], activation="swiglu", backend=backend,
-        bias_activation_fusion=fused, router_dtype=torch.float32,
+        bias_activation_fusion=fused, router_dtype=torch.float32, fp8_recipe=recipe,
         params_dtype=torch.float32, device=device, perform_initialization=False,
     )  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(1234)

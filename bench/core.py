@@ -111,6 +111,10 @@ class Provider:
         needs: why it may be unavailable: a callable returning None when it can run on
             ``device``, else the reason (shown as the skip note).
         note: what differs in the work this provider is timed on (copied into its records).
+        tolerance: the largest relative error of its output against the reference, when not
+            the case dtype's (FP8 providers: their recipe's error; 0: bitwise).
+        rate: ``"bf16"`` or ``"fp8"``: the datasheet tensor-core rate its floor is taken at
+            (an FP8 GEMM against the FP8 peak).
     """
 
     name: str
@@ -118,6 +122,8 @@ class Provider:
     cpu: bool = True
     needs: Callable[[torch.device], str | None] | None = None
     note: str = ""
+    tolerance: float | None = None
+    rate: str = "bf16"
 
     def unavailable(self, device: torch.device) -> str | None:
         if device.type != "cuda" and not self.cpu:

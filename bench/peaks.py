@@ -1,4 +1,4 @@
-"""Peak HBM bandwidth and dense bf16 tensor-core rate of the GPUs mtp targets.
+"""Peak HBM bandwidth and dense bf16 (and FP8) tensor-core rates of the GPUs mtp targets.
 
 The benchmarks divide the floor time of an op (``bytes / bandwidth`` or ``flops / rate``,
 whichever is larger) by the measured time: the fraction of the datasheet floor reached. The
@@ -29,6 +29,8 @@ class DevicePeak:
         bf16_flops_per_s: dense bf16 tensor-core rate, FLOP/s (fp16 is the same on these parts).
         sms: streaming multiprocessors (tells the SXM and PCIe H100 apart when the name does not).
         source: where the numbers come from.
+        fp8_flops_per_s: dense FP8 (e4m3) tensor-core rate, FLOP/s: the floor of the FP8
+            providers (twice the bf16 rate on these parts; MXFP8 on Blackwell the same).
     """
 
     name: str
@@ -36,6 +38,7 @@ class DevicePeak:
     bf16_flops_per_s: float
     sms: int | None
     source: str
+    fp8_flops_per_s: float | None = None
 
     def ridge(self) -> float:
         """FLOP per byte above which an op is compute-bound on this device."""
@@ -51,25 +54,32 @@ _GB200_DS = "NVIDIA GB200 NVL72 datasheet (2024, per GPU = rack figure / 72): "
 PEAKS: tuple[tuple[str, DevicePeak], ...] = (
     (r"GB200", DevicePeak(
         "GB200", 8.0 * TB, 2500e12, None,
-        _GB200_DS + "HBM3e 8 TB/s; FP16/BF16 tensor 5 PFLOPS with sparsity -> 2.5 dense")),
+        _GB200_DS + "HBM3e 8 TB/s; FP16/BF16 tensor 5 PFLOPS with sparsity -> 2.5 dense; "
+        "FP8 10 PFLOPS with sparsity -> 5 dense", 5000e12)),
     (r"B200", DevicePeak(
         "B200", 8.0 * TB, 2250e12, None,
-        _B200_DS + "HBM3e 8 TB/s; FP16/BF16 tensor 4.5 PFLOPS with sparsity -> 2.25 dense")),
+        _B200_DS + "HBM3e 8 TB/s; FP16/BF16 tensor 4.5 PFLOPS with sparsity -> 2.25 dense; "
+        "FP8 9 PFLOPS with sparsity -> 4.5 dense", 4500e12)),
     (r"H200.*NVL", DevicePeak(
         "H200 NVL", 4.8 * TB, 835e12, None,
-        _H200_DS + "H200 NVL HBM3e 4.8 TB/s; BF16 tensor 1,671 TFLOPS with sparsity")),
+        _H200_DS + "H200 NVL HBM3e 4.8 TB/s; BF16 tensor 1,671 TFLOPS with sparsity; "
+        "FP8 3,341 TFLOPS with sparsity", 1670.5e12)),
     (r"H200", DevicePeak(
         "H200 SXM", 4.8 * TB, 989.4e12, None,
-        _H200_DS + "H200 SXM HBM3e 4.8 TB/s; BF16 tensor 1,979 TFLOPS with sparsity")),
+        _H200_DS + "H200 SXM HBM3e 4.8 TB/s; BF16 tensor 1,979 TFLOPS with sparsity; "
+        "FP8 3,958 TFLOPS with sparsity", 1978.8e12)),
     (r"H100.*NVL", DevicePeak(
         "H100 NVL", 3.9 * TB, 835e12, None,
-        _H100_DS + "H100 NVL HBM3 3.9 TB/s; BF16 tensor 1,671 TFLOPS with sparsity")),
+        _H100_DS + "H100 NVL HBM3 3.9 TB/s; BF16 tensor 1,671 TFLOPS with sparsity; "
+        "FP8 3,341 TFLOPS with sparsity", 1670.5e12)),
     (r"H100.*PCIe", DevicePeak(
         "H100 PCIe", 2.0 * TB, 756e12, 114,
-        _H100_DS + "H100 PCIe HBM2e 2.0 TB/s; BF16 tensor 1,513 TFLOPS with sparsity")),
+        _H100_DS + "H100 PCIe HBM2e 2.0 TB/s; BF16 tensor 1,513 TFLOPS with sparsity; "
+        "FP8 3,026 TFLOPS with sparsity", 1513e12)),
     (r"H100", DevicePeak(
         "H100 SXM", 3.35 * TB, 989.4e12, 132,
-        _H100_DS + "H100 SXM HBM3 3.35 TB/s; BF16 tensor 1,979 TFLOPS with sparsity")),
+        _H100_DS + "H100 SXM HBM3 3.35 TB/s; BF16 tensor 1,979 TFLOPS with sparsity; "
+        "FP8 3,958 TFLOPS with sparsity", 1978.8e12)),
 )
 
 

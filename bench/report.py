@@ -176,9 +176,11 @@ def _header(result) -> list[str]:
         peak, ceil = result.get("peak"), result.get("ceilings")
         if peak:
             bw, rate = peak["hbm_bytes_per_s"] / 1e12, peak["bf16_flops_per_s"] / 1e12
+            fp8 = peak.get("fp8_flops_per_s")
+            fp8 = f", {fp8 / 1e12:.0f} dense FP8 TFLOP/s (the FP8 providers' floor)" if fp8 else ""
             lines.append(
                 f"- datasheet floor: {peak['name']}, {bw:.2f} TB/s HBM, {rate:.0f} dense bf16 "
-                f"TFLOP/s ({peak['source']})"
+                f"TFLOP/s{fp8} ({peak['source']})"
             )
         else:
             lines.append("- datasheet floor: device not in the peak table (no floor fractions)")

@@ -48,10 +48,11 @@ __all__ = [
 
 #: Bench modules in report order.
 MODULES = ("bench_bias_act", "bench_cross_entropy", "bench_linear_cross_entropy",
-           "bench_permute", "bench_grouped_gemm", "bench_moe_layer")  # fmt: skip
+           "bench_permute", "bench_quantize", "bench_grouped_gemm", "bench_moe_layer")  # fmt: skip
 #: Names accepted on the command line: families and single ops.
 OP_NAMES = ("bias_act", "bias_gelu", "bias_swiglu", "cross_entropy", "linear_cross_entropy",
-            "permute", "unpermute", "grouped_gemm", "moe_layer")  # fmt: skip
+            "permute", "unpermute", "quantize", "quantize_fp8", "grouped_gemm",
+            "moe_layer")  # fmt: skip
 
 BUDGET_SPENT = "not run: the time budget (--budget-s) was spent"
 GPU_EXPECTED = "reference"  # the GPU check compares with mtp's reference (fp32 math)
@@ -125,11 +126,13 @@ def _record(module: ModuleType, case: Case, provider: Provider) -> dict[str, Any
     }
 
 
-def _check(out, expected, case: Case, against: str, run=None) -> dict[str, Any]:
+def _check(out, expected, case: Case, against: str, run=None,
+           provider: Provider | None = None) -> dict[str, Any]:  # fmt: skip
     if run is not None and run.for_check is not None:
         out = run.for_check(out)
     err = rel_err(_detach(out), expected)
-    limit = check_limit(case.dtype)
+    given = None if provider is None else provider.tolerance
+    limit = check_limit(case.dtype) if given is None else given
     return {"rel_err": err, "limit": limit, "ok": err <= limit, "against": against}
 
 
@@ -196,7 +199,7 @@ def run_cpu_case(module: ModuleType, case: Case, providers: list[Provider], prog
         with poisoned(), _no_kernels(case):
             out = run.fn()  # the checked call, also the warm-up of the counted one
         if expected is not None:
-            rec["check"] = _check(out, expected, case, FLOAT64, run)
+            rec["check"] = _check(out, expected, case, FLOAT64, run, provider)
             if not rec["check"]["ok"]:
                 rec.update(status="failed", note="differs from the float64 reference")
         del out
@@ -314,17 +317,20 @@ def floor_seconds(nbytes: int | None, flops: int | None, bytes_per_s: float, flo
     return max(terms) if terms else None
 
 
-def _figures(rec, timing, peak, ceilings) -> dict[str, Any]:
+def _figures(rec, timing, peak, ceilings, rate: str = "bf16") -> dict[str, Any]:
+    """Rates and floor fractions of one timing; ``rate="fp8"``: the floor at the datasheet
+    FP8 rate (no measured FP8 ceiling: no ceiling fraction)."""
     seconds = timing["median_ms"] * 1e-3
     fig = dict(timing)
     fig["gbps"] = rec["bytes"] / seconds / 1e9 if rec["bytes"] else None
     fig["tflops"] = rec["flops"] / seconds / 1e12 if rec["flops"] else None
     if peak is not None:
-        floor = floor_seconds(rec["bytes"], rec["flops"], peak["hbm_bytes_per_s"],
-                              peak["bf16_flops_per_s"])  # fmt: skip
+        flops_per_s = peak.get(f"{rate}_flops_per_s") or peak["bf16_flops_per_s"]
+        floor = floor_seconds(rec["bytes"], rec["flops"], peak["hbm_bytes_per_s"], flops_per_s)
         fig["floor_us"] = floor * 1e6 if floor else None
         fig["floor_fraction"] = floor / seconds if floor else None
-    if ceilings:
+        fig["peak_rate"] = rate
+    if ceilings and rate == "bf16":
         floor = floor_seconds(rec["bytes"], rec["flops"], ceilings["copy_bytes_per_s"],
                               ceilings["bf16_matmul_flops_per_s"])  # fmt: skip
         fig["ceiling_fraction"] = floor / seconds if floor else None
@@ -372,12 +378,12 @@ def _time_one(rec, setup, case, provider, device, expected, timer, peak, ceiling
     if device.type == "cuda":
         torch.cuda.synchronize()
     if expected is not None:
-        rec["check"] = _check(out, expected, case, GPU_EXPECTED, run)
+        rec["check"] = _check(out, expected, case, GPU_EXPECTED, run, provider)
         if not rec["check"]["ok"]:
             rec.update(status="failed",
                        note="check failed: result differs from the reference (timed anyway)")
     del out
-    rec["timing"] = _figures(rec, timer.measure(run), peak, ceilings)
+    rec["timing"] = _figures(rec, timer.measure(run), peak, ceilings, provider.rate)
     del run
 
 

@@ -13,7 +13,8 @@ from mtp.bench.peaks import match_peak
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
 
 ALL_OPS = {"bias_gelu", "bias_swiglu", "cross_entropy", "linear_cross_entropy", "permute",
-           "unpermute", "grouped_gemm", "moe_layer"}  # fmt: skip
+           "unpermute", "quantize_fp8", "grouped_gemm", "moe_layer"}  # fmt: skip
+FP8 = {"triton-fp8", "triton-mxfp8"}
 BACKENDS = {
     "bias_gelu": {"triton", "reference"},
     "bias_swiglu": {"triton", "reference"},
@@ -21,8 +22,9 @@ BACKENDS = {
     "linear_cross_entropy": {"triton", "torch", "unfused", "reference"},
     "permute": {"triton", "reference"},
     "unpermute": {"triton", "reference"},
-    "grouped_gemm": set(GROUPED_GEMM_BACKENDS),
-    "moe_layer": set(GROUPED_GEMM_BACKENDS) | {"triton-unfused"},
+    "quantize_fp8": {"triton", "reference"},
+    "grouped_gemm": set(GROUPED_GEMM_BACKENDS) | FP8,
+    "moe_layer": set(GROUPED_GEMM_BACKENDS) | {"triton-unfused"} | FP8,
 }
 RECORD_KEYS = {"op", "family", "case", "group", "params", "dtype", "pass", "provider", "kind",
                "status", "note", "bytes", "flops"}  # fmt: skip

@@ -1,6 +1,8 @@
 """The benchmarks' byte/FLOP formulas against hand counts, the peak table, the floor, the
 routing skew and the host-side op counter."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from mtp.bench import bench_grouped_gemm as gg
 from mtp.bench import bench_linear_cross_entropy as lce
 from mtp.bench import bench_moe_layer as moe
 from mtp.bench import bench_permute as perm
+from mtp.bench import bench_quantize as qz
+from mtp.bench import runner
 from mtp.bench.counting import count_ops
 from mtp.bench.peaks import match_peak
 from mtp.bench.runner import floor_seconds
@@ -80,6 +84,41 @@ def test_moe_layer_formulas_hand_counts():
     assert moe.moe_layer_bytes(2, 3, 4, 5, 2, "fwd") == fwd
     bwd = 3 * 2 * 3 * 2 + 2 * 30 + 2 * weights  # dy, x read, dx written; router and weights x2
     assert moe.moe_layer_bytes(2, 3, 4, 5, 2, "fwd+bwd") == fwd + bwd
+
+
+def test_quantize_bytes_hand_counts():
+    # x [300, 256] bf16: read 153600, e4m3 76800; blockwise 2 fp32 scales a row, mxfp8 8 e8m0.
+    assert qz.quantize_bytes("x rowwise", "blockwise", 300, 256, 2, 2) == 153600 + 76800 + 2400
+    assert qz.quantize_bytes("x rowwise", "mxfp8", 300, 256, 2, 2) == 153600 + 76800 + 2400
+    # + the column-wise copy: experts of 100 and 200 rows padded to 128 + 256 (blockwise)
+    # and to 128 + 224 (mxfp8), one scale per block of rows and column
+    rc = qz.quantize_bytes("x rowwise+colwise", "blockwise", 300, 256, 2, 2, [100, 200])
+    assert rc == 232800 + 384 * 256 + 3 * 256 * 4
+    rc = qz.quantize_bytes("x rowwise+colwise", "mxfp8", 300, 256, 2, 2, [100, 200])
+    assert rc == 232800 + 352 * 256 + 11 * 256
+    # weights [2, 256, 200]: two e4m3 copies; blockwise one set of 2 x 2 blocks per expert,
+    # mxfp8 along each axis (256 x 7 and 8 x 200 per expert)
+    n = 2 * 256 * 200
+    assert qz.quantize_bytes("w", "blockwise", 256, 200, 2, 2) == 2 * n + 2 * n + 2 * 4 * 4
+    assert qz.quantize_bytes("w", "mxfp8", 256, 200, 2, 2) == 4 * n + 2 * (256 * 7 + 8 * 200)
+
+
+def test_fp8_providers_floor_at_the_fp8_rate():
+    """FP8 providers: the recipes' tolerance and the floor at the datasheet FP8 rate (twice
+    bf16's on H100), no fraction of the measured bf16 ceiling."""
+    names = {p.name: p for p in gg.providers()}
+    for name in ("triton-fp8", "triton-mxfp8", "torch._scaled_grouped_mm", "te-fp8",
+                 "deepgemm"):  # fmt: skip
+        assert names[name].rate == "fp8" and names[name].tolerance == 0.07, name
+    assert {p.name: p.tolerance for p in moe.providers()}["triton-fp8"] == 0.1
+    peak = dataclasses.asdict(match_peak("NVIDIA H100 80GB HBM3"))
+    assert peak["fp8_flops_per_s"] == 2 * peak["bf16_flops_per_s"] == 1978.8e12
+    rec = {"bytes": 1, "flops": int(1978.8e12)}  # one second at the FP8 rate
+    ceilings = {"copy_bytes_per_s": 1e12, "bf16_matmul_flops_per_s": 900e12}
+    fig = runner._figures(rec, {"median_ms": 2000.0}, peak, ceilings, "fp8")
+    assert fig["floor_fraction"] == pytest.approx(0.5) and "ceiling_fraction" not in fig
+    fig = runner._figures(rec, {"median_ms": 2000.0}, peak, ceilings)
+    assert fig["floor_fraction"] == pytest.approx(1.0) and fig["ceiling_fraction"] > 1
 
 
 def test_case_bytes_use_the_formulas():

@@ -211,7 +211,8 @@ def test_plan_orders_steps_by_value_within_540_s():
     lines = [line.split() for line in proc.stdout.strip().splitlines()]
     steps = [name for name, _ in lines[:-1]]
     assert steps == ["env", "smoke", "build", "graphs", "grouped_gemm", "linear_cross_entropy",
-                     "moe_layer", "pytest", "cross_entropy", "bias_act", "permute", "ncu"]
+                     "moe_layer", "pytest", "cross_entropy", "bias_act", "permute", "quantize",
+                     "ncu"]
     total = sum(int(s) for _, s in lines[:-1])
     assert lines[-1] == ["total", str(total)] and total <= 540
     assert int(dict(lines[:-1])["build"]) == 0  # only when the carried module fails to load
@@ -224,7 +225,7 @@ def test_dry_run_walks_every_step(bundle, tmp_path):
     proc = _dry_run(dest.parent, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("== mtp gpu-check") :]
-    rows = {line.split()[0]: line for line in table.splitlines()[2:14]}
+    rows = {line.split()[0]: line for line in table.splitlines()[2:15]}
     assert list(rows) == [name for name, _ in gpu_check.PLAN], table
     for name in gpu_check.BENCH_STEPS + ("graphs", "ncu"):
         assert "not run: no GPU" in rows[name], rows[name]
@@ -591,7 +592,7 @@ def test_smoke_imports_everything_and_runs_one_call_per_family(tmp_path):
     assert {"mtp.kernels.grouped_gemm_details.fill", "mtp.bench.cli"} <= set(data["imports"]["ok"])
     families = {c["family"] for c in data["calls"]}
     assert families == {"bias_act", "cross_entropy", "linear_cross_entropy", "permute",
-                        "grouped_gemm", "moe_layer"}  # fmt: skip
+                        "quantize", "grouped_gemm", "moe_layer"}  # fmt: skip
     assert all(c["ok"] for c in data["calls"]), [c for c in data["calls"] if not c["ok"]]
     assert proc.returncode == 0, proc.stdout[-2000:]
 

@@ -20,7 +20,7 @@ from mtp.moe import GroupedMLP, MoEConfig, MoELayer
 from mtp.ops import Fp8WeightCache, grouped_gemm, quantize
 from mtp.ops.grouped_gemm import fp8 as fp8_module
 from mtp.ops.quantize import quantize_many
-from mtp.testing import assert_close
+from mtp.testing import assert_close, count_host_syncs
 
 RECIPES = ["blockwise", "mxfp8"]
 SIZES = [21, 0, 30, 9]  # an empty expert, nothing a multiple of 16 or 32; 60 of 64 rows routed
@@ -136,6 +136,18 @@ def test_weight_cache_quantises_once_per_step(monkeypatch):
     with torch.no_grad():  # an in-place write outside the optimizer
         layer.weight2.mul_(2)
     assert torch.equal(layer(x, counts, probs).detach(), 2 * after["y"])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_no_host_sync(recipe):
+    """Forward and backward of the FP8 experts, first call (the weights quantised) and a
+    cached one, read nothing back to the host."""
+    x, counts, probs, dy = _inputs(torch.bfloat16)
+    layer = _experts(recipe)
+    for _ in range(2):
+        with count_host_syncs() as syncs:
+            layer(x.requires_grad_(), counts, probs).backward(dy)
+        assert syncs.count == 0
 
 
 def test_weight_cache_entries():

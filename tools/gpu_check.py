@@ -20,7 +20,7 @@ GPU (its time comes out of the later steps).
 ``results.json`` rewritten after every case).
 ``pytest``: ``-m gpu``, no ``-x``, a per-test timeout, xdist workers, the Triton tests before
 the CUTLASS ones, failing test ids written to ``failures.txt`` as they happen.
-``cross_entropy``, ``bias_act``, ``permute``: the memory-bound families.
+``cross_entropy``, ``bias_act``, ``permute``, ``quantize``: the memory-bound families.
 ``ncu``: only on time left over (share 0): ``tools/gpu_ncu.py``, one Nsight Compute reading of
 each of the slowest kernels against their floor (``ncu/`` in the tarball).
 
@@ -61,9 +61,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: tool's 600 s command limit less Python's start, the wheel install and the last pack).
 PLAN = (("env", 15), ("smoke", 30), ("build", 0), ("graphs", 40), ("grouped_gemm", 110),
         ("linear_cross_entropy", 55), ("moe_layer", 75), ("pytest", 120), ("cross_entropy", 30),
-        ("bias_act", 30), ("permute", 30), ("ncu", 0))  # fmt: skip
+        ("bias_act", 20), ("permute", 25), ("quantize", 15), ("ncu", 0))  # fmt: skip
 BENCH_STEPS = ("grouped_gemm", "linear_cross_entropy", "moe_layer", "cross_entropy", "bias_act",
-               "permute")  # fmt: skip
+               "permute", "quantize")  # fmt: skip
 BUILD_CAP_S = 150  # the CUTLASS build when the carried module does not load (16 cores: ~100 s)
 ARCH_OF_CAPABILITY = {"9.0": "9.0a", "10.0": "10.0a"}  # only these have CUTLASS kernels
 #: At most 8 files come back: the tarball holds everything, these are also copied flat.
