@@ -150,6 +150,38 @@ def test_no_host_sync(recipe):
         assert syncs.count == 0
 
 
+def test_compiled_equals_eager():
+    """torch.compile (aot_eager: the custom ops and their fakes) gives the eager result; the
+    traced graph quantises the weights itself (the cache is for eager calls)."""
+    x, counts, probs, dy = _inputs()
+    layer = _experts("blockwise", backend="reference")
+    want = _grads(layer, x, counts, probs, dy)
+    layer.zero_grad()
+    compiled = torch.compile(layer, backend="aot_eager")
+    xx = x.clone().requires_grad_()
+    y = compiled(xx, counts, probs)
+    y.backward(dy)
+    assert torch.equal(y.detach(), want["y"]) and torch.equal(xx.grad, want["dx"])
+    assert torch.equal(layer.weight1.grad, want["dw1"])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_sees_the_optimizer_step():
+    """A forward captured in a CUDA graph quantises the weights inside the graph (the cache is
+    bypassed while capturing), so a replay after an optimizer step uses the new weights."""
+    layer = _experts("blockwise", device="cuda")
+    x, counts, probs, _ = (t.cuda() for t in _inputs(torch.bfloat16))
+    with torch.no_grad():
+        layer(x, counts, probs)  # warm-up: compilation, and a cache entry made eagerly
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = layer(x, counts, probs)
+        layer.weight2.mul_(2)  # stands for the optimizer step
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, layer(x, counts, probs))
+
+
 def test_weight_cache_entries():
     cache, w = Fp8WeightCache(), torch.randn(4, 4)
     calls = []
