@@ -196,10 +196,16 @@ def test_weight_cache_entries():
     assert cache.get(w, "a", make) == 3 and len(cache) == 1, "stale entries dropped"
     w.data = torch.randn(4, 4)
     assert cache.get(w, "a", make) == 4, "new storage"
+    w.data.copy_(torch.randn(4, 4))  # bumps no version: Megatron's distributed optimizer
+    assert cache.get(w, "a", make) == 4
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)]).step()  # any optimizer's step
+    assert cache.get(w, "a", make) == 5, "an optimizer step invalidates every entry"
+    Fp8WeightCache.invalidate_all()
+    assert cache.get(w, "a", make) == 6
     assert len(copy.deepcopy(cache)) == 0
     with torch.inference_mode():
         v = torch.randn(2)
-    assert cache.get(v, "a", make) == 5 and cache.get(v, "a", make) == 6, "inference: no cache"
+    assert cache.get(v, "a", make) == 7 and cache.get(v, "a", make) == 8, "inference: no cache"
 
 
 def test_moe_layer_and_config():

@@ -150,7 +150,8 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
             GEMMs in FP8 (:func:`mtp.ops.grouped_gemm`'s ``fp8_recipe``): the activations
             quantised on the fly, the output gradient once per GEMM for both of its gradients,
             the weights once per optimizer step (an :class:`~mtp.ops.Fp8WeightCache`: reused
-            while a weight's ``_version`` and storage are unchanged). Master weights and their
+            while a weight's ``_version`` and storage are unchanged and no ``torch.optim``
+            step ran). Master weights and their
             gradients stay in ``params_dtype`` (``main_grad`` with
             ``gradient_accumulation_fusion``, any ``params_dtype``); the activation runs
             between the GEMMs. No ``bias`` yet; backend ``"auto"``, ``"triton"`` or

@@ -164,8 +164,9 @@ def grouped_gemm(
             as it is; its gradient comes back in its dtype).
         fp8_weight_cache: with ``fp8_recipe``, an :class:`~mtp.ops.quantize.Fp8WeightCache`
             that keeps the quantised ``w`` and reuses it while ``w`` is unchanged (its
-            ``_version`` and storage): the weight is quantised once per optimizer step, not
-            per call (always quantised while a CUDA graph is captured or when compiling).
+            ``_version`` and storage, no ``torch.optim`` step since): the weight is quantised
+            once per optimizer step, not per call (always quantised while a CUDA graph is
+            captured or when compiling).
 
     Returns:
         ``y`` in ``x``'s dtype (fp32 accumulation); rows past ``sum(tokens_per_expert)`` are

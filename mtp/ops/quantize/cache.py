@@ -10,7 +10,11 @@ long as the weight is the same tensor with the same *version* and storage:
   buffer (views share their base's counter: a distributed optimizer's parameter buffer);
 - ``data_ptr()`` catches ``w.data = ...`` and storage that is freed and re-allocated.
 
-So no hook on the optimizer is needed. Bypassed (the weight quantised on every call, nothing
+Some optimizers write the parameters through ``param.data`` (Megatron-Core's distributed
+optimizer copies its main parameters so), which bumps no version; so every entry also records
+a global *generation*, advanced after every ``torch.optim.Optimizer.step`` (a global step
+post-hook: also the inner optimizer of a wrapper) and by :meth:`Fp8WeightCache.invalidate_all`
+(for updates made any other way). Bypassed (the weight quantised on every call, nothing
 stored): while a CUDA graph is being captured (a replay cannot re-check the version, so the
 captured graph must quantise: once per replay, i.e. per captured step), while compiling or
 tracing, and for inference-mode tensors (no version counter).
@@ -22,6 +26,7 @@ import weakref
 from typing import Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mtp.ops._eager import eager
 
@@ -30,6 +35,20 @@ __all__ = ["Fp8WeightCache"]
 
 def _capturing(w: torch.Tensor) -> bool:
     return w.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_GENERATION = [0]
+
+
+def _next_generation(*_) -> None:
+    _GENERATION[0] += 1
+
+
+register_optimizer_step_post_hook(_next_generation)
+
+
+def _stamp(w: torch.Tensor) -> tuple:
+    return _GENERATION[0], w._version, w.data_ptr()
 
 
 class Fp8WeightCache:
@@ -51,7 +70,7 @@ class Fp8WeightCache:
         if not self._usable(w):
             return None
         entry = self._entries.get((id(w), key))
-        if entry is not None and entry[0]() is w and entry[1] == (w._version, w.data_ptr()):
+        if entry is not None and entry[0]() is w and entry[1] == _stamp(w):
             self.hits += 1
             return entry[2]
         return None
@@ -64,7 +83,7 @@ class Fp8WeightCache:
         if not self._usable(w):
             return value
         self.misses += 1
-        stamp = (w._version, w.data_ptr())
+        stamp = _stamp(w)
         # drop entries of dead tensors and stale versions of this one
         self._entries = {k: e for k, e in self._entries.items()
                          if e[0]() is not None and (k[0] != id(w) or e[1] == stamp)}  # fmt: skip
@@ -73,6 +92,12 @@ class Fp8WeightCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    @staticmethod
+    def invalidate_all() -> None:
+        """Every cache's entries are stale from now on (after weights were changed in a way
+        that bumps no version and is no ``torch.optim`` step)."""
+        _next_generation()
 
     def __len__(self) -> int:
         return len(self._entries)
