@@ -220,8 +220,9 @@ def _tma_off(fn):
     return call
 
 
-def _provider_fn(provider: str, w: torch.Tensor):
-    """``(f(x, counts) -> y, the weight tensors to differentiate)``."""
+def _provider_fn(provider: str, w: torch.Tensor, sizes: list[int] | None = None):
+    """``(f(x, counts) -> y, the weight tensors to differentiate)`` (``sizes``: the counts on
+    the host, for the peers that need them at setup)."""
     if provider == FLOAT64:
         return (lambda x, c: grouped_gemm_reference(x, w, c)), [w]
     if provider == "te":
@@ -243,7 +244,7 @@ def _provider_fn(provider: str, w: torch.Tensor):
         return (lambda x, c: grouped_gemm(x, w, c, backend="triton", validate=False,
                                           fp8_recipe=recipe)), [w]  # fmt: skip
     if provider not in GROUPED_GEMM_BACKENDS and provider != "triton-ptr":
-        return fp8.peer_fn(provider, w, _te_layer)
+        return fp8.peer_fn(provider, w, _te_layer, sizes)
     backend = "triton" if provider == "triton-ptr" else provider
     return (lambda x, c: grouped_gemm(x, w, c, backend=backend, validate=False)), [w]
 
@@ -259,8 +260,9 @@ def setup_grouped_gemm(case: Case, provider: str, device: torch.device) -> Run:
     x = randn((M, K), case.dtype, device, gen).to(dtype).requires_grad_(grad)
     w = randn((E, K, N), case.dtype, device, gen, K**-0.5).to(dtype).requires_grad_(grad)
     dy = randn((M, N), case.dtype, device, gen).to(dtype)
-    counts = torch.tensor(expert_counts(M, E, p["skew"]), dtype=torch.int64, device=device)
-    f, weights = _provider_fn(provider, w)
+    sizes = expert_counts(M, E, p["skew"])
+    counts = torch.tensor(sizes, dtype=torch.int64, device=device)
+    f, weights = _provider_fn(provider, w, sizes)
     if grad and weights is None:
         raise Skip(f"{provider} has no backward: timed for the forward only")
     if not grad:

@@ -13,8 +13,8 @@ fp32 scales; ``mxfp8``: 1 x 32 blocks, e8m0 scales):
 
 Shapes: Qwen3-30B-A3B's fc1 (``M = 4096 * 8`` routed rows, ``K = 2048``, ``E = 128``,
 ``N = 2 * 768``) and DeepSeek-V3's (``K = 7168``, ``E = 256``, ``N = 2 * 2048``, balanced
-routing; the weights of 32 experts). ``triton`` is checked bit for bit (tolerance 0) against ``reference``, the plain
-PyTorch definition.
+routing; the weights of 32 experts). ``triton`` is checked bit for bit (tolerance 0) against
+``reference``, the plain PyTorch definition.
 
 Bytes (``s`` = the input's element size, ``ss`` = a scale's: 4 or 1): the input read once, each
 layout's e4m3 data (1 byte an element) and scales written once; the padded rows of the

@@ -17,7 +17,8 @@ call too):
   ``Float8BlockScaling`` (DeepSeek-V3's blocks, the blockwise recipe) / ``MXFP8BlockScaling``,
   forward and backward (``m_splits`` on the host, as for the BF16 ``te`` provider);
 - ``deepgemm``: DeepSeek's ``m_grouped_fp8_gemm_nt_contiguous`` (1 x 128 / 128 x 128 blocks),
-  forward only, on cases whose groups are multiples of its 128-row alignment.
+  forward only, on cases whose groups are multiples of its 128-row alignment (the others are
+  skipped).
 
 Every FP8 provider is checked against the float64 GEMM on the original operands with
 :data:`TOLERANCE` (the recipes' error on Gaussian data is about 3.7 %, ``docs/grouped_gemm.md``;
@@ -88,7 +89,7 @@ def peers() -> list[Provider]:
         note="row-wise scales; forward only", **kw)]  # fmt: skip
     out += [Provider(name, "peer", needs=_te_needs(name), **kw) for name in _TE_RECIPES]
     out.append(Provider("deepgemm", "peer", needs=_deepgemm_needs,
-                        note="groups padded to its 128-row alignment; forward only", **kw))
+                        note="groups of multiples of 128 rows only; forward only", **kw))
     return out
 
 
@@ -106,7 +107,7 @@ def _rowwise(t: torch.Tensor, dim: int):
 def _scaled_mm_fn(w: torch.Tensor):
     def f(x, counts):
         xq, sx = _rowwise(x, 1)  # [M, K], [M]
-        wq, sw = _rowwise(w.transpose(1, 2), 2)  # [E, N, K] (K contiguous), [E, N]
+        wq, sw = _rowwise(w.transpose(1, 2).contiguous(), 2)  # [E, N, K] (K contiguous), [E, N]
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), sx, sw, offs=offs,
                                         out_dtype=x.dtype)  # fmt: skip
@@ -131,8 +132,6 @@ def _deepgemm_fn(w: torch.Tensor):
     gemm = peer_attr("deep_gemm", "m_grouped_fp8_gemm_nt_contiguous")
 
     def f(x, counts):
-        if bool((counts % 128).any()):
-            raise Skip("DeepGEMM's contiguous layout needs groups of multiples of 128 rows")
         xq = quantize(x, "blockwise", "rowwise")
         wq = quantize(w.transpose(1, 2).contiguous(), "blockwise", "block")  # [E, N, K]
         groups = torch.repeat_interleave(torch.arange(len(counts), device=x.device,
@@ -144,14 +143,16 @@ def _deepgemm_fn(w: torch.Tensor):
     return f
 
 
-def peer_fn(provider: str, w: torch.Tensor, te_layer):
+def peer_fn(provider: str, w: torch.Tensor, te_layer, sizes: list[int]):
     """``(f(x, counts) -> y, the weight tensors to differentiate)`` of an FP8 peer;
-    ``te_layer(w)`` builds Transformer Engine's layer."""
+    ``te_layer(w)`` builds Transformer Engine's layer; ``sizes``: the rows per expert."""
     if provider == SCALED_MM:
         return _scaled_mm_fn(w), None
     if provider in _TE_RECIPES:
         layer = te_layer(w.detach())
         return _te_fn(provider, layer), [getattr(layer, f"weight{e}") for e in range(w.shape[0])]
     if provider == "deepgemm":
+        if any(m % 128 for m in sizes):
+            raise Skip("DeepGEMM's contiguous layout needs groups of multiples of 128 rows")
         return _deepgemm_fn(w), None
     raise KeyError(provider)
