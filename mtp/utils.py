@@ -65,11 +65,16 @@ def _is_fake_or_traced(t: torch.Tensor) -> bool:
     return not isinstance(t, torch.nn.Parameter)
 
 
+_CUDA: list[bool] = []  # torch.cuda.is_available(), asked once (it reads the environment)
+
+
 def is_capturing() -> bool:
     """True while a CUDA graph is being captured on the current stream, or simulated."""
     if getattr(_state, "capturing", False):
         return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not _CUDA:
+        _CUDA.append(torch.cuda.is_available())
+    return _CUDA[0] and torch.cuda.is_current_stream_capturing()
 
 
 def capturing_on(t: torch.Tensor) -> bool:

@@ -34,6 +34,15 @@ BUDGETS = {
     ("grouped_gemm", "fwd+bwd"): (250, 4),
     ("grouped_mlp", "fwd"): (157, 3),
     ("grouped_mlp", "fwd+bwd"): (422, 7),
+    # row map (count, place) and the token scatter; backward: one token-major combine
+    ("permute", "fwd"): (137, 3),
+    ("permute", "fwd+bwd"): (246, 4),
+    # with the token map permute built: one launch each way
+    ("unpermute", "fwd"): (80, 1),
+    ("unpermute", "fwd+bwd"): (196, 2),
+    # without it: the row map inverted first (count per expert, invert), then as above
+    ("unpermute_no_map", "fwd"): (145, 3),
+    ("unpermute_no_map", "fwd+bwd"): (261, 4),
 }
 
 _WORKER = r"""

@@ -17,9 +17,10 @@ same name. Each op's path, API and autograd -> config -> kernel:
 - ``linear_cross_entropy``: :mod:`.linear_cross_entropy` (``.checks``: arguments and backend;
   ``.maths``: the per-chunk GEMMs) -> the same launch config ->
   :mod:`mtp.kernels.linear_cross_entropy` and ``linear_cross_entropy_gemm``.
-- ``permute``, ``unpermute``: :mod:`.moe_permute` (``.checks``, ``.row_map``, ``.token_map``,
-  ``.row_ops``, ``.reference``) -> ``map_config``/``block_config`` ->
-  :mod:`mtp.kernels.moe_row_map` and :mod:`mtp.kernels.moe_permute`.
+- ``permute``, ``unpermute``: :mod:`.moe_permute` (``.paths``: eager and general paths;
+  ``.checks``, ``.row_map``, ``.token_map``, ``.invert``, ``.row_ops``, ``.reference``) ->
+  ``map_config``/``block_config`` -> :mod:`mtp.kernels.moe_row_map`,
+  :mod:`mtp.kernels.moe_token_major` and :mod:`mtp.kernels.moe_permute`.
 - ``grouped_gemm``: :mod:`.grouped_gemm` (``.checks``, ``.eager_path``, ``.ops``: custom ops
   and autograd, ``.backends``, ``.plans``: the triton backend's launch plans, ``.cutlass``) ->
   ``.config.make_config`` -> :mod:`mtp.kernels.grouped_gemm_details` (``launch``, ``routing``,
