@@ -338,3 +338,31 @@ def test_unpermute_eager_equals_custom_op(case, with_map):
         with_tm = unpermute(y, rid, (19, 8), None if case == "no_probs" else p,
                             drop_and_pad=drop, backend="triton", token_map=tm, **routing)
         assert torch.equal(eager_out[0], with_tm)
+
+
+@pytest.mark.parametrize("drop_and_pad", [False, True], ids=["dropless", "drop_and_pad"])
+def test_scatter_rows_eager_equals_custom_op_and_the_row_gather(drop_and_pad):
+    """The MoE dispatchers' permutation with the token map: eager and custom op bit-identical,
+    and equal to the row gather it replaces (forward and the backward's per-token sums)."""
+    from mtp.ops.moe_permute import moe_permute_row_map
+    from mtp.ops.moe_permute.rows import scatter_rows
+
+    rm, _, _ = _topk(21, 6, 2, seed=7)
+    kw = dict(drop_and_pad=True, capacity=5) if drop_and_pad else {}
+    row_map = moe_permute_row_map(rm, 30 if drop_and_pad else 42, backend="triton",
+                                  token_map=True, **kw)  # fmt: skip
+    x = torch.randn(21, 10).to(torch.bfloat16)
+    g = torch.randn(row_map.row_id_map.shape[0], 10).to(torch.bfloat16)
+
+    def run(fn):
+        leaf = x.clone().requires_grad_()
+        out = fn(leaf)
+        out.backward(g)
+        return out.detach(), leaf.grad
+
+    eager_out = run(lambda t: scatter_rows(t, row_map.token_map, row_map.row_id_map))
+    with _CustomOps():
+        op_out = run(lambda t: scatter_rows(t, row_map.token_map, row_map.row_id_map))
+    gathered = run(lambda t: torch.ops.mtp.moe_gather_rows(t, row_map.row_id_map, None))
+    for a, b, c in zip(eager_out, op_out, gathered, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)

@@ -18,8 +18,8 @@ same name. Each op's path, API and autograd -> config -> kernel:
   ``.maths``: the per-chunk GEMMs) -> the same launch config ->
   :mod:`mtp.kernels.linear_cross_entropy` and ``linear_cross_entropy_gemm``.
 - ``permute``, ``unpermute``: :mod:`.moe_permute` (``.paths``: eager and general paths;
-  ``.checks``, ``.row_map``, ``.token_map``, ``.invert``, ``.row_ops``, ``.reference``) ->
-  ``map_config``/``block_config`` -> :mod:`mtp.kernels.moe_row_map`,
+  ``.checks``, ``.row_map``, ``.token_map``, ``.invert``, ``.rows``, ``.row_ops``,
+  ``.reference``) -> ``map_config``/``block_config`` -> :mod:`mtp.kernels.moe_row_map`,
   :mod:`mtp.kernels.moe_token_major` and :mod:`mtp.kernels.moe_permute`.
 - ``grouped_gemm``: :mod:`.grouped_gemm` (``.checks``, ``.eager_path``, ``.ops``: custom ops
   and autograd, ``.backends``, ``.plans``: the triton backend's launch plans, ``.cutlass``) ->

@@ -49,7 +49,8 @@ what ``torch.compile`` and tracers see, with bit-identical results.
 
 This module holds the two entry points; the pieces behind them, all importable from here too:
 the row map on its own (:func:`moe_permute_row_map`, :class:`RowMap`, :func:`select_probs`) in
-:mod:`mtp.ops.moe_permute.row_map`, the references (:func:`permute_reference`,
+:mod:`mtp.ops.moe_permute.row_map` and the rows of a permutation whose token map is known
+(:func:`scatter_rows`) in :mod:`mtp.ops.moe_permute.rows`, the references (:func:`permute_reference`,
 :func:`unpermute_reference`) in :mod:`mtp.ops.moe_permute.reference`, the argument and data
 checks in :mod:`mtp.ops.moe_permute.checks`, the fused custom ops and :class:`TokenMap` in
 :mod:`mtp.ops.moe_permute.token_map` and the row-kernel custom ops in
@@ -77,6 +78,7 @@ from mtp.ops.moe_permute.paths import (
 )
 from mtp.ops.moe_permute.reference import permute_reference, unpermute_reference
 from mtp.ops.moe_permute.row_map import RowMap, moe_permute_row_map, select_probs
+from mtp.ops.moe_permute.rows import scatter_rows
 from mtp.ops.moe_permute.token_map import TokenMap
 
 __all__ = [
@@ -87,6 +89,7 @@ __all__ = [
     "permute_reference",
     "unpermute_reference",
     "moe_permute_row_map",
+    "scatter_rows",
     "select_probs",
 ]
 

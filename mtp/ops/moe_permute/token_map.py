@@ -43,9 +43,11 @@ __all__ = [
     "Permute",
     "TokenMap",
     "Unpermute",
+    "backward_meta",
     "log_once",
     "permute_backward_impl",
     "permute_impl",
+    "permute_grads",
     "permute_plan",
     "run_permute",
     "row_map_impl",
@@ -130,7 +132,7 @@ def _permute_op(
 _PLANS = Plans()
 
 
-def _poisoned(*shape, dtype, device):
+def poisoned_empty(*shape, dtype, device):
     """``torch.empty(*shape)`` (or ``torch.empty(())``) poisoned: the ``poison_outputs``
     setting."""
     return empty(shape if shape != ((),) else (), dtype=dtype, device=device)
@@ -178,7 +180,7 @@ def run_permute(plan, tokens, routing, probs, num_out_tokens, num_experts):
 def _permute_outputs(tokens, routing, probs, n, num_experts) -> tuple:
     device, (num_tokens, hidden) = tokens.device, tokens.shape
     width = routing.shape[1] if routing.dtype != torch.bool else num_experts
-    new = _poisoned if settings.current().poison_outputs else torch.empty
+    new = poisoned_empty if settings.current().poison_outputs else torch.empty
     i32 = torch.int32
     return (
         new(n, hidden, dtype=tokens.dtype, device=device),
@@ -231,7 +233,7 @@ def permute_backward_impl(grad_permuted, grad_permuted_probs, token_rows, token_
     """The body of ``mtp::moe_permute_backward``."""
     num_tokens, device = token_count.shape[0], token_count.device
     need_x, need_p = grad_permuted is not None, grad_permuted_probs is not None
-    new = _poisoned if settings.current().poison_outputs else torch.empty
+    new = poisoned_empty if settings.current().poison_outputs else torch.empty
     gx = new(num_tokens, hidden if need_x else 0, dtype=dtype, device=device)
     gp = new(num_tokens, num_experts if need_p else 0, dtype=probs_dtype, device=device)
     src = grad_permuted.contiguous() if need_x else gx
@@ -259,10 +261,10 @@ def _permute_setup(ctx, inputs, output):
     tokens, _, probs, _, num_experts, _, _ = inputs
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[3:6])
-    ctx.meta = _backward_meta(tokens, probs, num_experts)
+    ctx.meta = backward_meta(tokens, probs, num_experts)
 
 
-def _backward_meta(tokens, probs, num_experts) -> tuple:
+def backward_meta(tokens, probs, num_experts) -> tuple:
     """The non-tensor arguments of ``mtp::moe_permute_backward``."""
     return (tokens.shape[1], num_experts, tokens.dtype,
             probs.dtype if probs is not None else tokens.dtype)
@@ -273,13 +275,13 @@ def _permute_backward(ctx, g_permuted, g_pprobs, *_):
     need_p = ctx.needs_input_grad[2] and g_pprobs is not None
     if not (need_x or need_p):
         return None, None, None, None, None, None, None
-    gx, gp = _permute_grads(ctx.saved_tensors, ctx.meta, need_x, need_p, g_permuted, g_pprobs)
+    gx, gp = permute_grads(ctx.saved_tensors, ctx.meta, need_x, need_p, g_permuted, g_pprobs)
     return gx, None, gp, None, None, None, None
 
 
-def _permute_grads(maps, meta, need_x, need_p, g_permuted, g_pprobs):
+def permute_grads(maps, meta, need_x, need_p, g_permuted, g_pprobs):
     """``(grad of tokens, grad of probs)`` (None where not needed) of a permute's outputs, from
-    its token map ``(rows, experts, count)`` and :func:`_backward_meta`."""
+    its token map ``(rows, experts, count)`` and :func:`backward_meta`."""
     rows, experts, count = maps
     args = (g_permuted if need_x else None, g_pprobs if need_p else None, rows, experts, count,
             *meta)
@@ -310,7 +312,7 @@ class Permute(torch.autograd.Function):
     def forward(ctx, tokens, probs, spec):
         plan, routing, n, num_experts, with_p, maps = spec
         out = run_permute(plan, tokens, routing, probs, n, num_experts)
-        ctx.maps, ctx.meta = out[3:6], _backward_meta(tokens, probs, num_experts)
+        ctx.maps, ctx.meta = out[3:6], backward_meta(tokens, probs, num_experts)
         if with_p:
             ctx.set_materialize_grads(False)
             maps.extend(out[2:])
@@ -324,47 +326,7 @@ class Permute(torch.autograd.Function):
         need_p = ctx.needs_input_grad[1] and g_pprobs is not None
         if not (need_x or need_p):
             return None, None, None
-        return (*_permute_grads(ctx.maps, ctx.meta, need_x, need_p, g_permuted, g_pprobs), None)
-
-
-@torch.library.custom_op("mtp::moe_row_map", mutates_args=())
-def _row_map_op(
-    routing_map: torch.Tensor, num_out_tokens: int, capacity: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(row_id_map, pair, token_rows, token_experts, token_count)`` of a ``[T, E]`` bool
-    routing map (``capacity < 0``: dropless); two launches, no checks."""
-    return row_map_impl(routing_map, num_out_tokens, capacity)
-
-
-def row_map_impl(routing_map, num_out_tokens, capacity):
-    """The body of ``mtp::moe_row_map``."""
-    device, (num_tokens, num_experts), n = routing_map.device, routing_map.shape, num_out_tokens
-    new = _poisoned if settings.current().poison_outputs else torch.empty
-    row_id_map = new(n, dtype=torch.int64, device=device)
-    pair = new(n, dtype=torch.int64, device=device)
-    rows = new(num_tokens, num_experts, dtype=torch.int32, device=device)
-    experts = new(num_tokens, num_experts, dtype=torch.int32, device=device)
-    count = new(num_tokens, dtype=torch.int32, device=device)
-    ok = new((), dtype=torch.bool, device=device)
-    _map_kernels.build_row_map(
-        routing_map.contiguous(), num_experts, n, capacity=capacity if capacity >= 0 else None,
-        probs=None, row_id_map=row_id_map, pair=pair, permuted_probs=None, token_rows=rows,
-        token_experts=experts, token_count=count, status=ok,
-    )  # fmt: skip
-    return row_id_map, pair, rows, experts, count
-
-
-@_row_map_op.register_fake
-def _(routing_map, num_out_tokens, capacity):
-    (num_tokens, num_experts), n = routing_map.shape, num_out_tokens
-    i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
-    return (
-        routing_map.new_empty((n,), **i64),
-        routing_map.new_empty((n,), **i64),
-        routing_map.new_empty((num_tokens, num_experts), **i32),
-        routing_map.new_empty((num_tokens, num_experts), **i32),
-        routing_map.new_empty((num_tokens,), **i32),
-    )
+        return (*permute_grads(ctx.maps, ctx.meta, need_x, need_p, g_permuted, g_pprobs), None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,7 +349,7 @@ def _unpermute_op(
 
 def unpermute_impl(permuted, token_rows, token_experts, token_count, probs):
     """The body of ``mtp::moe_unpermute``."""
-    new = _poisoned if settings.current().poison_outputs else torch.empty
+    new = poisoned_empty if settings.current().poison_outputs else torch.empty
     out = new(token_count.shape[0], permuted.shape[1], dtype=permuted.dtype,
               device=permuted.device)
     _kernels.combine_tokens(permuted.contiguous(), token_rows, token_experts, token_count, out,
@@ -422,7 +384,7 @@ def unpermute_backward_impl(grad, permuted, token_rows, token_experts, token_cou
     """The body of ``mtp::moe_unpermute_backward``."""
     n, (num_tokens, hidden) = row_id_map.shape[0], grad.shape
     num_experts = probs.shape[1] if probs is not None else 0
-    new = _poisoned if settings.current().poison_outputs else torch.empty
+    new = poisoned_empty if settings.current().poison_outputs else torch.empty
     gx = new(n if need_permuted else 0, hidden, dtype=grad.dtype, device=grad.device)
     need_p = permuted is not None and probs is not None
     gp = new(num_tokens if need_p else 0, num_experts,
