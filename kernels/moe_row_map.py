@@ -22,8 +22,12 @@ tokens) without a sort, in two launches:
    - ``status[1]`` (bool): the routing is valid (``indices`` distinct and in range; dropless:
      the routed pairs equal ``N``).
 
+A small routing (at most :data:`FUSE_COUNT` ``[T, E_BLOCK]`` elements) skips the first launch:
+each place program counts the whole routing itself (``FUSED``).
+
 Routing is a ``[T, E]`` bool map or ``[T, k]`` top-k expert numbers (turned into the same tile
-on the fly). All offsets are int64.
+on the fly). All offsets are int64. :func:`invert_row_map` goes the other way: the token-major
+map of a given row map, in one launch.
 """
 
 from __future__ import annotations
@@ -86,9 +90,10 @@ def _routing_tile(route_ptr, t0, t_end, E, IS_INDICES: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _count_kernel(route_ptr, counts_ptr, T, E, tokens_per_chunk, IS_INDICES: tl.constexpr,
+def _chunk_counts(route_ptr, c, T, E, tokens_per_chunk, IS_INDICES: tl.constexpr,
                   K: tl.constexpr, SUB_T: tl.constexpr, E_BLOCK: tl.constexpr):
-    c = tl.program_id(0)
+    """``[E_BLOCK]`` int32: the tokens of chunk ``c`` routed to each expert; column ``E``: the
+    chunk's tokens whose ``indices`` are not ``K`` distinct experts in range."""
     ex = tl.arange(0, E_BLOCK)
     cnt = tl.zeros([E_BLOCK], dtype=tl.int32)
     nbad = tl.zeros([SUB_T], dtype=tl.int32)
@@ -99,8 +104,15 @@ def _count_kernel(route_ptr, counts_ptr, T, E, tokens_per_chunk, IS_INDICES: tl.
         cnt += tl.sum(hit, axis=0)
         nbad += bad.to(tl.int32)
         t0 += SUB_T
-    # Column E carries the chunk's invalid tokens.
-    cnt = tl.where(ex == E, tl.sum(nbad, axis=0), cnt)
+    return tl.where(ex == E, tl.sum(nbad, axis=0), cnt)
+
+
+@triton.jit
+def _count_kernel(route_ptr, counts_ptr, T, E, tokens_per_chunk, IS_INDICES: tl.constexpr,
+                  K: tl.constexpr, SUB_T: tl.constexpr, E_BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    ex = tl.arange(0, E_BLOCK)
+    cnt = _chunk_counts(route_ptr, c, T, E, tokens_per_chunk, IS_INDICES, K, SUB_T, E_BLOCK)
     tl.store(counts_ptr + c * (E + 1) + ex, cnt, mask=ex <= E)
 
 
@@ -111,7 +123,7 @@ def _place_kernel(
     T, E, N, capacity, tokens_per_chunk, num_chunks, rows_per_chunk, S,
     IS_INDICES: tl.constexpr, K: tl.constexpr, DROP: tl.constexpr, HAS_PROBS: tl.constexpr,
     WRITE_PAIR: tl.constexpr, SUB_T: tl.constexpr, E_BLOCK: tl.constexpr,
-    ROW_BLOCK: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, FUSED: tl.constexpr = False,
 ):
     c = tl.program_id(0)
     ex = tl.arange(0, E_BLOCK)
@@ -121,7 +133,11 @@ def _place_kernel(
     before = tl.zeros([E_BLOCK], dtype=tl.int32)
     cc = 0
     while cc < num_chunks:
-        v = tl.load(counts_ptr + cc * (E + 1) + ex, mask=ex <= E, other=0)
+        if FUSED:  # a small routing: every program counts it itself (no count launch)
+            v = _chunk_counts(route_ptr, cc, T, E, tokens_per_chunk, IS_INDICES, K, SUB_T,
+                              E_BLOCK)  # fmt: skip
+        else:
+            v = tl.load(counts_ptr + cc * (E + 1) + ex, mask=ex <= E, other=0)
         total += v
         before += tl.where(cc < c, v, 0)
         cc += 1
@@ -234,8 +250,10 @@ def run_row_map(plan, routing, probs, row_id_map, pair, permuted_probs, token_ro
                 token_count, status) -> None:
     """Run a :func:`row_map_plan` on the arguments it was made for (see :func:`build_row_map`)."""
     count, place, (chunks, columns), count_ints, place_ints = plan
-    counts = torch.empty(chunks, columns, dtype=torch.int32, device=routing.device)
-    count(routing, counts, *count_ints)
+    counts = status  # unused by a place kernel that counts itself
+    if count is not None:
+        counts = torch.empty(chunks, columns, dtype=torch.int32, device=routing.device)
+        count(routing, counts, *count_ints)
     place(
         routing, probs if probs is not None else status, counts, row_id_map,
         pair if pair is not None else status,
@@ -252,10 +270,10 @@ def row_map_plan(routing, num_experts, n, capacity, probs, row_id_map, pair, ppr
     is_indices = routing.dtype != torch.bool
     k = routing.shape[1] if is_indices else 1
     e_block, sub_t, per_chunk, chunks = map_config(num_tokens, num_experts)
-    counts = torch.empty((chunks, num_experts + 1), dtype=torch.int32, device=routing.device)
     common = dict(IS_INDICES=is_indices, K=k, SUB_T=sub_t, E_BLOCK=e_block, num_warps=NUM_WARPS)
     count_ints = (num_tokens, num_experts, per_chunk)
-    count = Launch(_count_kernel, (chunks,), (routing, counts, *count_ints), common)
+    count, counts = _count_launch(routing, num_experts, chunks, count_ints, common)
+    counts = status if counts is None else counts  # as run_row_map passes it
     place_ints = (num_tokens, num_experts, n, capacity or 0, per_chunk, chunks,
                   triton.cdiv(n, chunks), token_rows.shape[1])
     # status stands for the pointers the flags leave unused
@@ -264,8 +282,22 @@ def row_map_plan(routing, num_experts, n, capacity, probs, row_id_map, pair, ppr
             token_rows, token_experts, token_count, status, *place_ints)
     place = Launch(_place_kernel, (chunks,), args, dict(
         DROP=capacity is not None, HAS_PROBS=probs is not None, WRITE_PAIR=pair is not None,
-        ROW_BLOCK=max(1, TILE // e_block), **common))  # fmt: skip
+        ROW_BLOCK=max(1, TILE // e_block), FUSED=count is None, **common))  # fmt: skip
     return count, place, (chunks, num_experts + 1), count_ints, place_ints
+
+
+#: A routing of at most this many ``[tokens, E_BLOCK]`` elements is counted by every program
+#: that needs its counts (a few tiles each) instead of by a count launch.
+FUSE_COUNT = 16384
+
+
+def _count_launch(routing, num_experts, chunks, count_ints, common):
+    """``(count launch, counts table)`` of a routing, or ``(None, None)`` when it is small enough
+    for the programs that read the table to count it themselves."""
+    if routing.shape[0] * common["E_BLOCK"] <= FUSE_COUNT:
+        return None, None
+    counts = torch.empty((chunks, num_experts + 1), dtype=torch.int32, device=routing.device)
+    return Launch(_count_kernel, (chunks,), (routing, counts, *count_ints), common), counts
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,9 +316,10 @@ INVERT_TILE = 4096
 @triton.jit
 def _invert_kernel(
     row_id_ptr, route_ptr, counts_ptr, packed_ptr, tcount_ptr,
-    N, T, E, W, capacity, num_chunks, rows_per_program,
+    N, T, E, W, capacity, num_chunks, tokens_per_chunk, rows_per_program,
     ROUTE: tl.constexpr, K: tl.constexpr, EXPERTS: tl.constexpr, COUNTS: tl.constexpr,
-    CHECK: tl.constexpr, SUB_R: tl.constexpr, E_BLOCK: tl.constexpr,
+    CHECK: tl.constexpr, SUB_R: tl.constexpr, E_BLOCK: tl.constexpr, SUB_T: tl.constexpr = 1,
+    FUSED: tl.constexpr = False,
 ):
     # Each row r holding token t inserts (r << 32) | e into the W slots of t, kept sorted by
     # atomic_min: at slot j the smaller of the two values stays and the larger moves on to
@@ -301,7 +334,11 @@ def _invert_kernel(
         total = tl.zeros([E_BLOCK], dtype=tl.int32)
         cc = 0
         while cc < num_chunks:
-            total += tl.load(counts_ptr + cc * (E + 1) + ex, mask=ex <= E, other=0)
+            if FUSED:
+                total += _chunk_counts(route_ptr, cc, T, E, tokens_per_chunk, ROUTE == 2, K,
+                                       SUB_T, E_BLOCK)  # fmt: skip
+            else:
+                total += tl.load(counts_ptr + cc * (E + 1) + ex, mask=ex <= E, other=0)
             cc += 1
         # expert e's rows end at ends[e] (dropless layout); column E: invalid index rows
         ends = tl.cumsum(tl.where(ex < E, total, 0), axis=0).to(tl.int64)
@@ -418,25 +455,26 @@ def _invert_plan(row_id_map, routing, packed, token_count, num_experts, capacity
         raise ValueError("invert_row_map: dropless experts need the routing")
     k = routing.shape[1] if route == 2 else 1
     e_block = next_power_of_2(num_experts + 1)
-    count = None
-    chunks, count_ints = 1, ()
-    counts = token_count
-    if mode == 2 or (check and route == 2):
+    count, counts, counted = None, token_count, mode == 2 or (check and route == 2)
+    chunks, count_ints, sub_t, per_chunk = 1, (), 1, 1
+    if counted:
         _, sub_t, per_chunk, chunks = map_config(num_tokens, num_experts)
-        counts = torch.empty((chunks, num_experts + 1), dtype=torch.int32, device=packed.device)
         count_ints = (num_tokens, num_experts, per_chunk)
-        count = Launch(_count_kernel, (chunks,), (routing, counts, *count_ints),
-                       dict(IS_INDICES=route == 2, K=k, SUB_T=sub_t, E_BLOCK=e_block,
-                            num_warps=NUM_WARPS))  # fmt: skip
+        common = dict(IS_INDICES=route == 2, K=k, SUB_T=sub_t, E_BLOCK=e_block,
+                      num_warps=NUM_WARPS)
+        count, counts = _count_launch(routing, num_experts, chunks, count_ints, common)
+        counts = token_count if counts is None else counts  # as invert_row_map passes it
     sub_r = max(16, INVERT_TILE // e_block) if mode == 2 else 256
     blocks = triton.cdiv(n, sub_r)
     per_program = triton.cdiv(blocks, max(1, min(blocks, MAX_INVERT_PROGRAMS))) * sub_r
     invert = None
-    invert_ints = (n, num_tokens, num_experts, width, capacity or 1, chunks, per_program)
+    invert_ints = (n, num_tokens, num_experts, width, capacity or 1, chunks, per_chunk,
+                   per_program)
     if n:
         args = (row_id_map, routing if route else row_id_map, counts, packed, token_count,
                 *invert_ints)
         invert = Launch(_invert_kernel, (triton.cdiv(n, per_program),), args, dict(
-            ROUTE=route, K=k, EXPERTS=mode, COUNTS=count is not None, CHECK=check, SUB_R=sub_r,
-            E_BLOCK=e_block, num_warps=4))  # fmt: skip
+            ROUTE=route, K=k, EXPERTS=mode, COUNTS=counted, CHECK=check, SUB_R=sub_r,
+            E_BLOCK=e_block, SUB_T=sub_t, FUSED=counted and count is None,
+            num_warps=4))  # fmt: skip
     return count, invert, chunks, count_ints, invert_ints

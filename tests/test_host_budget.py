@@ -34,15 +34,16 @@ BUDGETS = {
     ("grouped_gemm", "fwd+bwd"): (250, 4),
     ("grouped_mlp", "fwd"): (157, 3),
     ("grouped_mlp", "fwd+bwd"): (422, 7),
-    # row map (count, place) and the token scatter; backward: one token-major combine
-    ("permute", "fwd"): (137, 3),
-    ("permute", "fwd+bwd"): (246, 4),
+    # row map (place; a routing this small is counted in it) and the token scatter; backward:
+    # one token-major combine
+    ("permute", "fwd"): (114, 2),
+    ("permute", "fwd+bwd"): (223, 3),
     # with the token map permute built: one launch each way
     ("unpermute", "fwd"): (80, 1),
     ("unpermute", "fwd+bwd"): (196, 2),
-    # without it: the row map inverted first (count per expert, invert), then as above
-    ("unpermute_no_map", "fwd"): (145, 3),
-    ("unpermute_no_map", "fwd+bwd"): (261, 4),
+    # without it: the row map inverted first (one launch), then as above
+    ("unpermute_no_map", "fwd"): (126, 2),
+    ("unpermute_no_map", "fwd+bwd"): (242, 3),
 }
 
 _WORKER = r"""

@@ -57,7 +57,9 @@ def test_permute_unpermute_bytes_launches_syncs():
                                             return_token_map=True)
     # read tokens, routing map, the routed probs; write rows, row map, permuted probs
     _check(t, T * H * s + T * E + N * H * s + 8 * N + N * s + N * s, 4, "permute fwd")
-    assert t.num_launches == 3  # count, scan + place, scatter (+ the device-side assert)
+    # scan + place (a routing this small is counted in it: no count launch), scatter (+ the
+    # device-side assert)
+    assert t.num_launches == 2
 
     g_rows, g_probs = torch.randn(N, H), torch.randn(N)
     with count_traffic() as t:
@@ -228,10 +230,24 @@ def test_unpermute_without_a_token_map_says_why(monkeypatch, caplog):
     assert_close(plain, unpermute(y, rid, x.shape, backend="triton", token_map=tm))
 
 
-def test_row_map_kernels_over_many_chunks(monkeypatch):
-    """More chunks than the count table holds in one program's tile: scan across chunks."""
+def _counted_by(monkeypatch, fused: bool) -> None:
+    """Count small routings in the programs that need the counts (``fused``) or in a count
+    launch, with launch plans made for this setting only."""
+    from mtp.ops import moe_permute as ops_permute
+    from mtp.ops.moe_permute import token_map
+
+    monkeypatch.setattr(map_kernels, "FUSE_COUNT", 10**9 if fused else 0)
+    for module in (ops_permute, token_map, map_kernels):
+        monkeypatch.setattr(module, "_PLANS", type(module._PLANS)())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["count_launch", "fused_count"])
+def test_row_map_kernels_over_many_chunks(monkeypatch, fused):
+    """More chunks than the count table holds in one program's tile: scan across chunks (the
+    table a count launch wrote, or counts each place program makes itself)."""
     monkeypatch.setattr(map_kernels, "TILE", 64)
     monkeypatch.setattr(map_kernels, "MAX_CHUNKS", 5)
+    _counted_by(monkeypatch, fused)
     tokens = 45
     routing_map, probs = _routing(3, tokens)
     x = torch.randn(tokens, 3)
@@ -242,6 +258,31 @@ def test_row_map_kernels_over_many_chunks(monkeypatch):
         ref = permute(x, routing_map, probs, backend="reference", **kw)
         for a, b in zip(got, ref):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["count_launch", "fused_count"])
+def test_unpermute_inverts_the_row_map(monkeypatch, fused):
+    """Without a token map the row map is inverted (experts from the count table or counted in
+    the inversion's programs): the result of the map permute built, and the device check."""
+    _counted_by(monkeypatch, fused)
+    tokens = 24
+    routing_map, probs = _routing(5, tokens)
+    indices = routing_map.float().topk(K, dim=1).indices
+    x = torch.randn(tokens, 6)
+    for kw in (dict(num_out_tokens=tokens * K), dict(drop_and_pad=True, capacity=5)):
+        drop = kw.get("drop_and_pad", False)
+        _, _, rid, tm = permute(x, routing_map, probs, backend="triton", return_token_map=True,
+                                **kw)  # fmt: skip
+        y = torch.randn(rid.shape[0], 6)
+        want = unpermute(y, rid, x.shape, probs, routing_map, drop, backend="triton",
+                         token_map=tm)  # fmt: skip
+        for routing in (dict(routing_map=routing_map), dict(indices=indices)):
+            got = unpermute(y, rid, x.shape, probs, drop_and_pad=drop, backend="triton",
+                            **routing)  # fmt: skip
+            assert torch.equal(got, want)
+        if not drop:
+            with pytest.raises(RuntimeError, match="does not match routing_map"):
+                unpermute(y, rid.flip(0), x.shape, probs, routing_map, backend="triton")
 
 
 # --- robustness --------------------------------------------------------------------------------
@@ -391,15 +432,16 @@ def test_new_permute_kernels_compile_for_sm90_and_sm100():
                  capacity="i32", tokens_per_chunk="i32", num_chunks="i32",
                  rows_per_chunk="i32", S="i32"),
             dict(DROP=False, HAS_PROBS=True, WRITE_PAIR=True,
-                 ROW_BLOCK=max(1, map_kernels.TILE // e_block), **common),
+                 ROW_BLOCK=max(1, map_kernels.TILE // e_block), FUSED=is_idx, **common),
             num_warps=map_kernels.NUM_WARPS), "place")  # fmt: skip
         _no_spills(compile_for_targets(
             map_kernels._invert_kernel,
             dict(row_id_ptr="*i64", route_ptr=route, counts_ptr="*i32", packed_ptr="*i64",
                  tcount_ptr="*i32", N="i32", T="i32", E="i32", W="i32", capacity="i32",
-                 num_chunks="i32", rows_per_program="i32"),
+                 num_chunks="i32", tokens_per_chunk="i32", rows_per_program="i32"),
             dict(ROUTE=2 if is_idx else 1, K=k, EXPERTS=2, COUNTS=True, CHECK=True,
-                 SUB_R=max(16, map_kernels.INVERT_TILE // e_block), E_BLOCK=e_block),
+                 SUB_R=max(16, map_kernels.INVERT_TILE // e_block), E_BLOCK=e_block,
+                 SUB_T=sub_t, FUSED=False),
             num_warps=4), "invert")  # fmt: skip
     s_block, hidden = 8, 7168
     block, warps = token_kernels.token_block(hidden, max(s_block, token_kernels.ZERO_ROWS))

@@ -163,9 +163,9 @@ def permute(
           reference backend), for ``unpermute(..., token_map=...)``.
 
     Triton backend: the row map is built on the device in two launches (count per expert, then
-    scan and place; no sort) and each token row is read once and written to its ``k`` rows:
-    three launches (the device-side check reads the status word the second writes), no host
-    sync. Gradients flow to
+    scan and place; no sort; one for a small routing, which each place program counts itself)
+    and each token row is read once and written to its ``k`` rows: three launches (two), no
+    host sync; the device-side check reads the status word the place launch writes. Gradients flow to
     ``tokens`` (a per-token fp32 sum of the row gradients, no atomics) and to ``probs``, in one
     launch. The whole path is graph-safe (static shapes, no host sync) once ``num_out_tokens``
     (or ``capacity``) is given.

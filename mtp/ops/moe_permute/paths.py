@@ -110,9 +110,9 @@ def permute_eager(tokens, routing, probs, drop_and_pad, return_token_map, n, cap
     if plan is None:
         plan = launches[zero_empty] = permute_plan(tokens, routing, probs, n, num_experts,
                                                    capacity, zero_empty)  # fmt: skip
-    if needs_grad(tokens, probs):
+    with_p = probs is not None and probs.requires_grad
+    if (tokens.requires_grad or with_p) and torch.is_grad_enabled():  # needs_grad, inlined
         maps = []
-        with_p = probs is not None and probs.requires_grad
         out = Permute.apply(tokens, probs, (plan, routing, n, num_experts, with_p, maps))
         if with_p:
             (permuted, pprobs), (row_id_map, rows, experts, count, ok) = out, maps
