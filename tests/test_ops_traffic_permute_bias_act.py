@@ -388,9 +388,9 @@ def _no_spills(builds, name):
             assert info.registers <= 255 and not info.spills, (name, cc, info.output)
 
 
-def _combine_tokens_build(s_block, hidden, grad_probs):
+def _combine_tokens_build(s_block, hidden, grad_probs, slot=1):
     """``_combine_tokens_kernel`` as ``combine_tokens`` launches it (hidden a multiple of 16,
-    as Triton specialises it)."""
+    as Triton specialises it; ``slot=2``: the token map an inversion made)."""
     block, warps = token_kernels.combine_block(hidden)
     return compile_for_targets(
         token_kernels._combine_tokens_kernel,
@@ -398,7 +398,7 @@ def _combine_tokens_build(s_block, hidden, grad_probs):
              E="i32", hidden="i32", S="i32", trows_ptr="*i32", texp_ptr="*i32",
              tcount_ptr="*i32", probs_ptr="*fp32"),
         dict(HAS_PROBS=True, GRAD_PROBS=grad_probs, S_BLOCK=s_block, E_BLOCK=256,
-             BLOCK_H=block, SLOT=1),
+             BLOCK_H=block, SLOT=slot),
         num_warps=warps, divisible_by_16=("hidden", "S", "E"),
     )  # fmt: skip
 
@@ -441,7 +441,7 @@ def test_new_permute_kernels_compile_for_sm90_and_sm100():
                  num_chunks="i32", tokens_per_chunk="i32", rows_per_program="i32"),
             dict(ROUTE=2 if is_idx else 1, K=k, EXPERTS=2, COUNTS=True, CHECK=True,
                  SUB_R=max(16, map_kernels.INVERT_TILE // e_block), E_BLOCK=e_block,
-                 SUB_T=sub_t, FUSED=False),
+                 SUB_T=sub_t, FUSED=is_idx),
             num_warps=4), "invert")  # fmt: skip
     s_block, hidden = 8, 7168
     block, warps = token_kernels.token_block(hidden, max(s_block, token_kernels.ZERO_ROWS))
@@ -453,6 +453,7 @@ def test_new_permute_kernels_compile_for_sm90_and_sm100():
         num_warps=warps), "scatter")  # fmt: skip
     ptrs = dict(trows_ptr="*i32", texp_ptr="*i32", tcount_ptr="*i32", probs_ptr="*fp32")
     _no_spills(_combine_tokens_build(s_block, hidden, grad_probs=True), "combine")
+    _no_spills(_combine_tokens_build(s_block, hidden, grad_probs=False, slot=2), "combine")
     block, warps = token_kernels.token_block(hidden, max(s_block, token_kernels.ZERO_ROWS))
     _no_spills(compile_for_targets(
         token_kernels._unpermute_bwd_kernel,

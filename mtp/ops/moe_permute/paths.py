@@ -55,8 +55,6 @@ __all__ = [
 ]
 
 
-
-
 def permute_args_plan(tokens, routing_map, probs, num_out_tokens, drop_and_pad, capacity, indices,
                       num_experts, backend, validate) -> tuple:
     """What an eager call with these argument shapes and options does: ``(N, capacity (-1:
