@@ -117,6 +117,7 @@ def test_eager_is_off_under_modes_and_subclasses():
         y = bias_gelu(fake, None, backend="reference")
         assert y.shape == (4, 8)
     assert not _eager.eager(x.as_subclass(_Sub))
+    assert not _eager.eager(x, torch.empty(2, device="meta"))
 
 
 class _Sub(torch.Tensor):
