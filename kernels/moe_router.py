@@ -22,7 +22,8 @@ so a row's ``E`` values sit in registers and a group is an axis.
 Kernels:
 
 - ``_router_fwd_kernel``: grid ``cdiv(T, rows_per_program)``; each program walks its rows in
-  tiles and writes ``probs`` and the routing map. With statistics it also accumulates, over its
+  tiles (a software-pipelined loop: the next tiles' logits load while one is routed) and
+  writes ``probs`` and the routing map. With statistics it also accumulates, over its
   valid rows (not padding), the aux-loss scores (``soft``, or ``sig / (sum(sig) + 1e-20)`` for
   sigmoid), the tokens whose top-k of those scores holds each expert, the routed tokens per
   expert and ``sum(logsumexp(x)**2)``, writes them as one fp row of partials and takes a ticket;
@@ -65,12 +66,15 @@ NUM_WARPS = 4
 #: Largest padded expert count (``GP * SP``) the kernels take.
 MAX_EXPERTS = 1024
 #: With statistics: fewest rows per program (the partial row of ``3 E + 1`` values each program
-#: writes and the last one reads stays a few percent of the bytes) and most programs (the last
-#: program reads every partial row).
+#: writes and the last one reads stays a few percent of the bytes), most programs, and most
+#: partial values in all (the last program reads every partial row).
 MIN_STAT_ROWS = 128
 MAX_STAT_PROGRAMS = 128
+MAX_STAT_PARTIALS = 16384
 #: Elements of the tile of partial rows the last program sums per step.
-FINISH_ELEMENTS = 1024
+FINISH_ELEMENTS = 4096
+#: Loads in flight in the row loops (software pipelining of ``tl.range``).
+STAGES = tl.constexpr(3)
 
 
 @triton.jit
@@ -83,8 +87,12 @@ def _router_fwd_kernel(
     GROUP_TOPK: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_PAD: tl.constexpr, AUX: tl.constexpr, ZLOSS: tl.constexpr, COUNTS: tl.constexpr,
     BLOCK_T: tl.constexpr, MATH: tl.constexpr, W_BLOCK: tl.constexpr,
-    FINISH_ROWS: tl.constexpr,
+    FINISH_ROWS: tl.constexpr, CONTIG: tl.constexpr,
 ):  # fmt: skip
+    if CONTIG:  # contiguous rows: a constant row stride makes the loads and stores vectors
+        stride_lt = E
+        stride_pt = E
+        stride_mt = E
     pid = tl.program_id(0)
     allowed, col, g = _columns(NUM_GROUPS, S, GP, SP)
     rank = g * SP + col - g * S
@@ -100,7 +108,7 @@ def _router_fwd_kernel(
     acc_z = tl.zeros([BLOCK_T], MATH)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, T)
-    for r0 in range(row_start, row_end, BLOCK_T):
+    for r0 in tl.range(row_start, row_end, BLOCK_T, num_stages=STAGES):
         rows = r0 + t_idx
         row_ok = rows < row_end
         rows64 = rows.to(tl.int64)
@@ -188,7 +196,7 @@ def _stats_epilogue(part_ptr, counter_ptr, score_ptr, count_ptr, z_ptr, pid, acc
             cols = w0 + w
             cmask = cols < W
             total = tl.zeros([W_BLOCK], part_ptr.dtype.element_ty)
-            for r0 in range(0, n_programs, FINISH_ROWS):
+            for r0 in range(0, n_programs, FINISH_ROWS):  # volatile loads: not pipelined
                 r = r0 + tl.arange(0, FINISH_ROWS)
                 m = (r < n_programs)[:, None] & cmask[None, :]
                 tile = tl.load(part_ptr + r.to(tl.int64)[:, None] * W + cols[None, :], mask=m,
@@ -208,8 +216,16 @@ def _router_bwd_kernel(
     SCORE: tl.constexpr, RENORM: tl.constexpr, HAS_SCALE: tl.constexpr,
     SCALE_HI: tl.constexpr, SCALE_LO: tl.constexpr, HAS_DPROBS: tl.constexpr,
     HAS_DAUX: tl.constexpr, HAS_DZ: tl.constexpr, HAS_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, MATH: tl.constexpr,
+    BLOCK_T: tl.constexpr, MATH: tl.constexpr, CONTIG: tl.constexpr,
+    GRAD_CONTIG: tl.constexpr,
 ):  # fmt: skip
+    if CONTIG:  # logits, map and dlogits
+        stride_lt = NUM_GROUPS * S
+        stride_mt = NUM_GROUPS * S
+        stride_dt = NUM_GROUPS * S
+    if GRAD_CONTIG:
+        stride_gt = NUM_GROUPS * S
+        stride_ge = 1
     pid = tl.program_id(0)
     allowed, col, _ = _columns(NUM_GROUPS, S, GP, SP)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
@@ -288,12 +304,14 @@ def padded_experts(num_experts: int, num_groups: int) -> int:
     return next_power_of_2(num_groups) * next_power_of_2(num_experts // num_groups)
 
 
-def rows_per_program(num_tokens: int, block_t: int, stats: bool) -> int:
+def rows_per_program(num_tokens: int, num_experts: int, block_t: int, stats: bool) -> int:
     """Rows of one forward program: one tile without statistics; with them at least
-    ``MIN_STAT_ROWS`` and at most ``MAX_STAT_PROGRAMS`` programs (a multiple of the tile)."""
+    ``MIN_STAT_ROWS``, and at most ``MAX_STAT_PROGRAMS`` programs of ``3 E + 1`` partials, at
+    most ``MAX_STAT_PARTIALS`` partials in all (a multiple of the tile)."""
     if not stats:
         return block_t
-    rows = max(MIN_STAT_ROWS, triton.cdiv(num_tokens, MAX_STAT_PROGRAMS))
+    programs = max(1, min(MAX_STAT_PROGRAMS, MAX_STAT_PARTIALS // (3 * num_experts + 1)))
+    rows = max(MIN_STAT_ROWS, triton.cdiv(num_tokens, programs))
     return triton.cdiv(rows, block_t) * block_t
 
 
@@ -307,6 +325,11 @@ def ticket_counter(device: torch.device) -> torch.Tensor:
     if counter is None:
         counter = _COUNTERS[device] = torch.zeros((), dtype=torch.int32, device=device)
     return counter
+
+
+def _dense(*tensors: torch.Tensor) -> bool:
+    """Every ``[T, E]`` tensor has rows of ``E`` contiguous elements, back to back."""
+    return all(t.stride(1) == 1 and t.stride(0) == t.shape[1] for t in tensors)
 
 
 def _math(dtype: torch.dtype):
@@ -348,7 +371,7 @@ def router_forward(
     T, E = logits.shape
     want = stats is not None and (aux or zloss or counts)
     block_t, gp, sp = tile_config(E, num_groups, logits.dtype)
-    rows = rows_per_program(T, block_t, want)
+    rows = rows_per_program(T, E, block_t, want)
     programs = triton.cdiv(T, rows)
     if want and programs == 0:
         for t in stats:
@@ -375,7 +398,7 @@ def router_forward(
         GROUP_M=group_m, HAS_BIAS=expert_bias is not None, HAS_PAD=padding_mask is not None,
         AUX=want and aux, ZLOSS=want and zloss, COUNTS=want and counts, BLOCK_T=block_t,
         MATH=math, W_BLOCK=w_block, FINISH_ROWS=max(1, FINISH_ELEMENTS // w_block),
-        num_warps=NUM_WARPS,
+        CONTIG=_dense(logits, probs, routing_map), num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
@@ -414,7 +437,8 @@ def router_backward(
         HAS_SCALE=has_scale, SCALE_HI=hi, SCALE_LO=lo, HAS_DPROBS=dprobs is not None,
         HAS_DAUX=dscores is not None, HAS_DZ=dz is not None,
         HAS_PAD=padding_mask is not None, BLOCK_T=block_t, MATH=_math(logits.dtype),
-        num_warps=NUM_WARPS,
+        CONTIG=_dense(logits, routing_map, dlogits),
+        GRAD_CONTIG=dprobs is not None and _dense(dprobs), num_warps=NUM_WARPS,
     )  # fmt: skip
 
 

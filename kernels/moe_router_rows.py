@@ -1,6 +1,9 @@
 """``@triton.jit`` row helpers of the fused router (:mod:`mtp.kernels.moe_router`): reductions
 over a ``[BLOCK_T, GP, SP]`` tile's rows, the in-register top-k (NaN largest, ties to the lowest
-index), the group-limited selection, softmax pieces and the scaling of the probabilities."""
+index), the group-limited selection, softmax pieces and the scaling of the probabilities.
+
+The top-k loops are unrolled (``tl.static_range``): Triton's software pipeliner leaves a loop
+with a nested loop alone, and the forward's row loop is to be pipelined."""
 
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def _topk(v, rank, free0, K: tl.constexpr):
     key = tl.where(nan, float("inf"), v)
     order = tl.where(nan, rank, rank + _NAN_FIRST)
     chosen = free0 & (rank < 0)
-    for _ in range(K):
+    for _ in tl.static_range(K):
         free = free0 & ~chosen
         best = _rmax(tl.where(free, key, float("-inf")))
         cand = free & (key == _bc(best))
@@ -59,7 +62,7 @@ def _group_keep(sel, rank, allowed, g, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.
     order = tl.where(nan, rank, rank + _NAN_FIRST)
     taken = allowed & (rank < 0)
     score = tl.zeros_like(tl.sum(key, axis=2))
-    for _ in range(GROUP_M):
+    for _ in tl.static_range(GROUP_M):
         free = allowed & ~taken
         best = tl.max(tl.where(free, key, float("-inf")), axis=2)
         cand = free & (key == best[:, :, None])

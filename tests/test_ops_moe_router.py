@@ -10,6 +10,8 @@ oracle's selection values must tie there within the rounding of the kernel's mat
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -230,7 +232,7 @@ def test_statistics_are_deterministic_over_several_programs():
 
 def triton_programs(T: int, E: int, stats: bool) -> int:
     block_t, _, _ = kernels.tile_config(E, 1)
-    return -(-T // kernels.rows_per_program(T, block_t, stats))
+    return -(-T // kernels.rows_per_program(T, E, block_t, stats))
 
 
 def test_statistics_are_optional_and_none_when_not_asked():
@@ -365,13 +367,15 @@ def aot_cases():
             stride_mt="i32", rows_per_program="i32")  # fmt: skip
         fwd_cx = dict(common, E=E, TOPK=topk, GROUP_TOPK=gtopk, GROUP_M=2 if gtopk else 0,
                       HAS_BIAS=bias, AUX=True, ZLOSS=True, COUNTS=True, W_BLOCK=w_block,
-                      FINISH_ROWS=max(1, kernels.FINISH_ELEMENTS // w_block))  # fmt: skip
+                      FINISH_ROWS=max(1, kernels.FINISH_ELEMENTS // w_block),
+                      CONTIG=True)  # fmt: skip
         bwd_sig = dict(
             logits_ptr=f"*{dtype}", map_ptr="*u8", dprobs_ptr=f"*{dtype}",
             dscore_ptr=f"*{math}", dz_ptr=f"*{math}", pad_ptr="*u8", dlogits_ptr=f"*{dtype}",
             T="i32", stride_lt="i32", stride_mt="i32", stride_gt="i32", stride_ge="i32",
             stride_ds="i32", stride_dt="i32")  # fmt: skip
-        bwd_cx = dict(common, HAS_DPROBS=True, HAS_DAUX=True, HAS_DZ=True)
+        bwd_cx = dict(common, HAS_DPROBS=True, HAS_DAUX=True, HAS_DZ=True, CONTIG=True,
+                      GRAD_CONTIG=True)
         cases.append((f"router_fwd[{name}]", kernels._router_fwd_kernel, fwd_sig, fwd_cx,
                       kernels.NUM_WARPS))  # fmt: skip
         cases.append((f"router_bwd[{name}]", kernels._router_bwd_kernel, bwd_sig, bwd_cx,
@@ -396,3 +400,17 @@ def test_compiles_for_sm90_and_sm100_without_spills():
     fp64 = next(c for c in cases if "fp64" in c[0])
     build = compile_for_targets(*fp64[1:4], num_warps=fp64[4], targets=(90,))[90]
     assert "div.rn.f64" in build.ptx
+    # the forward's row loop is software-pipelined: asynchronous copies of the next tiles'
+    # logits, 16-byte vectors (rows of E contiguous elements: a constant row stride)
+    _, kernel, signature, constexprs, num_warps = cases[0]
+    ptx = compile_for_targets(kernel, signature, constexprs, num_warps=num_warps,
+                              targets=(90,))[90].ptx  # fmt: skip
+    assert re.search(r"cp\.async\.cg\.shared\.global [^;]*, 0x10", ptx), "not pipelined"
+
+
+def test_double_backward_raises_instead_of_returning_zeros():
+    x = torch.randn(5, 8, requires_grad=True)
+    out = moe_router(x, 2, backend="triton")
+    (g,) = torch.autograd.grad(out.probs.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        g.sum().backward()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from mtp.kernels import moe_router as _kernels
 from mtp.ops._backend import resolve_backend
@@ -150,7 +151,8 @@ def _traced(t: torch.Tensor) -> bool:
 
 class _RouterFunction(torch.autograd.Function):
     """Forward through ``mtp::moe_router``, backward through ``mtp::moe_router_backward``.
-    Differentiable outputs: ``probs``, ``scores_sum`` and ``lse_sq_sum``."""
+    Differentiable outputs: ``probs``, ``scores_sum`` and ``lse_sq_sum``; the backward is not
+    itself differentiable (a double backward raises; the ``"reference"`` backend has one)."""
 
     @staticmethod
     def forward(ctx, logits, expert_bias, padding_mask, plan, stats):
@@ -164,6 +166,7 @@ class _RouterFunction(torch.autograd.Function):
         return probs, routing_map, scores, counts, z
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dprobs, _dmap, dscores, _dcounts, dz):
         if dprobs is None and dscores is None and dz is None:
             return None, None, None, None, None
