@@ -392,7 +392,8 @@ def test_compiles_for_sm90_and_sm100_without_spills():
 
     cases = aot_cases()
     rows = ptxas_table(cases)
-    print("\n".join(f"{n} {arch}: {regs} registers, {st} B spilled" for n, arch, regs, st, _ in rows))
+    print("\n".join(f"{n} {arch}: {regs} registers, {st} B spilled"
+                    for n, arch, regs, st, _ in rows))  # fmt: skip
     for name, arch, _, stores, loads in rows:
         limit = 32 if "fp64" in name else 0
         assert stores <= limit and loads <= limit, (
@@ -414,3 +415,23 @@ def test_double_backward_raises_instead_of_returning_zeros():
     (g,) = torch.autograd.grad(out.probs.pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         g.sum().backward()
+
+
+def test_strided_rows_and_gradients_give_the_same_bits():
+    """Rows with a stride other than E (a column slice) and a transposed ``dprobs`` take the
+    kernels' runtime-stride path: the same bits as the dense path."""
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randn(21, 32, generator=g)
+    dprobs = torch.randn(16, 21, generator=g).t()  # strides (1, 21)
+    kw = dict(score_function="sigmoid", aux_statistics=True, z_statistics=True,
+              backend="triton")  # fmt: skip
+    results = []
+    for dense in (False, True):
+        leaf = wide.clone().requires_grad_(True)
+        x = leaf[:, :16].contiguous() if dense else leaf[:, :16]
+        out = moe_router(x, 3, **kw)
+        grads = [dprobs.contiguous() if dense else dprobs, torch.ones(16)]
+        torch.autograd.backward([out.probs, out.scores_sum], grads)
+        results.append([t for t in out if t is not None] + [leaf.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
