@@ -26,6 +26,9 @@ same name. Each op's path, API and autograd -> config -> kernel:
   ``.config.make_config`` -> :mod:`mtp.kernels.grouped_gemm_details` (``launch``, ``routing``,
   ``pointer``, ``tma``, ``epilogue``, ``tiles``, ``fill``); the CUTLASS kernels in ``csrc/``.
 - ``grouped_mlp``: :mod:`.grouped_mlp` -> two ``grouped_gemm`` calls with chained epilogues.
+- ``moe_router``: :mod:`.moe_router` (``.checks``, ``.reference``: the aten path) ->
+  ``tile_config``/``rows_per_program`` -> :mod:`mtp.kernels.moe_router` (row helpers in
+  ``moe_router_rows``).
 """
 
 from .bias_act import bias_gelu, bias_swiglu  # noqa: E402,F401
@@ -38,3 +41,4 @@ from .grouped_gemm import (  # noqa: E402,F401
     grouped_gemm_reference,
 )
 from .grouped_mlp import grouped_mlp  # noqa: E402,F401
+from .moe_router import moe_router  # noqa: E402,F401
