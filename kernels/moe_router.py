@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from mtp.kernels._common import next_power_of_2
+from mtp.kernels._launch import Launch, Plans, aligned
 from mtp.kernels.moe_router_rows import (
     _bc,
     _chosen_softmax,
@@ -344,6 +345,9 @@ def _scale_parts(scaling_factor: float | None, dtype: torch.dtype) -> tuple[bool
     return True, hi, lo
 
 
+_PLANS = Plans()
+
+
 def router_forward(
     logits: torch.Tensor,
     probs: torch.Tensor,
@@ -367,37 +371,58 @@ def router_forward(
     ``routing_map`` ``[T, E]`` (uint8 view of the bool map) written; ``expert_bias`` ``[E]``;
     ``padding_mask`` ``[T]`` uint8 (1 = ignored token); ``stats``: ``(scores [E], counts
     [2, E], z [])`` in the math dtype, written when one of ``aux``/``zloss``/``counts``
-    (the others' entries are 0)."""
+    (the others' entries are 0). The launch is planned once per key (shapes, strides, dtypes,
+    options, alignment, device)."""
     T, E = logits.shape
     want = stats is not None and (aux or zloss or counts)
-    block_t, gp, sp = tile_config(E, num_groups, logits.dtype)
-    rows = rows_per_program(T, E, block_t, want)
-    programs = triton.cdiv(T, rows)
-    if want and programs == 0:
-        for t in stats:
+    if T == 0:
+        for t in stats if want else ():
             t.zero_()
         return
-    if programs == 0:
-        return
-    math = _math(logits.dtype)
-    has_scale, hi, lo = _scale_parts(scaling_factor, logits.dtype)
-    part = counter = None
-    if want:
-        part = torch.empty((programs, 3 * E + 1), dtype=stats[0].dtype, device=logits.device)
-        counter = ticket_counter(logits.device)
     dummy = logits
+    s0, s1, s2 = stats if want else (dummy, dummy, dummy)
+    bias = expert_bias if expert_bias is not None else dummy
+    pad = padding_mask if padding_mask is not None else dummy
+    key = ("fwd", T, E, logits.stride(0), probs.stride(0), routing_map.stride(0),
+           _dense(logits, probs, routing_map), logits.dtype, probs.dtype, bias.dtype, s0.dtype,
+           expert_bias is None, padding_mask is None, topk, score, renorm, scaling_factor,
+           num_groups, group_topk, group_m, want and aux, want and zloss, want and counts,
+           aligned(logits, bias, pad, probs, routing_map, s0, s1, s2), logits.device)
+    plan = _PLANS.get(key)
+    rows = programs = None
+    if plan is not None:
+        launch, rows, programs = plan
+    else:
+        block_t = tile_config(E, num_groups, logits.dtype)[0]
+        rows = rows_per_program(T, E, block_t, want)
+        programs = triton.cdiv(T, rows)
+    part = counter = dummy
+    if want:
+        part = torch.empty((programs, 3 * E + 1), dtype=s0.dtype, device=logits.device)
+        counter = ticket_counter(logits.device)
+    args = (logits, bias, pad, probs, routing_map, part, counter, s0, s1, s2, T,
+            logits.stride(0), probs.stride(0), routing_map.stride(0), rows)
+    if plan is None:
+        launch = Launch(_router_fwd_kernel, (programs,), args, _forward_options(
+            logits, probs, routing_map, topk, score, renorm, scaling_factor, num_groups,
+            group_topk, group_m, expert_bias, padding_mask, want and aux, want and zloss,
+            want and counts))  # fmt: skip
+        _PLANS.add(key, (launch, rows, programs))
+    launch(*args)
+
+
+def _forward_options(logits, probs, routing_map, topk, score, renorm, scaling_factor, num_groups,
+                     group_topk, group_m, expert_bias, padding_mask, aux, zloss, counts) -> dict:
+    E = logits.shape[1]
+    block_t, gp, sp = tile_config(E, num_groups, logits.dtype)
+    has_scale, hi, lo = _scale_parts(scaling_factor, logits.dtype)
     w_block = min(next_power_of_2(3 * E + 1), 1024)
-    _router_fwd_kernel[(programs,)](
-        logits, expert_bias if expert_bias is not None else dummy,
-        padding_mask if padding_mask is not None else dummy, probs, routing_map,
-        part if want else dummy, counter if want else dummy,
-        stats[0] if want else dummy, stats[1] if want else dummy, stats[2] if want else dummy,
-        T, logits.stride(0), probs.stride(0), routing_map.stride(0), rows,
+    return dict(
         E=E, NUM_GROUPS=num_groups, S=E // num_groups, GP=gp, SP=sp, TOPK=topk, SCORE=score,
         RENORM=renorm, HAS_SCALE=has_scale, SCALE_HI=hi, SCALE_LO=lo, GROUP_TOPK=group_topk,
         GROUP_M=group_m, HAS_BIAS=expert_bias is not None, HAS_PAD=padding_mask is not None,
-        AUX=want and aux, ZLOSS=want and zloss, COUNTS=want and counts, BLOCK_T=block_t,
-        MATH=math, W_BLOCK=w_block, FINISH_ROWS=max(1, FINISH_ELEMENTS // w_block),
+        AUX=aux, ZLOSS=zloss, COUNTS=counts, BLOCK_T=block_t, MATH=_math(logits.dtype),
+        W_BLOCK=w_block, FINISH_ROWS=max(1, FINISH_ELEMENTS // w_block),
         CONTIG=_dense(logits, probs, routing_map), num_warps=NUM_WARPS,
     )  # fmt: skip
 
@@ -418,28 +443,37 @@ def router_backward(
 ) -> None:
     """One launch: ``dlogits`` ``[T, E]`` from ``dprobs`` ``[T, E]`` and ``dscores`` ``[E]`` (any
     strides, 0 included: the gradient of a sum) and ``dz`` ``[]`` (each None when it has no
-    gradient)."""
+    gradient). Planned once per key."""
     T, E = logits.shape
     if T == 0:
         return
-    block_t, gp, sp = tile_config(E, num_groups, logits.dtype)
-    has_scale, hi, lo = _scale_parts(scaling_factor, logits.dtype)
     dummy = logits
-    _router_bwd_kernel[(triton.cdiv(T, block_t),)](
-        logits, routing_map, dprobs if dprobs is not None else dummy,
-        dscores if dscores is not None else dummy, dz if dz is not None else dummy,
-        padding_mask if padding_mask is not None else dummy, dlogits, T,
-        logits.stride(0), routing_map.stride(0),
-        dprobs.stride(0) if dprobs is not None else 0,
-        dprobs.stride(1) if dprobs is not None else 0,
-        dscores.stride(0) if dscores is not None else 0, dlogits.stride(0),
-        NUM_GROUPS=num_groups, S=E // num_groups, GP=gp, SP=sp, SCORE=score, RENORM=renorm,
-        HAS_SCALE=has_scale, SCALE_HI=hi, SCALE_LO=lo, HAS_DPROBS=dprobs is not None,
-        HAS_DAUX=dscores is not None, HAS_DZ=dz is not None,
-        HAS_PAD=padding_mask is not None, BLOCK_T=block_t, MATH=_math(logits.dtype),
-        CONTIG=_dense(logits, routing_map, dlogits),
-        GRAD_CONTIG=dprobs is not None and _dense(dprobs), num_warps=NUM_WARPS,
-    )  # fmt: skip
+    dp = dprobs if dprobs is not None else dummy
+    ds = dscores if dscores is not None else dummy
+    dzz = dz if dz is not None else dummy
+    pad = padding_mask if padding_mask is not None else dummy
+    args = (logits, routing_map, dp, ds, dzz, pad, dlogits, T, logits.stride(0),
+            routing_map.stride(0), dprobs.stride(0) if dprobs is not None else 0,
+            dprobs.stride(1) if dprobs is not None else 0,
+            dscores.stride(0) if dscores is not None else 0, dlogits.stride(0))
+    key = ("bwd", *args[7:], E, logits.dtype, dp.dtype, ds.dtype, dzz.dtype, dlogits.dtype,
+           dprobs is None, dscores is None, dz is None, padding_mask is None, score, renorm,
+           scaling_factor, num_groups, _dense(logits, routing_map, dlogits),
+           dprobs is not None and _dense(dprobs),
+           aligned(logits, routing_map, dp, ds, dzz, pad, dlogits), logits.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        block_t, gp, sp = tile_config(E, num_groups, logits.dtype)
+        has_scale, hi, lo = _scale_parts(scaling_factor, logits.dtype)
+        launch = _PLANS.add(key, Launch(_router_bwd_kernel, (triton.cdiv(T, block_t),), args, dict(
+            NUM_GROUPS=num_groups, S=E // num_groups, GP=gp, SP=sp, SCORE=score, RENORM=renorm,
+            HAS_SCALE=has_scale, SCALE_HI=hi, SCALE_LO=lo, HAS_DPROBS=dprobs is not None,
+            HAS_DAUX=dscores is not None, HAS_DZ=dz is not None,
+            HAS_PAD=padding_mask is not None, BLOCK_T=block_t, MATH=_math(logits.dtype),
+            CONTIG=_dense(logits, routing_map, dlogits),
+            GRAD_CONTIG=dprobs is not None and _dense(dprobs), num_warps=NUM_WARPS,
+        )))  # fmt: skip
+    launch(*args)
 
 
 __all__ = [

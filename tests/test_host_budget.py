@@ -44,6 +44,10 @@ BUDGETS = {
     # without it: the row map inverted first (one launch), then as above
     ("unpermute_no_map", "fwd"): (126, 2),
     ("unpermute_no_map", "fwd+bwd"): (242, 3),
+    # router, row map, token scatter, the two expert GEMMs, the token combine; backward: the
+    # router's and the combine's and the experts' kernels
+    ("moe_layer", "fwd"): (630, 7),
+    ("moe_layer", "fwd+bwd"): (1100, 14),
 }
 
 _WORKER = r"""

@@ -343,7 +343,8 @@ class TopKRouter(nn.Module):
         num_tokens = logits.shape[0]
         mask = None if padding_mask is None else padding_mask.reshape(-1)
         valid = None if mask is None else ~mask
-        self.aux_loss = self.z_loss = None
+        # plain attributes: set in __dict__ (nn.Module.__setattr__ looks for parameters first)
+        self.__dict__["aux_loss"] = self.__dict__["z_loss"] = None
         losses = self._losses_enabled()
         balancing = self.load_balancing if losses else {}
         with_z = losses and self.z_loss_coeff > 0

@@ -278,8 +278,10 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
                 "token_dispatch() takes the metadata dispatch_preprocess() returned, got "
                 f"{type(metadata).__name__}"
             )
-        res = dataclasses.replace(metadata.preprocess, permuted_probs=permuted_probs)
-        meta = dataclasses.replace(metadata, preprocess=res)
+        meta = metadata
+        if permuted_probs is not metadata.preprocess.permuted_probs:  # probs changed in between
+            res = dataclasses.replace(metadata.preprocess, permuted_probs=permuted_probs)
+            meta = dataclasses.replace(metadata, preprocess=res)
         if meta.workspace.capacity is not None:
             self._check_static(permuted_tokens, permuted_probs, meta.num_tokens)
             return self._dispatch_static(permuted_tokens, meta)
@@ -336,7 +338,8 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         ep_rows = etp_rows = None
         if ep > 1:
             recv_counts, ep_rows = exchange_counts(res.tokens_per_expert, ep, self.ep_group, row)
-            res = finish_ep_preprocess(res, recv_counts, ws)
+            # on a copy: the caller's metadata (dispatch_preprocess's) stays as it was
+            res = finish_ep_preprocess(dataclasses.replace(res), recv_counts, ws)
             store_preprocess(res, ws, _EP_FIELDS)
             meta = dataclasses.replace(meta, preprocess=res)
             local_counts = res.local_tokens_per_expert

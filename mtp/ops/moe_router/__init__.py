@@ -25,6 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from mtp.kernels import moe_router as _kernels
 from mtp.ops._backend import resolve_backend
+from mtp.ops._eager import CheckedKeys, eager, needs_grad
 from mtp.ops.moe_router.checks import check_router_inputs, check_routing_config
 from mtp.ops.moe_router.reference import (
     RouterOutput,
@@ -33,7 +34,7 @@ from mtp.ops.moe_router.reference import (
     moe_router_reference,
     renormalises,
 )
-from mtp.utils import _is_fake_or_traced, check_int, empty
+from mtp.utils import check_int, empty
 
 __all__ = [
     "RouterOutput",
@@ -145,10 +146,6 @@ def _(logits, routing_map, dprobs, dscores, dz, padding_mask, score, renorm, sca
     return logits.new_empty(logits.shape)
 
 
-def _traced(t: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() or _is_fake_or_traced(t)
-
-
 class _RouterFunction(torch.autograd.Function):
     """Forward through ``mtp::moe_router``, backward through ``mtp::moe_router_backward``.
     Differentiable outputs: ``probs``, ``scores_sum`` and ``lse_sq_sum``; the backward is not
@@ -156,7 +153,7 @@ class _RouterFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, expert_bias, padding_mask, plan, stats):
-        run = torch.ops.mtp.moe_router if _traced(logits) else _forward_impl
+        run = _forward_impl if eager(logits) else torch.ops.mtp.moe_router
         probs, routing_map, scores, counts, z = run(logits, expert_bias, padding_mask, *plan,
                                                     stats)  # fmt: skip
         ctx.save_for_backward(logits, routing_map, padding_mask)
@@ -172,7 +169,7 @@ class _RouterFunction(torch.autograd.Function):
             return None, None, None, None, None
         logits, routing_map, padding_mask = ctx.saved_tensors
         _topk, score, renorm, scaling_factor, num_groups, _gk, _gm = ctx.plan
-        run = torch.ops.mtp.moe_router_backward if _traced(logits) else _backward_impl
+        run = _backward_impl if eager(logits) else torch.ops.mtp.moe_router_backward
         dlogits = run(logits, routing_map, dprobs, dscores, dz, padding_mask, score, renorm,
                       scaling_factor, num_groups)  # fmt: skip
         return dlogits, None, None, None, None
@@ -210,6 +207,11 @@ def _plan_of(num_experts, topk, score_function, pre_softmax, norm_topk_prob, num
 
 #: :func:`_plan_of` once per configuration in eager calls (Dynamo traces the plain function).
 _plan = functools.lru_cache(maxsize=256)(_plan_of)
+_CHECKED = CheckedKeys()
+
+
+def _tensor_key(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.dtype, t.device, t.stride())
 
 
 def _resolve(backend: str, logits: torch.Tensor, num_groups: int | None) -> str:
@@ -291,9 +293,15 @@ def moe_router(
     ``dprobs`` and writes ``dlogits`` (``T * E * (3 s + 1)``). Memory: autograd keeps the
     logits and the map.
     """
-    check_int("topk", topk, 1)
-    check_router_inputs(logits, expert_bias, padding_mask)
-    planner = _plan_of if torch.compiler.is_compiling() else _plan
+    direct = eager(logits, expert_bias, padding_mask)
+    key = (topk, _tensor_key(logits), _tensor_key(expert_bias), _tensor_key(padding_mask)) \
+        if direct and isinstance(topk, int) else None
+    if key is None or key not in _CHECKED:
+        check_int("topk", topk, 1)
+        check_router_inputs(logits, expert_bias, padding_mask)
+        if key is not None:
+            _CHECKED.add(key)
+    planner = _plan if direct else _plan_of
     plan = planner(logits.shape[1], topk, score_function, bool(pre_softmax), norm_topk_prob,
                    num_groups, group_topk, group_score, scaling_factor)  # fmt: skip
     name = _resolve(backend, logits, num_groups)
@@ -311,11 +319,11 @@ def moe_router(
         logits = logits.contiguous()
     pad = None if padding_mask is None else padding_mask.reshape(-1).contiguous()
     bias = None if expert_bias is None else expert_bias.contiguous()
-    if torch.is_grad_enabled() and logits.requires_grad:
+    if needs_grad(logits):
         probs, routing_map, scores, counts, z = _RouterFunction.apply(logits, bias, pad, plan,
                                                                       stats)  # fmt: skip
     else:
-        run = torch.ops.mtp.moe_router if _traced(logits) else _forward_impl
+        run = _forward_impl if direct else torch.ops.mtp.moe_router
         probs, routing_map, scores, counts, z = run(logits, bias, pad, *plan, stats)
     return RouterOutput(
         probs, routing_map,
