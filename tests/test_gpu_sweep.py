@@ -1,0 +1,135 @@
+"""The tuning sweep of the GPU kit (tools/gpu_sweep.py), checked without a GPU: a small subset
+of its CPU walk (interpreter on a tiny shape, sm_90a compile), the JSONL it writes (one record
+per candidate, flushed as written: a kill keeps them), the default config among the
+candidates, the plan order and the timing loop's records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "tools")) if p not in sys.path]
+
+import gpu_check  # noqa: E402
+import gpu_sweep  # noqa: E402
+import sweep_space as space  # noqa: E402
+
+SUBSET = ["--families", "gg_fwd", "gg_wgrad", "bias_act", "--limit", "2", "--cases", "1",
+          "--workers", "1"]  # fmt: skip
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tools")]))
+    return env
+
+
+def _sweep(jsonl: Path, *args: str, wait: bool = True):
+    cmd = [sys.executable, str(ROOT / "tools" / "gpu_sweep.py"), "--jsonl", str(jsonl), *args]
+    if not wait:
+        return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_the_sweep_runs_first_in_the_plan():
+    steps = [name for name, _ in gpu_check.PLAN]
+    assert steps[:2] == ["env", "sweep"] and steps.index("sweep") < steps.index("grouped_gemm")
+    assert dict(gpu_check.PLAN)["sweep"] == max(s for _, s in gpu_check.PLAN)
+    assert sum(s for _, s in gpu_check.PLAN) <= 540
+
+
+def test_candidates_start_with_todays_default_and_have_unique_names():
+    for fam in space.GEMM_FAMILIES:
+        for s in space.gemm_cases(fam):
+            cands = space.gemm_candidates(fam, s, 9, 132)
+            default = space.as_candidate(space.default_config(fam, s, 9, 132))
+            assert cands[0].pop("baseline") is True and cands[0] == default, (fam, s)
+            keys = [space.cand_key(c) for c in cands]
+            assert len(keys) == len(set(keys)) and len(cands) > 10, (fam, s)
+            assert not any(c.get("baseline") for c in cands[1:])
+            for c in cands:  # the known-bad sm_90a form never reaches the list
+                assert not space._known_bad(9, c["block_m"], c["num_warps"], c["warp_specialize"])
+    for fam in space.MEMORY_FAMILIES:
+        cands = space.memory_candidates(fam)
+        assert cands[0]["baseline"] and len(cands) > 10
+        module = __import__(space.PATCHES[fam][0], fromlist=["_"])
+        assert all(getattr(module, k) == v for k, v in cands[0].items() if k != "baseline")
+    tasks = gpu_sweep.plan(list(space.FAMILIES), 9, 132, None, None)
+    assert 400 < len(tasks) < 1200  # a few hundred configs per lease
+    assert [t["family"] for t in tasks] == sorted((t["family"] for t in tasks),
+                                                  key=space.FAMILIES.index)  # fmt: skip
+
+
+def test_dry_run_subset_checks_and_compiles_every_candidate(tmp_path):
+    """Interpreter on the tiny shape against float64, then the sm_90a compile with registers,
+    spills and shared memory: one JSONL record each, the default config among them."""
+    jsonl = tmp_path / "sweep.jsonl"
+    proc = _sweep(jsonl, "--dry-run", *SUBSET)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = gpu_sweep.read_jsonl(jsonl)
+    assert records[0]["stage"] == "env" and records[0]["triton_key"]
+    planned = gpu_sweep.plan(["gg_fwd", "gg_wgrad", "bias_act"], 9, 132, 2, 1)
+    baselines = {(t["family"], t["key"]) for t in planned if t["cand"].get("baseline")}
+    assert {t["family"] for t in planned} == {f for f, _ in baselines}
+    for stage in ("interp", "aot"):
+        seen = {(r["family"], r["key"]) for r in records if r["stage"] == stage}
+        assert baselines <= seen, (stage, baselines - seen)
+    for r in records:
+        if r["stage"] == "interp":
+            assert r["ok"] and r["check"]["rel_err"] <= r["check"]["limit"], r
+        if r["stage"] == "aot":
+            assert r["cc"] == 90 and r["seconds"] > 0 and r["aot"], r
+            for k in r["aot"]:
+                assert {"name", "shared", "registers", "spill_stores", "spill_loads"} <= set(k)
+    aot = {r["key"]: r for r in records if r["stage"] == "aot" and r["family"] == "gg_fwd"}
+    default = next(k for f, k in baselines if f == "gg_fwd")
+    assert aot[default]["ok"], aot[default]  # today's default: no spills, fits
+
+
+def test_a_killed_sweep_keeps_the_records_written(tmp_path):
+    jsonl = tmp_path / "sweep.jsonl"
+    proc = _sweep(jsonl, "--dry-run", "--families", "gg_fwd", "--cases", "1", "--workers", "1",
+                  wait=False)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(gpu_sweep.read_jsonl(jsonl)
+                                                  if jsonl.exists() else []) < 3:  # fmt: skip
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    records = gpu_sweep.read_jsonl(jsonl)
+    assert len(records) >= 3 and records[0]["stage"] == "env"
+    assert all("family" in r and "key" in r for r in records[1:])
+
+
+def test_the_timing_loop_writes_one_checked_record_per_candidate(tmp_path):
+    """The GPU run's loop on CPU (--cpu-loop: the interpreter on the tiny shapes, a host clock):
+    the records the lease will write, the default first at each shape, the summary table."""
+    jsonl = tmp_path / "sweep.jsonl"
+    env = dict(_env(), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_sweep.py"), "--cpu-loop",
+                           "--jsonl", str(jsonl), "--families", "gg_fwd", "bias_act", "--limit",
+                           "2", "--cases", "1"], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [r for r in gpu_sweep.read_jsonl(jsonl) if r["stage"] == "gpu"]
+    assert len(records) == 2 + 2  # gg_fwd: the tiny shape; bias_act: its first smoke case
+    for r in records:
+        assert r["status"] == "ok" and r["check"]["ok"] and r["ms"] > 0, r
+        assert ("tflops" in r) == (r["family"] == "gg_fwd")
+    firsts = {}
+    for r in records:
+        firsts.setdefault((r["family"], json.dumps(r["shape"])), r)
+    assert all(r["baseline"] for r in firsts.values())
+    assert sum(r["baseline"] for r in records) == len(firsts) == 2
+    assert "sweep: family | shape" in proc.stdout and "gg_fwd | tiny |" in proc.stdout
