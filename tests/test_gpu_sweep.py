@@ -1,7 +1,8 @@
 """The tuning sweep of the GPU kit (tools/gpu_sweep.py), checked without a GPU: a small subset
 of its CPU walk (interpreter on a tiny shape, sm_90a compile), the JSONL it writes (one record
 per candidate, flushed as written: a kill keeps them), the default config among the
-candidates, the plan order and the timing loop's records."""
+candidates, the plan order, and how results become config entries (tools/sweep_pick.py,
+make_config's TUNED lookup, backend="auto"'s TUNED_BACKENDS)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "tools")) if p not in sys.path]
 
 import gpu_check  # noqa: E402
 import gpu_sweep  # noqa: E402
+import sweep_pick  # noqa: E402
 import sweep_space as space  # noqa: E402
+from mtp.ops.grouped_gemm import config as gc  # noqa: E402
 
 SUBSET = ["--families", "gg_fwd", "gg_wgrad", "bias_act", "--limit", "2", "--cases", "1",
           "--workers", "1"]  # fmt: skip
@@ -110,6 +115,103 @@ def test_a_killed_sweep_keeps_the_records_written(tmp_path):
     records = gpu_sweep.read_jsonl(jsonl)
     assert len(records) >= 3 and records[0]["stage"] == "env"
     assert all("family" in r and "key" in r for r in records[1:])
+
+
+def _gpu_records() -> list[dict]:
+    s = space.gemm_shape("gg_fwd", "Qwen3-30B-A3B")
+    cands = space.gemm_candidates("gg_fwd", s, 9, 132)
+    fast = cands[3]
+    rec = dict(stage="gpu", family="gg_fwd", arch=9, shape=s.as_dict(), status="ok")
+    return [
+        dict(stage="env", device="NVIDIA H200", commit="abc123"),
+        dict(rec, key=space.cand_key(cands[0]), cand=cands[0], baseline=True, ms=1.0),
+        dict(rec, key=space.cand_key(fast), cand=fast, baseline=False, ms=0.8),
+        dict(rec, key=space.cand_key(cands[4]), cand=cands[4], baseline=False, ms=0.7,
+             status="failed"),  # faster, but its check failed: never chosen
+        dict(rec, key="F.grouped_mm", cand={}, provider="F.grouped_mm", ms=0.9),
+    ]
+
+
+def test_pick_takes_the_fastest_checked_candidate_and_make_config_uses_it(tmp_path):
+    records = _gpu_records()
+    entries = sweep_pick.gemm_entries(records, "bench/results/X/sweep.jsonl", 0.03)
+    s = space.gemm_shape("gg_fwd", "Qwen3-30B-A3B")
+    key = (9, "bfloat16", "forward", "none", gc.shape_class(s.M, s.N, s.K, s.E))
+    assert list(entries) == [key]
+    entry = entries[key]
+    assert entry["config"] == {k: v for k, v in records[2]["cand"].items()
+                               if k not in ("baseline", "programs")}  # fmt: skip
+    assert (entry["commit"], entry["ms"], entry["default_ms"]) == ("abc123", 0.8, 1.0)
+    lines = gpu_sweep.summary_lines(records)
+    assert "1.25x" in lines[1] and "F.grouped_mm" in lines[1], lines
+    args = (9, torch.bfloat16, s.M, s.N, s.K, s.E)
+    rule = gc.make_config(*args, tma_ok=True, sms=132)
+    gc.TUNED.update(entries)
+    try:
+        cfg = gc.make_config(*args, tma_ok=True, sms=132)
+        assert cfg.reason.startswith("measured: bench/results/X/sweep.jsonl at abc123")
+        assert space.cand_key(space.as_candidate(cfg)) == records[2]["key"]
+        assert cfg.programs == 132 or cfg.kernel == "pointer"
+        wgrad = gc.make_config(*args, tma_ok=True, sms=132, gemm="wgrad")
+        assert not wgrad.reason.startswith("measured")  # another key: the rules
+        with gc.override(num_stages=2):  # overrides still win
+            assert gc.make_config(*args, tma_ok=True, sms=132).num_stages == 2
+    finally:
+        for k in entries:
+            del gc.TUNED[k]
+        gc._tuned.cache_clear()
+    assert gc.make_config(*args, tma_ok=True, sms=132) == rule
+    # --write rewrites the table in a copy of config.py; the written text is valid Python
+    copy = tmp_path / "config.py"
+    copy.write_text(sweep_pick.CONFIG.read_text())
+    sweep_pick.write_tables(entries, {}, copy)
+    namespace: dict = {}
+    start = copy.read_text().index("TUNED: dict")
+    exec(copy.read_text()[start:].split("\n# The fastest")[0], namespace)  # noqa: S102
+    assert namespace["TUNED"] == entries
+
+
+def test_auto_backend_follows_the_measured_table_without_epilogues():
+    records = _gpu_records()
+    for fam in ("gg_dgrad", "gg_wgrad"):
+        for r in records[1:]:
+            if r["family"] == "gg_fwd":
+                records.append(dict(r, family=fam))
+    backends = sweep_pick.backend_entries(records, "sweep.jsonl", 0.03)
+    assert backends == {}  # Triton's best (0.8 each) beats F.grouped_mm (0.9 each)
+    for r in records:
+        if r.get("provider") == "F.grouped_mm":
+            r["ms"] = 0.5
+    backends = sweep_pick.backend_entries(records, "sweep.jsonl", 0.03)
+    (key, entry), = backends.items()
+    assert entry["backend"] == "torch" and entry["ms"] == {"torch": 1.5, "triton": 2.4}
+    s = space.gemm_shape("gg_fwd", "Qwen3-30B-A3B")
+    assert gc.measured_backend(9, torch.bfloat16, s.M, s.N, s.K, s.E) is None
+    gc.TUNED_BACKENDS.update(backends)
+    try:
+        assert gc.measured_backend(9, torch.bfloat16, s.M, s.N, s.K, s.E) == "torch"
+        assert gc.measured_backend(10, torch.bfloat16, s.M, s.N, s.K, s.E) is None
+    finally:
+        gc.TUNED_BACKENDS.clear()
+
+
+def test_every_table_entry_compiles_for_hopper_and_blackwell_without_spills():
+    """Each TUNED entry (none until a lease measures) and the committed drop list's format."""
+    from sweep_compile import compile_task
+
+    for (arch, _, gemm, epilogue, klass), entry in gc.TUNED.items():
+        E, K, N = (int(p[1:]) for p in klass.split()[:3])
+        fam = {("wgrad", "none"): "gg_wgrad", ("forward", "none"): "gg_fwd"}.get(
+            (gemm, epilogue), "gg_act")
+        shape = space.Shape("table", E, 256 * E, K, N).as_dict()
+        for cc in (90, 100):
+            res = compile_task(dict(family=fam, shape=shape, cand=entry["config"], cc=cc,
+                                    report=True))  # fmt: skip
+            assert res.get("ok"), (entry, cc, res)
+    if gpu_sweep.DROPS.exists():
+        drops = json.loads(gpu_sweep.DROPS.read_text())
+        assert set(drops) <= {"sm_90", "sm_100"}
+        assert all(set(fams) <= set(space.FAMILIES) for fams in drops.values())
 
 
 def test_the_timing_loop_writes_one_checked_record_per_candidate(tmp_path):
