@@ -77,7 +77,8 @@ def bundle(cutlass_include, tmp_path_factory):
 def test_bundle_main_writes_manifest_and_prints_the_command(cutlass_include, tmp_path, capsys):
     """`make gpu-bundle` end to end (headers only): the manifest, the size and the command."""
     out = tmp_path / "gpu"
-    assert gpu_bundle.main(["--out", str(out), "--no-wheels", "--no-ext"]) == 0
+    args = ["--out", str(out), "--no-wheels", "--no-ext", "--no-triton-cache"]
+    assert gpu_bundle.main(args) == 0
     printed = capsys.readouterr().out
     manifest = json.loads((out / "MANIFEST.json").read_text())
     headers = [p for p in (out / "cutlass").rglob("*") if p.is_file()]
@@ -85,6 +86,7 @@ def test_bundle_main_writes_manifest_and_prints_the_command(cutlass_include, tmp
     assert manifest["header_bytes"] == sum(p.stat().st_size for p in headers)
     assert manifest["wheels"] == [] and manifest["wheel_bytes"] == 0
     assert manifest["extension"] == [] and manifest["extension_archs"] is None  # --no-ext
+    assert manifest["triton_cache"] is None  # --no-triton-cache
     assert manifest["total_bytes"] < manifest["limit_bytes"] == 64 * 2**20
     assert f"tools/gpu_check.py --bundle {os.path.relpath(out, ROOT)}" in printed
     assert (out / "cutlass" / "include" / "cutlass" / "version.h").is_file()

@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +211,20 @@ def test_every_table_entry_compiles_for_hopper_and_blackwell_without_spills():
         drops = json.loads(gpu_sweep.DROPS.read_text())
         assert set(drops) <= {"sm_90", "sm_100"}
         assert all(set(fams) <= set(space.FAMILIES) for fams in drops.values())
+
+
+def test_captured_specialisations_replay_to_the_jit_cache_keys(tmp_path):
+    """The bundle's Triton cache: a kernel's specialisation captured from the launch on meta
+    tensors and compiled by JITFunction.preload lands under the same cache key as the JIT's own
+    compile of that launch (so a cache built this way is what the GPU's launches look up); a
+    cache stripped to its cubins, packed and unpacked elsewhere is still hit."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "sweep_cache.py"), "verify",
+                           str(tmp_path)], env=_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["captured"] == 2 and len(found["jit"]) == 2, found  # expert rows + the GEMM
+    assert found["same"] and found["hit_after_unpack"], found
 
 
 def test_the_timing_loop_writes_one_checked_record_per_candidate(tmp_path):

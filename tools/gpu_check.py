@@ -52,8 +52,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bundle import EXT_FOLDER, WHEEL_MODULES  # noqa: E402
+from gpu_bundle import EXT_FOLDER, TRITON_CACHE, WHEEL_MODULES  # noqa: E402
 from gpu_probe import TORCH_PROBE, first_line, kill_group, nvidia_smi, smi, which_nvcc  # noqa: E402
+from sweep_cache import KEY_PROBE, unpack  # noqa: E402
 from gpu_report import (  # noqa: E402
     NO_GPU, bench_table, collected_text, failures_text, graphs_table, junit_counts,
     merge_counts, merge_junit, progress_text, tests_text, text_table,
@@ -214,6 +215,8 @@ class Checker:
             if data.get("commit"):
                 self.env["MTP_REVISION"] = data["commit"]
         rec["carried_extension"] = self.place_extension()
+        rec["triton_cache"] = self.place_triton_cache(
+            json.loads(manifest.read_text()) if manifest and manifest.exists() else {})
         out = self.python(TORCH_PROBE, timeout=120)
         rec.update(json.loads(out) if out else {"torch": None, "error": "torch/triton failed"})
         self.record = rec
@@ -244,6 +247,20 @@ class Checker:
             if not dest.exists() and not self.dry:
                 shutil.copy2(so, dest)
         return carried[0].name if carried else None
+
+    def place_triton_cache(self, manifest: dict) -> dict | None:
+        """Unpack the carried Triton cache (``make gpu-bundle``) and point ``TRITON_CACHE_DIR``
+        at it; whether this triton's key is the one it was built with (else every lookup
+        misses and the kernels compile here)."""
+        archive = self.bundle / TRITON_CACHE if self.bundle else None
+        if archive is None or not archive.exists():
+            return None
+        cache = Path(tempfile.gettempdir()) / "mtp-triton-cache"
+        entries = unpack(archive, cache)
+        self.env["TRITON_CACHE_DIR"] = str(cache)
+        key, built = self.python(KEY_PROBE), (manifest.get("triton_cache") or {}).get("triton_key")
+        return {"dir": str(cache), "entries": entries, "triton_key": key, "built_with": built,
+                "keys_match": key == built}  # fmt: skip
 
     def write_env(self) -> None:
         (self.own / "env.json").write_text(json.dumps(self.record, indent=2) + "\n")
