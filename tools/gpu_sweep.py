@@ -302,10 +302,12 @@ def run_dry(args, sink: Sink) -> dict:
     sink.file.flush()
     subprocess.run(cmd, env=env, check=False)
     tasks, seen = [], set()
-    for task in plan(args.families, 9, 132, args.limit, args.cases):
-        if (task["family"], task["key"]) not in seen:  # one build per config: the shapes'
-            seen.add((task["family"], task["key"]))  # sizes are all multiples of 16
-            tasks.append(dict(task, cc=90, report=True))
+    for cc in args.cc:
+        for task in plan(args.families, cc // 10, 132 if cc == 90 else 148, args.limit,
+                         args.cases):  # fmt: skip
+            if (cc, task["family"], task["key"]) not in seen:  # one build per config: the
+                seen.add((cc, task["family"], task["key"]))  # shapes' sizes are multiples of 16
+                tasks.append(dict(task, cc=cc, report=True, id=len(tasks)))
     by_id = {t["id"]: t for t in tasks}
     precompile(tasks, args.workers, None, lambda r: sink(
         stage="aot", family=by_id[r["id"]]["family"], key=by_id[r["id"]]["key"], **r))
@@ -313,23 +315,26 @@ def run_dry(args, sink: Sink) -> dict:
 
 
 def summarize_dry(records: list[dict], args) -> dict:
-    bad: dict[str, set] = {}
-    counts: dict[str, list[int]] = {}
+    """Per target, the candidates that failed the interpreter's check or the compile (spills,
+    shared memory, an error): printed, and with ``--write-drops`` written to :data:`DROPS`."""
+    bad: dict[str, dict[str, set]] = {f"sm_{cc}": {} for cc in args.cc}
+    counts: dict[tuple, int] = {}
     for r in records:
-        if r.get("stage") in ("interp", "aot"):
-            fam = r["family"]
-            counts.setdefault(fam, [0, 0])
+        if r.get("stage") not in ("interp", "aot") or r.get("ok"):
             if r.get("stage") == "aot":
-                counts[fam][0] += 1
-            if not r.get("ok"):
-                bad.setdefault(fam, set()).add(r["key"])
-    lines = ["family      compiled  dropped"]
-    for fam, (n, _) in counts.items():
-        lines.append(f"{fam:<11} {n:>8}  {len(bad.get(fam, ())):>7}")
+                counts[(r["cc"], r["family"])] = counts.get((r["cc"], r["family"]), 0) + 1
+            continue
+        for cc in [r["cc"]] if r.get("stage") == "aot" else args.cc:
+            bad[f"sm_{cc}"].setdefault(r["family"], set()).add(r["key"])
+            if r.get("stage") == "aot":
+                counts[(cc, r["family"])] = counts.get((cc, r["family"]), 0) + 1
+    lines = ["target  family      compiled  dropped"]
+    for (cc, fam), n in sorted(counts.items()):
+        lines.append(f"sm_{cc}a {fam:<11} {n:>8}  {len(bad[f'sm_{cc}'].get(fam, ())):>7}")
     print("\n".join(lines), flush=True)
-    drops = {fam: sorted(keys) for fam, keys in bad.items()}
+    drops = {sm: {fam: sorted(keys) for fam, keys in fams.items()} for sm, fams in bad.items()}
     if args.write_drops:
-        DROPS.write_text(json.dumps({"sm_90": drops}, indent=1, sort_keys=True) + "\n")
+        DROPS.write_text(json.dumps(drops, indent=1, sort_keys=True) + "\n")
     return drops
 
 
@@ -374,6 +379,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="candidates per shape")
     parser.add_argument("--cases", type=int, default=None, help="shapes per family")
     parser.add_argument("--dry-run", action="store_true", help="CPU: interpreter + sm_90a compile")
+    parser.add_argument("--cc", type=int, nargs="+", default=[90], choices=(90, 100),
+                        help="--dry-run: the targets compiled (90: sm_90a, 100: sm_100a)")
     parser.add_argument("--write-drops", action="store_true", help=f"--dry-run: write {DROPS.name}")
     parser.add_argument("--interp", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-loop", action="store_true",

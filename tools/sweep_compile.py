@@ -35,7 +35,7 @@ class TargetDriver:
         return True
 
     def get_current_device(self) -> int:
-        return 0
+        return self.target.arch  # the JIT keeps its binders per device: one per target
 
     def get_current_stream(self, device=None) -> int:
         return 0
