@@ -188,7 +188,8 @@ def time_all(tasks: list[dict], deadline: float, sink: Sink, arch: int,
         runs: dict = {}
         for task in fam_tasks:
             base = dict(stage="gpu", family=fam, key=task["key"], cand=task["cand"],
-                        baseline=bool(task["cand"].get("baseline")), arch=arch)
+                        baseline=bool(task["cand"].get("baseline")), arch=arch,
+                        shape=task.get("shape", task.get("case")))  # fmt: skip
             if lost or time.monotonic() > fam_end:
                 records.append(sink(**base, status="skipped",
                                     note=lost or "family share spent"))  # fmt: skip
