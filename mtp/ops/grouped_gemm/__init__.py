@@ -47,6 +47,7 @@ from mtp.ops.grouped_gemm.checks import (
     check_main_grad,
     n_of,
 )
+from mtp.ops.grouped_gemm.config import TUNED_BACKENDS, device_arch, measured_backend
 from mtp.utils import check_tensor, empty, validation_mode
 
 __all__ = [
@@ -270,6 +271,22 @@ class _GroupedGemm(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
+def _measured_backend(x, w, trans_b) -> str | None:
+    """The backend the tuning sweep measured fastest at this shape class (config.TUNED_BACKENDS),
+    when it can run these inputs here; None otherwise."""
+    if not TUNED_BACKENDS or w.dim() != 3:
+        return None
+    arch, _ = device_arch(x.device)
+    name = measured_backend(arch, x.dtype, x.shape[0], n_of(w, trans_b), x.shape[1], w.shape[0])
+    check = GROUPED_GEMM_BACKENDS[name].check if name in GROUPED_GEMM_BACKENDS else None
+    try:
+        if name is not None and check is not None:
+            check(x, w)
+    except (TypeError, ValueError):
+        return None
+    return name
+
+
 def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=None,
                  activation=None):  # fmt: skip
     """Check the arguments of :func:`grouped_gemm` and resolve them: ``(backend name, counts)``
@@ -290,6 +307,8 @@ def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=
             raise ValueError(f"bias must be [{w.shape[0]}, {n}] (experts, N), "
                              f"got {tuple(bias.shape)}")  # fmt: skip
     name = resolve_backend("grouped_gemm", backend, x.device, tuple(GROUPED_GEMM_BACKENDS))
+    if backend == "auto" and name == "triton" and bias is None and activation is None:
+        name = _measured_backend(x, w, trans_b) or name  # the sweep's fastest, if any
     impl = GROUPED_GEMM_BACKENDS[name]
     if impl.check is not None:
         impl.check(x, w)
