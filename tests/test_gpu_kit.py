@@ -678,7 +678,10 @@ def test_ncu_without_ncu_profiles_the_smoke_case_on_cpu(tmp_path):
     assert out.returncode == 0, out.stderr
     (row,) = json.loads((tmp_path / "kernels.json").read_text())
     assert row["rc"] == 0 and row["tool"] == "torch.profiler", row
-    assert any("moe_unpermute" in k["kernel"] for k in row["kernels"]), row
+    # On CPU the profiler sees the call's range and its aten ops (the eager path calls the
+    # Triton kernels directly, without the custom op's record; the interpreter has no kernels)
+    names = [k["kernel"] for k in row["kernels"]]
+    assert "unpermute:fwd" in names and len(names) > 1, row
 
 
 def test_smoke_counts_a_missing_peer_as_skipped_and_a_broken_module_as_failed(monkeypatch):

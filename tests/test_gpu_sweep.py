@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,12 +64,37 @@ def test_candidates_start_with_todays_default_and_have_unique_names():
     for fam in space.MEMORY_FAMILIES:
         cands = space.memory_candidates(fam)
         assert cands[0]["baseline"] and len(cands) > 10
-        module = __import__(space.PATCHES[fam][0], fromlist=["_"])
-        assert all(getattr(module, k) == v for k, v in cands[0].items() if k != "baseline")
+        modules = [__import__(name, fromlist=["_"]) for name in space.PATCHES[fam][0]]
+        for k, v in cands[0].items():
+            if k != "baseline":
+                (owner,) = [m for m in modules if hasattr(m, k)]  # defined once
+                assert getattr(owner, k) == v, (fam, k)
     tasks = gpu_sweep.plan(list(space.FAMILIES), 9, 132, None, None)
     assert 400 < len(tasks) < 1200  # a few hundred configs per lease
     assert [t["family"] for t in tasks] == sorted((t["family"] for t in tasks),
                                                   key=space.FAMILIES.index)  # fmt: skip
+
+
+def test_patched_constants_rebuild_the_launch_plans():
+    """A launch plan binds the constexprs of its first call: a candidate's constants must not
+    reuse a plan built under others (every candidate would time the same build)."""
+    import sweep_run
+
+    import mtp.kernels.cross_entropy as ce
+
+    lanes = ce.LANES
+    ce._PLANS["stale"] = object()
+    with sweep_run.patched((ce,), {"LANES": lanes // 2, "baseline": False}):
+        assert ce.LANES == lanes // 2 and "stale" not in ce._PLANS
+        ce._PLANS["built"] = object()
+    with sweep_run.patched((ce,), {"LANES": lanes // 2}):
+        assert "built" in ce._PLANS  # the same constants: kept
+    with sweep_run.patched((ce,), {}):  # today's constants again
+        assert "built" not in ce._PLANS
+    assert ce.LANES == lanes
+    with pytest.raises(AttributeError, match="NO_SUCH"):
+        with sweep_run.patched((ce,), {"NO_SUCH": 1}):
+            pass
 
 
 def test_dry_run_subset_checks_and_compiles_every_candidate(tmp_path):

@@ -17,6 +17,7 @@ from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch, pointer
 from mtp.kernels.grouped_gemm_details import tma as ktma
 from mtp.kernels.grouped_gemm_details.epilogue import ACTIVATIONS
+from mtp.kernels.grouped_gemm_details.tiles import head_size
 from mtp.ops.grouped_gemm.config import make_config, override
 from mtp.moe import GroupedMLP
 from mtp.testing import compile_for_targets, count_host_syncs
@@ -387,7 +388,8 @@ def _tma_build(cc: int, forward: bool, act: str, rows: int):
     signature.update({s: "i32" for s in strides})
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                   "GROUP_M": cfg.group_m, "FLATTEN": True, "UPCAST_DOT": False,
-                  "ACT": ACTIVATIONS[act], "HAS_PROB": True}  # fmt: skip
+                  "ACT": ACTIVATIONS[act], "HAS_PROB": True,
+                  "MAP_OFF": head_size(8)}  # the launch's constant (8 experts)  # fmt: skip
     if forward:
         constexprs["HAS_BIAS"] = True
     kernel = ktma.grouped_gemm_act_tma_kernel if forward else ktma.grouped_gemm_dact_tma_kernel

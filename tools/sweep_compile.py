@@ -60,12 +60,16 @@ def compile_only(cc: int) -> Iterator[list]:
 
         return call
 
+    from mtp.kernels._launch import set_direct
+
     previous = driver._active  # None until a real driver was needed: none is made here
     driver.set_active(TargetDriver(cc))
     JITFunction.__getitem__ = getitem
+    set_direct(True)  # mtp's launch plans go through kernel[grid] as well
     try:
         yield compiled
     finally:
+        set_direct(False)
         JITFunction.__getitem__ = original
         driver._active = previous
 
@@ -112,7 +116,7 @@ def _run_family(task: dict) -> None:
         return
     import mtp.ops._backend as backend_module  # the op layer runs "triton" on CPU tensors here
 
-    backend_module.interpreting = lambda: True
+    backend_module.launchable = lambda device: True
     case = memory_cases(family, "quick")[task["case"]]
     params = dict(case.params)
     for key in ("rows", "M", "T"):

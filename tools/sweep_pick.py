@@ -144,13 +144,15 @@ def write_tables(gemm: dict, backends: dict, path: Path = CONFIG) -> None:
 
 def write_constants(choices: dict, source: str) -> None:
     for fam, values in choices.items():
-        path = ROOT / "kernels" / (space.PATCHES[fam][0].rsplit(".", 1)[1] + ".py")
-        text = path.read_text()
-        for name, value in values.items():
-            if name != "gain":
-                text = re.sub(rf"^{name} = [^\n]*$", f"{name} = {value}  # measured: {source}",
-                              text, count=1, flags=re.M)  # fmt: skip
-        path.write_text(text)
+        for module in space.PATCHES[fam][0]:  # each constant in the module that defines it
+            path = ROOT / "kernels" / (module.rsplit(".", 1)[1] + ".py")
+            text = path.read_text()
+            for name, value in values.items():
+                if name != "gain":
+                    text = re.sub(rf"^{name} = [^\n]*$",
+                                  f"{name} = {value}  # measured: {source}", text, count=1,
+                                  flags=re.M)  # fmt: skip
+            path.write_text(text)
 
 
 def main(argv=None) -> int:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.core import check_limit, rel_err
+from mtp.kernels._launch import Plans
 from mtp.kernels.grouped_gemm_details import launch
 from mtp.ops.grouped_gemm.backends import GROUPED_GEMM_BACKENDS, torch_grouped_mm
 from sweep_space import PATCHES, Shape, to_config
@@ -209,27 +210,51 @@ def _cutlass_ready(x, w) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+_APPLIED: dict[str, tuple] = {}  # module name -> the constants its launch plans were built with
+
+
+def _owner(modules: tuple[types.ModuleType, ...], name: str) -> types.ModuleType:
+    for module in modules:
+        if hasattr(module, name):
+            return module
+    raise AttributeError(f"none of {[m.__name__ for m in modules]} has a constant {name}")
+
+
+def _forget_plans(module: types.ModuleType, values: tuple) -> None:
+    """Drop the module's cached launch plans when they were built under other constants (a
+    plan binds the constexprs of its first call: a patched constant must not reuse it)."""
+    if _APPLIED.get(module.__name__) != values:
+        for obj in vars(module).values():
+            if isinstance(obj, Plans):
+                obj.clear()
+        _APPLIED[module.__name__] = values
+
+
 @contextlib.contextmanager
-def patched(module: types.ModuleType, values: dict) -> Iterator[None]:
-    """Set the module's constants ``values`` for the block; a function default bound to the
-    old value (``def f(n, elements=TILE_ELEMENTS)``) is set too. Restored on exit."""
+def patched(modules: tuple[types.ModuleType, ...], values: dict) -> Iterator[None]:
+    """Set the constants ``values`` (each in the first of ``modules`` that has it) for the
+    block; a function default bound to the old value (``def f(n, elements=TILE_ELEMENTS)``) is
+    set too, and the modules' launch plans are rebuilt when the constants changed. Restored on
+    exit."""
     saved, defaults = {}, {}
     for name, value in values.items():
         if name == "baseline":
             continue
-        if not hasattr(module, name):
-            raise AttributeError(f"{module.__name__} has no constant {name}")
-        old = saved[name] = getattr(module, name)
+        module = _owner(modules, name)
+        old = saved[module, name] = getattr(module, name)
         setattr(module, name, value)
         for fn in vars(module).values():
             if isinstance(fn, types.FunctionType) and fn.__defaults__ and any(
                     d is old for d in fn.__defaults__):
                 defaults.setdefault(fn, fn.__defaults__)
                 fn.__defaults__ = tuple(value if d is old else d for d in fn.__defaults__)
+    applied = tuple(sorted((k, v) for k, v in values.items() if k != "baseline"))
+    for module in modules:
+        _forget_plans(module, applied)
     try:
         yield
     finally:
-        for name, value in saved.items():
+        for (module, name), value in saved.items():
             setattr(module, name, value)
         for fn, value in defaults.items():
             fn.__defaults__ = value
@@ -246,7 +271,7 @@ class MemoryRun:
 
     def __post_init__(self) -> None:
         kernels, bench_module, _ = PATCHES[self.family]
-        self.module = importlib.import_module(kernels)
+        self.modules = tuple(importlib.import_module(name) for name in kernels)
         self.setup = importlib.import_module(bench_module).SETUP[self.case.op]
         self._expected = None
 
@@ -255,11 +280,11 @@ class MemoryRun:
         return self.case.bytes
 
     def fn(self, cand: dict) -> Callable:
-        with patched(self.module, cand):
+        with patched(self.modules, cand):
             run = self.setup(self.case, "triton", self.device)
 
         def call():
-            with patched(self.module, cand):
+            with patched(self.modules, cand):
                 return run.fn()
 
         return call

@@ -228,11 +228,12 @@ def gemm_candidates(family: str, s: Shape, arch: int, sms: int) -> list[dict]:
 # Memory-bound families: a candidate is a set of the kernel module's launch constants
 # --------------------------------------------------------------------------------------------
 
-#: family -> (the kernels module whose constants a candidate sets, the bench module and ops)
+#: family -> (the kernels modules whose constants a candidate sets, the bench module and ops)
 PATCHES = {
-    "ce": ("mtp.kernels.cross_entropy", "bench.bench_cross_entropy", ("cross_entropy",)),
-    "bias_act": ("mtp.kernels.bias_act", "bench.bench_bias_act", ("bias_gelu", "bias_swiglu")),
-    "permute": ("mtp.kernels.moe_permute", "bench.bench_permute", ("permute", "unpermute")),
+    "ce": (("mtp.kernels.cross_entropy",), "bench.bench_cross_entropy", ("cross_entropy",)),
+    "bias_act": (("mtp.kernels.bias_act",), "bench.bench_bias_act", ("bias_gelu", "bias_swiglu")),
+    "permute": (("mtp.kernels.moe_permute", "mtp.kernels.moe_token_major"), "bench.bench_permute",
+                ("permute", "unpermute")),
 }
 
 

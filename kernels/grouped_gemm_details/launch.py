@@ -30,6 +30,7 @@ from mtp.kernels._launch import Launch
 from mtp.kernels.grouped_gemm_details import pointer, tma
 from mtp.kernels.grouped_gemm_details.epilogue import ACTIVATIONS
 from mtp.kernels.grouped_gemm_details.routing import Routing
+from mtp.kernels.grouped_gemm_details.tiles import head_size
 
 __all__ = [
     "Routing",
@@ -160,8 +161,8 @@ def forward_plan(a, b, counts, out, config, *, bias=None):
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, TRANS_B=trans_b, FLATTEN=config.flatten,
             UPCAST_DOT=dot_upcast(a.dtype), HAS_BIAS=bias is not None,
-            WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            WARP_SPECIALIZE=config.warp_specialize, MAP_OFF=head_size(E),
+            num_warps=config.num_warps, num_stages=config.num_stages,
         ))  # fmt: skip
         return _TileGemm(launch, config.block_m, ints)
     ints = (M, N, K, E, *a.stride(), *b.stride(), *out.stride())
@@ -296,7 +297,8 @@ def act_plan(pointer_kernel, tma_kernel, a, b, b_unit_dim, counts, M, F, K, act,
         _require_tma(tma_aligned(a, 1) and tma_aligned(b, b_unit_dim))
         ints = (M, F, K, E, *tma_strides)
         launch = Launch(tma_kernel, grid, (*tensors, _map_example(a.device), *ints), dict(
-            tiles, FLATTEN=config.flatten, UPCAST_DOT=dot_upcast(a.dtype), **flags))
+            tiles, FLATTEN=config.flatten, UPCAST_DOT=dot_upcast(a.dtype), MAP_OFF=head_size(E),
+            **flags))
         return _TileGemm(launch, config.block_m, ints)
     ints = (M, F, K, E, *pointer_strides)
     launch = Launch(pointer_kernel, grid, (*tensors, counts, *ints), dict(
