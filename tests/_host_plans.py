@@ -119,8 +119,52 @@ def _grouped():
         _grouped_backward(grouped_mlp(x, w, w2, counts))
 
 
+# --- permute / unpermute ---------------------------------------------------------------------
+
+
+def _shifted(t):
+    """A copy of ``t`` one element past a 16-byte boundary (a misaligned address)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+    return buf[1:].view(t.shape).copy_(t)
+
+
+def _routings(tokens, experts, k):
+    g = torch.Generator().manual_seed(tokens)
+    idx = torch.rand(tokens, experts, generator=g).topk(k, dim=1).indices
+    rm = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, idx, True)
+    return rm, idx, torch.rand(tokens, experts, generator=g) * rm
+
+
+def _permute():
+    from mtp.ops import permute, unpermute
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for tokens, hidden in ((16, 64), (33, 24)):
+            rm, idx, p = _routings(tokens, 6, 2)
+            x = torch.randn(tokens, hidden).to(dtype)
+            for make in (lambda t: t, _shifted):
+                rms, idxs = make(rm), make(idx)
+                for probs in (None, make(p)):
+                    for kw in (dict(routing_map=rms, num_out_tokens=2 * tokens),
+                               dict(indices=idxs, num_experts=6),
+                               dict(routing_map=rms, drop_and_pad=True, capacity=5),
+                               dict(routing_map=rms, num_out_tokens=2 * tokens, validate=False)):
+                        xg = make(x).detach().requires_grad_()
+                        pg = None if probs is None else probs.detach().requires_grad_()
+                        out = permute(xg, probs=pg, return_token_map=True, **kw)
+                        (out[0].sum() + (0 if out[1] is None else out[1].sum())).backward()
+                        y = make(torch.randn(out[0].shape).to(dtype)).requires_grad_()
+                        routing = {k: kw[k] for k in ("routing_map", "indices") if k in kw}
+                        for tm in (out[3], None):
+                            z = unpermute(y, make(out[2]), (tokens, hidden), pg,
+                                          drop_and_pad=kw.get("drop_and_pad", False),
+                                          token_map=tm, **routing)
+                            z.backward(torch.ones_like(z))
+
+
 def run() -> None:
     _bias_act()
     _cross_entropy()
     _linear_cross_entropy()
     _grouped()
+    _permute()

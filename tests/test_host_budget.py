@@ -37,6 +37,20 @@ BUDGETS = {
     # --- linear_cross_entropy: one chunk; its three GEMMs are aten ops, the backward only scales
     ("linear_cross_entropy", "fwd"): (140, 1),
     ("linear_cross_entropy", "fwd+bwd"): (195, 1),
+    # row map (place; a routing this small is counted in it) and the token scatter; backward:
+    # one token-major combine
+    ("permute", "fwd"): (114, 2),
+    ("permute", "fwd+bwd"): (223, 3),
+    # with the token map permute built: one launch each way
+    ("unpermute", "fwd"): (80, 1),
+    ("unpermute", "fwd+bwd"): (196, 2),
+    # without it: the row map inverted first (one launch), then as above
+    ("unpermute_no_map", "fwd"): (126, 2),
+    ("unpermute_no_map", "fwd+bwd"): (242, 3),
+    # router, row map, token scatter, the two expert GEMMs, the token combine; backward: the
+    # router's and the combine's and the experts' kernels
+    ("moe_layer", "fwd"): (630, 7),
+    ("moe_layer", "fwd+bwd"): (1100, 14),
 }
 
 _WORKER = r"""

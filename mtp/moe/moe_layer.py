@@ -127,8 +127,9 @@ class MoELayer(nn.Module):
         bias_activation_fusion: on the ``triton`` backend, the experts' bias, activation and
             probability scaling run in the grouped GEMMs' epilogues, forward and backward (see
             :class:`~mtp.moe.GroupedMLP`); False keeps them as separate kernels.
-        backend: kernels of the permutation, activation and grouped GEMMs (``"auto"``,
-            ``"triton"``, ``"reference"``, or a grouped GEMM backend such as ``"sequential"``).
+        backend: kernels of the router, the permutation, activation and grouped GEMMs
+            (``"auto"``, ``"triton"``, ``"reference"``, or a grouped GEMM backend such as
+            ``"sequential"``; the router and the permutation take such a name as ``"auto"``).
         bias: per-expert biases in the experts.
         token_dispatcher_type: ``"alltoall"`` (Megatron's default) or ``"allgather"``
             (:class:`~mtp.moe.AllGatherTokenDispatcher`: every rank gathers all tokens and

@@ -18,14 +18,18 @@ same name. Each op's path, API and autograd -> config -> kernel:
   ``.call``: a call's setup, chunks and collectives; ``.bodies``: the chunked forward and
   backward; ``.maths``: the per-chunk PyTorch maths and GEMMs) -> the same launch config ->
   :mod:`mtp.kernels.linear_cross_entropy` and ``linear_cross_entropy_gemm``.
-- ``permute``, ``unpermute``: :mod:`.moe_permute` (``.checks``, ``.row_map``, ``.token_map``,
-  ``.row_ops``, ``.reference``) -> ``map_config``/``block_config`` ->
-  :mod:`mtp.kernels.moe_row_map` and :mod:`mtp.kernels.moe_permute`.
+- ``permute``, ``unpermute``: :mod:`.moe_permute` (``.paths``: eager and general paths;
+  ``.checks``, ``.row_map``, ``.token_map``, ``.invert``, ``.rows``, ``.row_ops``,
+  ``.reference``) -> ``map_config``/``block_config`` -> :mod:`mtp.kernels.moe_row_map`,
+  :mod:`mtp.kernels.moe_token_major` and :mod:`mtp.kernels.moe_permute`.
 - ``grouped_gemm``: :mod:`.grouped_gemm` (``.checks``, ``.eager_path``, ``.ops``: custom ops
   and autograd, ``.backends``, ``.plans``: the triton backend's launch plans, ``.cutlass``) ->
   ``.config.make_config`` -> :mod:`mtp.kernels.grouped_gemm_details` (``launch``, ``routing``,
   ``pointer``, ``tma``, ``epilogue``, ``tiles``, ``fill``); the CUTLASS kernels in ``csrc/``.
 - ``grouped_mlp``: :mod:`.grouped_mlp` -> two ``grouped_gemm`` calls with chained epilogues.
+- ``moe_router``: :mod:`.moe_router` (``.checks``, ``.reference``: the aten path) ->
+  ``tile_config``/``rows_per_program`` -> :mod:`mtp.kernels.moe_router` (row helpers in
+  ``moe_router_rows``).
 """
 
 from .bias_act import bias_gelu, bias_swiglu  # noqa: E402,F401
@@ -38,3 +42,4 @@ from .grouped_gemm import (  # noqa: E402,F401
     grouped_gemm_reference,
 )
 from .grouped_mlp import grouped_mlp  # noqa: E402,F401
+from .moe_router import moe_router  # noqa: E402,F401

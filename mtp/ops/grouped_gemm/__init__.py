@@ -82,6 +82,8 @@ def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=
         tokens_per_expert = torch.tensor(tokens_per_expert, dtype=torch.int64)
     check_arguments(x, w, tokens_per_expert, trans_b, out, bias, activation)
     name = resolve_backend("grouped_gemm", backend, x.device, tuple(GROUPED_GEMM_BACKENDS))
+    if backend == "auto" and name == "triton" and bias is None and activation is None:
+        name = _eager_path.tuned_backend(x, w, trans_b) or name  # the sweep's fastest, if any
     impl = GROUPED_GEMM_BACKENDS[name]
     check_backend(name, impl, x, w, tokens_per_expert)
     # Loop backends read the sizes on the host: copy them once here (their only sync); the

@@ -34,12 +34,16 @@ from mtp.kernels.grouped_gemm_details.launch import tma_aligned
 __all__ = [
     "FORWARD_TABLE",
     "GroupedGemmConfig",
+    "TUNED",
+    "TUNED_BACKENDS",
     "WGRAD_TABLE",
     "choice_state",
     "device_arch",
     "fit_block",
     "make_config",
+    "measured_backend",
     "override",
+    "shape_class",
     "supports_warp_specialize",
     "tma_aligned",
 ]
@@ -124,6 +128,17 @@ WGRAD_TABLE: dict[int, GroupedGemmConfig] = {
     10: _tma(128, 128, 64, 8, 3, flatten=False,
              reason="sm_100a weight gradient: warp-specialised, 8 warps"),
 }
+# Configs measured by the tuning sweep (tools/gpu_sweep.py on a lent GPU), written by
+# tools/sweep_pick.py from the sweep's JSONL: (arch, dtype, gemm, epilogue, shape class) ->
+# {"config": GroupedGemmConfig fields but programs, "source": the sweep file, "commit": its
+# bundle's commit, "ms": the measured median, "default_ms": today's rule's}. make_config takes an
+# entry before its rules; none yet (no sweep has run on a GPU).
+TUNED: dict[tuple[int, str, str, str, str], dict] = {}
+# The fastest measured backend of forward + data gradient + weight gradient per shape class,
+# from the same sweeps: (arch, dtype, shape class) -> {"backend": "triton" | "cutlass" |
+# "torch", "source", "commit", "ms": {backend: ms}}. backend="auto" follows an entry when the call
+# fuses no epilogue; none yet.
+TUNED_BACKENDS: dict[tuple[int, str, str], dict] = {}
 _MAX_SPLIT = 16
 _MIN_ROWS_PER_SPLIT = 256
 _SHARED_MEMORY_PER_SM = 228 * 1024  # H100 / H200 / B200
@@ -217,6 +232,38 @@ def regime(M: int, E: int) -> str:
     """Group-size regime from the host-known sizes: average rows per expert ``M / E``."""
     avg = M / max(E, 1)
     return "small" if avg < 128 else ("medium" if avg < 1024 else "large")
+
+
+def shape_class(M: int, N: int, K: int, E: int) -> str:
+    """The key of the measured tables: the experts and the GEMM's K and N exactly (a model's
+    layer), the rows per expert by :func:`regime` (they vary with the batch)."""
+    return f"E{E} K{K} N{N} {regime(M, E)}"
+
+
+def measured_backend(arch: int, dtype: torch.dtype, M: int, N: int, K: int, E: int) -> str | None:
+    """The backend :data:`TUNED_BACKENDS` measured fastest for this shape class, or None."""
+    if not TUNED_BACKENDS:
+        return None
+    entry = TUNED_BACKENDS.get((arch, str(dtype).replace("torch.", ""), shape_class(M, N, K, E)))
+    return None if entry is None else entry["backend"]
+
+
+@functools.lru_cache(maxsize=1024)
+def _tuned(arch, dtype, M, N, K, E, gemm, epilogue, use_tma, tma_forced, sms):
+    entry = TUNED.get((arch, str(dtype).replace("torch.", ""), gemm, epilogue,
+                       shape_class(M, N, K, E)))  # fmt: skip
+    if entry is None:
+        return None
+    fields = dict(entry["config"])
+    if (fields["kernel"] == "tma" and not use_tma) or (fields["kernel"] == "pointer"
+                                                       and tma_forced):  # fmt: skip
+        return None  # the operands (or an override) rule the measured kernel family out
+    cfg = GroupedGemmConfig(**fields, reason=f"measured: {entry['source']} at {entry['commit']}")
+    if cfg.kernel == "tma":
+        return dataclasses.replace(cfg, persistent=True, programs=sms or _INTERPRETER_PROGRAMS)
+    gated = 2 if epilogue in ("swiglu", "clamped_swiglu") else 1
+    stage = (cfg.block_m + gated * cfg.block_n) * cfg.block_k
+    return dataclasses.replace(cfg, programs=_resident(sms, cfg, dtype.itemsize, stage))
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,6 +401,11 @@ def make_config(
     # interpreter too (descriptors run there); by default on sm_90+ only.
     use_tma = tma_ok and (arch >= 9 if want is None else want)
     extra = tuple(sorted((k, v) for k, v in forced.items() if k != "kernel"))
+    if TUNED and arch:  # a measured config for this shape class first
+        epilogue = activation or ("bias" if bias else "none")
+        cfg = _tuned(arch, dtype, M, N, K, E, gemm, epilogue, use_tma, want is True, sms)
+        if cfg is not None:
+            return dataclasses.replace(cfg, **dict(extra)) if extra else cfg
     return _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra)
 
 

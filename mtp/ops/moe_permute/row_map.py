@@ -2,7 +2,9 @@
 pieces: :func:`moe_permute_row_map` (on the device, static shapes, no host sync; the Triton
 backend also builds the :class:`~mtp.ops.moe_permute.token_map.TokenMap`, returned in a
 :class:`RowMap`), the flat ``(token, expert)`` pair of each row of a given ``row_id_map``
-(:func:`row_pairs`, what :func:`mtp.ops.unpermute` weights rows by) and :func:`select_probs`.
+(:func:`row_pairs`, what :func:`mtp.ops.unpermute` weights rows by) and :func:`select_probs`;
+the custom op ``mtp::moe_row_map`` (two launches of :mod:`mtp.kernels.moe_row_map`, no checks),
+called directly on the eager path.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import dataclasses
 
 import torch
 
+from mtp import settings
+from mtp.kernels import moe_row_map as _map_kernels
 from mtp.ops._backend import resolve_backend
-from mtp.ops.moe_permute.token_map import TokenMap
+from mtp.ops._eager import eager
+from mtp.ops.moe_permute.token_map import TokenMap, poisoned_empty
 
 __all__ = ["PERMUTE_BACKENDS", "RowMap", "moe_permute_row_map", "row_pairs", "select_probs"]
 
@@ -59,15 +64,57 @@ def moe_permute_row_map(
     """
     if resolve_backend("permute", backend, routing_map.device, PERMUTE_BACKENDS) == "triton":
         cap = capacity if drop_and_pad else None
-        row_id_map, pair, rows, experts_, count = torch.ops.mtp.moe_row_map(
-            routing_map, num_out_tokens, -1 if cap is None else cap
-        )
+        args = (routing_map, num_out_tokens, -1 if cap is None else cap)
+        if eager(routing_map) and routing_map.device.type != "meta":
+            row_id_map, pair, rows, experts_, count = row_map_impl(*args)
+        else:
+            row_id_map, pair, rows, experts_, count = torch.ops.mtp.moe_row_map(*args)
         if not token_map:
             return row_id_map, pair
         tm = TokenMap(rows, experts_, count, routing_map.shape[1], drop_and_pad)
         return RowMap(row_id_map, pair, tm)
     row_id_map, pair = _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity)
     return RowMap(row_id_map, pair, None) if token_map else (row_id_map, pair)
+
+
+@torch.library.custom_op("mtp::moe_row_map", mutates_args=())
+def _row_map_op(
+    routing_map: torch.Tensor, num_out_tokens: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row_id_map, pair, token_rows, token_experts, token_count)`` of a ``[T, E]`` bool
+    routing map (``capacity < 0``: dropless); two launches, no checks."""
+    return row_map_impl(routing_map, num_out_tokens, capacity)
+
+
+def row_map_impl(routing_map, num_out_tokens, capacity):
+    """The body of ``mtp::moe_row_map``."""
+    device, (num_tokens, num_experts), n = routing_map.device, routing_map.shape, num_out_tokens
+    new = poisoned_empty if settings.current().poison_outputs else torch.empty
+    row_id_map = new(n, dtype=torch.int64, device=device)
+    pair = new(n, dtype=torch.int64, device=device)
+    rows = new(num_tokens, num_experts, dtype=torch.int32, device=device)
+    experts = new(num_tokens, num_experts, dtype=torch.int32, device=device)
+    count = new(num_tokens, dtype=torch.int32, device=device)
+    ok = new((), dtype=torch.bool, device=device)
+    _map_kernels.build_row_map(
+        routing_map.contiguous(), num_experts, n, capacity=capacity if capacity >= 0 else None,
+        probs=None, row_id_map=row_id_map, pair=pair, permuted_probs=None, token_rows=rows,
+        token_experts=experts, token_count=count, status=ok,
+    )  # fmt: skip
+    return row_id_map, pair, rows, experts, count
+
+
+@_row_map_op.register_fake
+def _(routing_map, num_out_tokens, capacity):
+    (num_tokens, num_experts), n = routing_map.shape, num_out_tokens
+    i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
+    return (
+        routing_map.new_empty((n,), **i64),
+        routing_map.new_empty((n,), **i64),
+        routing_map.new_empty((num_tokens, num_experts), **i32),
+        routing_map.new_empty((num_tokens, num_experts), **i32),
+        routing_map.new_empty((num_tokens,), **i32),
+    )
 
 
 def _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity):
