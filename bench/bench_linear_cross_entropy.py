@@ -14,6 +14,10 @@ GEMMs and loss maths, without the all-gather of three fp32 per row). Compared wi
 - ``torch.compile`` of ``F.linear`` + ``F.cross_entropy(logits.float())``;
 - Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` when installed.
 
+GPU runs also time ``triton`` at other chunk sizes (:data:`CHUNK_VARIANTS`: ``N/4`` and
+``N/16`` rows against the default ``N/8``): the fp32 ``d_weight`` GEMM-add reads and writes
+``V x H x 8`` bytes per chunk, so larger chunks trade memory (their peak column) for time.
+
 The goal: at least 1.2x faster than ``unfused`` at a tenth of its peak memory.
 
 FLOPs: the op is GEMM-bound. Forward ``2*N*H*V`` (one GEMM); forward+backward ``6*N*H*V`` (the
@@ -58,6 +62,8 @@ from .core import (
 FAMILY = "linear_cross_entropy"
 OPS = ("linear_cross_entropy",)
 BACKENDS = ("triton", "fused", "torch")
+#: provider -> the divisor of ``N`` giving its chunk rows (``backend="triton"``; GPU only)
+CHUNK_VARIANTS = {"triton-chunk/4": 4, "triton-chunk/16": 16}
 
 _SHAPES = {  # (N, H, V, label suffix)
     "smoke": [(16, 8, 50, ""), (40, 16, 300, "")],
@@ -96,6 +102,8 @@ def providers(op: str = "linear_cross_entropy") -> list[Provider]:
         Provider("triton", "mtp"),
         Provider("fused", "mtp"),
         Provider("torch", "mtp"),
+        *(Provider(name, "mtp", cpu=False, note=f"chunk_size=N/{f}")
+          for name, f in CHUNK_VARIANTS.items()),
         Provider("unfused", "baseline"),
         Provider("reference", "baseline"),
         Provider("torch.compile", "baseline", cpu=False, needs=needs_compile),
@@ -124,6 +132,10 @@ def _loss_fn(provider: str):
         return lambda h, w, t: ops.vocab_parallel_cross_entropy(
             F.linear(h, w), t, reduction="mean", validate=False
         )
+    if provider in CHUNK_VARIANTS:
+        f = CHUNK_VARIANTS[provider]
+        return lambda h, w, t: ops.linear_cross_entropy(
+            h, w, t, validate=False, backend="triton", chunk_size=max(1, h.shape[0] // f))
     if provider == "liger":
         loss = peer_attr("liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss")()
 
