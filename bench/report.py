@@ -279,13 +279,14 @@ def _structure_lines(structure) -> list[str]:
     lce = structure.get("linear_cross_entropy_loss_bytes")
     if lce:
         lines += ["## Fused linear cross-entropy: bytes of the loss maths beyond the GEMMs", ""]
-        rows = [[r["dtype"], r["backend"], r["fwd_loss_bytes_over_logits"],
-                 r["bwd_loss_bytes_over_logits"], r["fwd_cast_bytes_over_logits"],
-                 r["bwd_cast_bytes_over_logits"], r["fwd_triton_launches"],
-                 r["bwd_triton_launches"], r["fwd_host_syncs"] + r["bwd_host_syncs"]]
-                for r in lce]  # fmt: skip
-        lines += _table(["dtype", "backend", "fwd / N·V·s", "bwd / N·V·s", "fwd casts",
-                         "bwd casts", "fwd launches", "bwd launches", "host syncs"], rows)
+        rows = [[r.get("reduction", "mean"), r["dtype"], r["backend"],
+                 r["fwd_loss_bytes_over_logits"], r["bwd_loss_bytes_over_logits"],
+                 r["fwd_cast_bytes_over_logits"], r["bwd_cast_bytes_over_logits"],
+                 r["fwd_triton_launches"], r["bwd_triton_launches"],
+                 r["fwd_host_syncs"] + r["bwd_host_syncs"]] for r in lce]  # fmt: skip
+        lines += _table(["reduction", "dtype", "backend", "fwd / N·V·s", "bwd / N·V·s",
+                         "fwd casts", "bwd casts", "fwd launches", "bwd launches",
+                         "host syncs"], rows)  # fmt: skip
         lines += [f"N={lce[0]['N']}, H={lce[0]['H']}, V={lce[0]['V']}, chunk={lce[0]['chunk']}; "
                   "casts: `_to_copy` bytes (CPU; on CUDA the Triton path's GEMMs write fp32).", ""]
     moe = structure.get("moe_layer_forward")

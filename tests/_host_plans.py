@@ -45,6 +45,32 @@ def _cross_entropy():
                     loss.backward(torch.ones_like(loss) * 2)
                     with torch.no_grad():
                         vocab_parallel_cross_entropy(x, t.long(), ignore_index=ignore)
+
+
+def _linear_cross_entropy():
+    """Reduced (gradients in the forward) and unreduced (the recomputing backward, its upstream
+    gradient broadcast or per row) losses over several chunks whose per-row slices start at
+    every alignment; misaligned operands, bias, smoothing, z-loss, an ignore_index that is a
+    valid id, int32 targets, no-grad."""
+    from mtp.ops import linear_cross_entropy
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for make in (lambda s: torch.randn(s).to(dtype), lambda s: _misaligned(s, dtype)):
+            h = make((11, 24)).requires_grad_()
+            w = make((40, 24)).requires_grad_()
+            b = make((40,)).requires_grad_()
+            for t in (torch.randint(0, 40, (11,)), torch.randint(0, 40, (11,), dtype=torch.int32)):
+                for reduction, ignore in (("mean", -100), ("sum", 3), ("none", -100)):
+                    loss = linear_cross_entropy(h, w, t, bias=b, ignore_index=ignore,
+                                                label_smoothing=0.1, z_loss_weight=1e-3,
+                                                reduction=reduction, chunk_size=5)
+                    loss.backward(torch.ones_like(loss) if reduction != "none"
+                                  else torch.rand(loss.shape))
+                    linear_cross_entropy(h, w, t, reduction="none").sum().backward()
+                    with torch.no_grad():
+                        linear_cross_entropy(h, w, t, reduction=reduction, chunk_size=4)
+
+
 # --- grouped_gemm / grouped_mlp --------------------------------------------------------------
 
 
@@ -139,5 +165,6 @@ def _permute():
 def run() -> None:
     _bias_act()
     _cross_entropy()
+    _linear_cross_entropy()
     _grouped()
     _permute()

@@ -17,6 +17,7 @@ from mtp.ops import (
     _eager,
     bias_gelu,
     bias_swiglu,
+    linear_cross_entropy,
     permute,
     unpermute,
     vocab_parallel_cross_entropy,
@@ -104,6 +105,36 @@ def test_cross_entropy_second_backward_is_refused_on_both_paths():
             loss.backward(torch.tensor(2.0), retain_graph=True)
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 loss.backward(torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_eager_equals_custom_op(reduction, dtype):
+    """Several chunks (the last one short), bias, smoothing, z-loss and an ignored row: the
+    gradients computed in the forward (reduced loss) and by the recomputing backward."""
+    hidden = torch.randn(13, 16).to(dtype)
+    weight = (torch.randn(40, 16) / 4).to(dtype)
+    bias = torch.randn(40).to(dtype)
+    target = torch.randint(0, 40, (13,))
+    target[3] = -100
+    fn = lambda h, w, b: linear_cross_entropy(  # noqa: E731
+        h, w, target, bias=b, label_smoothing=0.1, z_loss_weight=1e-3, reduction=reduction,
+        chunk_size=5, backend="triton")
+    assert_paths_equal(fn, (hidden, weight, bias), grad_of=(0, 1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_second_backward_is_refused_on_both_paths(dtype):
+    """A reduced loss's backward scales the gradients its forward saved (in place in fp32): a
+    second backward through the same graph fails autograd's version check, in every dtype."""
+    for ctx in (contextlib.nullcontext, custom_op_path):
+        with ctx():
+            h = torch.randn(4, 16).to(dtype).requires_grad_()
+            w = torch.randn(10, 16).to(dtype).requires_grad_()
+            loss = linear_cross_entropy(h, w, torch.randint(0, 10, (4,)), backend="triton")
+            loss.backward(retain_graph=True)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
 
 
 def test_eager_is_off_under_modes_and_subclasses():

@@ -34,6 +34,9 @@ BUDGETS = {
     ("grouped_gemm", "fwd+bwd"): (250, 4),
     ("grouped_mlp", "fwd"): (157, 3),
     ("grouped_mlp", "fwd+bwd"): (422, 7),
+    # --- linear_cross_entropy: one chunk; its three GEMMs are aten ops, the backward only scales
+    ("linear_cross_entropy", "fwd"): (140, 1),
+    ("linear_cross_entropy", "fwd+bwd"): (195, 1),
     # row map (place; a routing this small is counted in it) and the token scatter; backward:
     # one token-major combine
     ("permute", "fwd"): (114, 2),

@@ -15,7 +15,8 @@ same name. Each op's path, API and autograd -> config -> kernel:
   data check; its PyTorch reference in ``.reference``) -> ``vector_width``/``num_programs`` ->
   :mod:`mtp.kernels.cross_entropy` (row helpers in ``cross_entropy_rows``).
 - ``linear_cross_entropy``: :mod:`.linear_cross_entropy` (``.checks``: arguments and backend;
-  ``.maths``: the per-chunk GEMMs) -> the same launch config ->
+  ``.call``: a call's setup, chunks and collectives; ``.bodies``: the chunked forward and
+  backward; ``.maths``: the per-chunk PyTorch maths and GEMMs) -> the same launch config ->
   :mod:`mtp.kernels.linear_cross_entropy` and ``linear_cross_entropy_gemm``.
 - ``permute``, ``unpermute``: :mod:`.moe_permute` (``.paths``: eager and general paths;
   ``.checks``, ``.row_map``, ``.token_map``, ``.invert``, ``.rows``, ``.row_ops``,
