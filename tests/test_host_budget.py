@@ -27,8 +27,8 @@ BUDGETS = {
     ("bias_gelu", "fwd+bwd"): (235, 3),
     ("bias_swiglu", "fwd"): (90, 1),
     ("bias_swiglu", "fwd+bwd"): (235, 3),
-    ("cross_entropy", "fwd"): (175, 1),
-    ("cross_entropy", "fwd+bwd"): (280, 2),
+    ("cross_entropy", "fwd"): (112, 1),
+    ("cross_entropy", "fwd+bwd"): (215, 2),
     # --- grouped_gemm / grouped_mlp: the tile map (with the counts' status word) and the GEMMs
     ("grouped_gemm", "fwd"): (98, 2),
     ("grouped_gemm", "fwd+bwd"): (250, 4),

@@ -36,7 +36,7 @@ from torch.autograd.graph import increment_version
 from mtp.kernels import cross_entropy as kernels
 from mtp.kernels.cross_entropy import META_ROWS
 from mtp.ops._backend import resolve_backend
-from mtp.ops._eager import CheckedKeys, eager
+from mtp.ops._eager import CheckedKeys, autograd_apply, eager
 from mtp.ops.cross_entropy.checks import (
     REDUCTIONS,
     TargetOutOfRangeError,
@@ -305,6 +305,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return grad, None, None
 
 
+_APPLY = autograd_apply(_CrossEntropyFunction)  # the eager path's (C) apply
+
+
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
@@ -415,9 +418,8 @@ def vocab_parallel_cross_entropy(
         vocab_size, group_name, world, reduction, check,
     )  # fmt: skip
     if compute_grad:
-        loss, info = _CrossEntropyFunction.apply(
-            logits, target, (args, bool(inplace_backward), backend, direct)
-        )
+        apply = _APPLY if direct else _CrossEntropyFunction.apply
+        loss, info = apply(logits, target, (args, bool(inplace_backward), backend, direct))
     else:
         op = _ce if direct else torch.ops.mtp.vocab_parallel_cross_entropy
         loss, _, info = op(logits, target, *args[:-1], False, check, backend)
