@@ -66,13 +66,23 @@ def _grads(layer, x, dy):
     return (out, *torch.autograd.grad(out, [x, *layer.parameters()], dy))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_equals_materialised_dispatch_bitwise(dtype, monkeypatch):
+VARIANTS = [  # the router variants the oracle does not model, against the plain dispatch
+    dict(num_groups=3, group_topk=2, scaling_factor=2.0, score_function="sigmoid",
+         expert_bias=True),
+    dict(num_groups=2, group_topk=1, pre_softmax=True, capacity_factor=1.0,
+         drop_policy="position"),
+]
+
+
+@pytest.mark.parametrize("dtype,cfg", [(torch.float32, {}), (torch.bfloat16, {}),
+                                       (torch.float16, {}), *((torch.float32, v) for v in VARIANTS)])
+def test_fused_equals_materialised_dispatch_bitwise(dtype, cfg, monkeypatch):
     """The fused layer is the plain dispatch's layer without the permuted copy: the same bits,
     forward and backward (except where noted)."""
     torch.manual_seed(3)
-    layer = _layer(params_dtype=dtype, bias=True)
+    layer = _layer(params_dtype=dtype, bias=True, **cfg)
     x, dy = torch.randn(16, 16, dtype=dtype), torch.randn(16, 16, dtype=dtype)
+    assert gathers(layer, x)
     fused = _grads(layer, x, dy)
     monkeypatch.setattr("mtp.moe.moe_layer.gathers", lambda *a: False)
     plain = _grads(layer, x, dy)
@@ -155,9 +165,10 @@ def test_fused_layer_graph_safe(capacity_factor):
     assert out.data_ptr() == layer.workspace.output.data_ptr()
 
 
-def test_fused_layer_compiles_fullgraph():
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_fused_layer_compiles_fullgraph(capacity_factor):
     torch.manual_seed(2)
-    layer = _layer(H=8, F=8, E=4)
+    layer = _layer(H=8, F=8, E=4, capacity_factor=capacity_factor)
     x, dy = torch.randn(10, 8), torch.randn(10, 8)
     eager = _grads(layer, x, dy)
     torch._dynamo.reset()
@@ -192,3 +203,27 @@ def test_memory_bound_part_at_its_byte_floor():
     moved = sum(by[name]["read"] + by[name]["write"] for name in floors)
     assert moved <= 1.10 * sum(floors.values()), (by, floors)
     assert "_scatter_tokens_kernel" not in by and "_gather_rows_kernel" not in by
+
+
+def test_padding_mask_equals_materialised_dispatch(monkeypatch):
+    """With a padding mask (the router's statistics skip the padded tokens): the same bits as
+    the plain dispatch."""
+    torch.manual_seed(8)
+    layer = _layer(E=8)
+    x, dy = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, 5:] = True
+    mask[1, 7] = True
+
+    def run():
+        xg = x.clone().requires_grad_(True)
+        out = layer(xg, padding_mask=mask)
+        return (out, *torch.autograd.grad(out, [xg, *layer.parameters()], dy))
+
+    fused = run()
+    monkeypatch.setattr("mtp.moe.moe_layer.gathers", lambda *a: False)
+    plain = run()
+    assert torch.equal(fused[0], plain[0])
+    for a, b in zip(fused[2:], plain[2:]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-6, atol=1e-6)
