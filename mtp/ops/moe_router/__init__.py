@@ -165,6 +165,10 @@ class _RouterFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dprobs, _dmap, dscores, _dcounts, dz):
+        # without the statistics, ``scores``/``z`` are empty: a traced backward (AOT autograd
+        # materialises every gradient) hands in zeros of that empty shape, read as no gradient
+        dscores = None if dscores is None or dscores.numel() == 0 else dscores
+        dz = None if dz is None or dz.numel() == 0 else dz
         if dprobs is None and dscores is None and dz is None:
             return None, None, None, None, None
         logits, routing_map, padding_mask = ctx.saved_tensors
