@@ -292,10 +292,14 @@ def _structure_lines(structure) -> list[str]:
     moe = structure.get("moe_layer_forward")
     if moe:
         lines += ["## MoE layer, one forward (EP=1, dropless): what it issues by backend and E", ""]
-        rows = [[r["E"], r["topk"], r["backend"], r["device_ops"], r["triton_launches"],
-                 r["aten_ops"], r["host_syncs"], r["graph_safe"]] for r in moe]  # fmt: skip
-        lines += _table(["E", "top-k", "backend", "device ops", "Triton launches", "aten ops",
-                         "host syncs", "graph-safe (assert_graph_safe)"], rows)  # fmt: skip
+        rows = [[r["E"], r["topk"], r["backend"], r["device_ops"],
+                 _fmt_int(r.get("fwd_bwd_device_ops")), r["triton_launches"], r["aten_ops"],
+                 r["host_syncs"], _fmt_int(None if r.get("saved_bytes_per_token") is None
+                                           else round(r["saved_bytes_per_token"])), r["graph_safe"]]
+                for r in moe]  # fmt: skip
+        lines += _table(["E", "top-k", "backend", "device ops", "fwd+bwd device ops",
+                         "Triton launches", "aten ops", "host syncs", "saved B/token",
+                         "graph-safe (assert_graph_safe)"], rows)  # fmt: skip
         lines += [f"T={moe[0]['T']} tokens, H={moe[0]['H']}, F={moe[0]['F']}; Triton kernels "
                   "recorded, not executed. The single-launch backends issue the same work for any "
                   "E; the loop backends one GEMM per expert that received tokens (at most "

@@ -20,7 +20,12 @@ tokens) without a sort, in two launches:
      ``token_count[T]`` and, for ``j < token_count[t]``, ``token_rows[t, j]`` /
      ``token_experts[t, j]``: the rows of token ``t`` in ascending order and their experts,
    - ``status[1]`` (bool): the routing is valid (``indices`` distinct and in range; dropless:
-     the routed pairs equal ``N``).
+     the routed pairs equal ``N``),
+   - optionally ``tokens_per_expert[E]`` (int64): the rows of each expert (``capacity`` each
+     when dropping), from the counts the scan already sums.
+
+   A token map narrower than ``E`` (``S`` slots) keeps a token's first ``S`` rows: the MoE
+   dispatch sizes it ``topk`` (a token routes to at most ``topk`` experts).
 
 A small routing (at most :data:`FUSE_COUNT` ``[T, E_BLOCK]`` elements) skips the first launch:
 each place program counts the whole routing itself (``FUSED``).
@@ -119,11 +124,11 @@ def _count_kernel(route_ptr, counts_ptr, T, E, tokens_per_chunk, IS_INDICES: tl.
 @triton.jit
 def _place_kernel(
     route_ptr, probs_ptr, counts_ptr, row_id_ptr, pair_ptr, pprobs_ptr,
-    trows_ptr, texp_ptr, tcount_ptr, status_ptr,
+    trows_ptr, texp_ptr, tcount_ptr, status_ptr, tpe_ptr,
     T, E, N, capacity, tokens_per_chunk, num_chunks, rows_per_chunk, S,
     IS_INDICES: tl.constexpr, K: tl.constexpr, DROP: tl.constexpr, HAS_PROBS: tl.constexpr,
     WRITE_PAIR: tl.constexpr, SUB_T: tl.constexpr, E_BLOCK: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, FUSED: tl.constexpr = False,
+    ROW_BLOCK: tl.constexpr, FUSED: tl.constexpr = False, WRITE_COUNTS: tl.constexpr = False,
 ):
     c = tl.program_id(0)
     ex = tl.arange(0, E_BLOCK)
@@ -152,6 +157,11 @@ def _place_kernel(
         ok = (nbad == 0) & (routed == N)
     if c == 0:
         tl.store(status_ptr, ok)
+        if WRITE_COUNTS:  # the rows of each expert (tokens_per_expert)
+            if DROP:
+                tl.store(tpe_ptr + ex, tl.zeros([E_BLOCK], dtype=tl.int64) + capacity, mask=emask)
+            else:
+                tl.store(tpe_ptr + ex, total.to(tl.int64), mask=emask)
 
     run = tl.zeros([E_BLOCK], dtype=tl.int32)
     t0 = c * tokens_per_chunk
@@ -173,11 +183,13 @@ def _place_kernel(
             p = tl.load(probs_ptr + tok2 * E + ex[None, :], mask=kept, other=0.0)
             tl.store(pprobs_ptr + row, p, mask=kept)
         k32 = kept.to(tl.int32)
-        slot = tok2 * S + (tl.cumsum(k32, axis=1) - k32)
-        tl.store(trows_ptr + slot, row.to(tl.int32), mask=kept)
+        j = tl.cumsum(k32, axis=1) - k32  # the slot of each kept pair among its token's
+        slot = tok2 * S + j
+        fits = kept & (j < S)  # a map narrower than E holds a token's first S rows
+        tl.store(trows_ptr + slot, row.to(tl.int32), mask=fits)
         tl.store(texp_ptr + slot, (ex[None, :] + tl.zeros([SUB_T, E_BLOCK], dtype=tl.int32)),
-                 mask=kept)
-        tl.store(tcount_ptr + toks, tl.sum(k32, axis=1), mask=tmask)
+                 mask=fits)
+        tl.store(tcount_ptr + toks, tl.minimum(tl.sum(k32, axis=1), S), mask=tmask)
         t0 += SUB_T
 
     # Rows that hold no token, in this chunk's share of the rows.
@@ -218,6 +230,7 @@ def build_row_map(
     token_experts: torch.Tensor,
     token_count: torch.Tensor,
     status: torch.Tensor,
+    tokens_per_expert: torch.Tensor | None = None,
 ) -> None:
     """Launch the two row-map kernels (see the module doc).
 
@@ -229,25 +242,28 @@ def build_row_map(
         probs: optional contiguous ``[T, E]`` probabilities (gathered into ``permuted_probs``).
         row_id_map: ``[N]`` int64 output; pair: optional ``[N]`` int64 output;
         permuted_probs: ``[N]`` output in probs' dtype (with ``probs``).
-        token_rows, token_experts: ``[T, S]`` int32 outputs (``S`` = k for indices, else E);
+        token_rows, token_experts: ``[T, S]`` int32 outputs (``S``: at most the routing's
+            width, k for indices or E; a narrower map keeps each token's first ``S`` rows);
         token_count: ``[T]`` int32; status: ``[1]`` bool.
+        tokens_per_expert: optional ``[E]`` int64 output, the rows of each expert.
     """
+    tpe = tokens_per_expert
     key = (routing.shape, routing.dtype, num_experts, num_out_tokens, capacity,
            token_rows.shape[1], None if probs is None else probs.dtype, pair is None,
-           None if permuted_probs is None else permuted_probs.dtype,
+           None if permuted_probs is None else permuted_probs.dtype, tpe is None,
            aligned(routing, probs, row_id_map, pair, permuted_probs, token_rows, token_experts,
-                   token_count, status), routing.device)  # fmt: skip
+                   token_count, status, tpe), routing.device)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.add(key, row_map_plan(routing, num_experts, num_out_tokens, capacity,
                                             probs, row_id_map, pair, permuted_probs, token_rows,
-                                            token_experts, token_count, status))  # fmt: skip
+                                            token_experts, token_count, status, tpe))  # fmt: skip
     run_row_map(plan, routing, probs, row_id_map, pair, permuted_probs, token_rows,
-                token_experts, token_count, status)
+                token_experts, token_count, status, tpe)
 
 
 def run_row_map(plan, routing, probs, row_id_map, pair, permuted_probs, token_rows, token_experts,
-                token_count, status) -> None:
+                token_count, status, tokens_per_expert=None) -> None:
     """Run a :func:`row_map_plan` on the arguments it was made for (see :func:`build_row_map`)."""
     count, place, (chunks, columns), count_ints, place_ints = plan
     counts = status  # unused by a place kernel that counts itself
@@ -258,12 +274,13 @@ def run_row_map(plan, routing, probs, row_id_map, pair, permuted_probs, token_ro
         routing, probs if probs is not None else status, counts, row_id_map,
         pair if pair is not None else status,
         permuted_probs if permuted_probs is not None else status,
-        token_rows, token_experts, token_count, status, *place_ints,
+        token_rows, token_experts, token_count, status,
+        tokens_per_expert if tokens_per_expert is not None else status, *place_ints,
     )  # fmt: skip
 
 
 def row_map_plan(routing, num_experts, n, capacity, probs, row_id_map, pair, pprobs, token_rows,
-                 token_experts, token_count, status) -> tuple:
+                 token_experts, token_count, status, tokens_per_expert=None) -> tuple:
     """The launches of :func:`build_row_map` for arguments like these (same shapes, dtypes,
     alignment, options), for :func:`run_row_map`."""
     num_tokens = routing.shape[0]
@@ -279,10 +296,12 @@ def row_map_plan(routing, num_experts, n, capacity, probs, row_id_map, pair, ppr
     # status stands for the pointers the flags leave unused
     args = (routing, probs if probs is not None else status, counts, row_id_map,
             pair if pair is not None else status, pprobs if pprobs is not None else status,
-            token_rows, token_experts, token_count, status, *place_ints)
+            token_rows, token_experts, token_count, status,
+            tokens_per_expert if tokens_per_expert is not None else status, *place_ints)
     place = Launch(_place_kernel, (chunks,), args, dict(
         DROP=capacity is not None, HAS_PROBS=probs is not None, WRITE_PAIR=pair is not None,
-        ROW_BLOCK=max(1, TILE // e_block), FUSED=count is None, **common))  # fmt: skip
+        ROW_BLOCK=max(1, TILE // e_block), FUSED=count is None,
+        WRITE_COUNTS=tokens_per_expert is not None, **common))  # fmt: skip
     return count, place, (chunks, num_experts + 1), count_ints, place_ints
 
 

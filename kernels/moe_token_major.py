@@ -8,8 +8,9 @@ token, BLOCK_H]`` tile, so that all index loads of a token are issued before its
 - :func:`scatter_tokens`: each token row is read once and written to its rows; extra programs
   zero the rows that hold no token. The permute forward.
 - :func:`combine_tokens`: ``out[t] = sum_j probs[t, e_j] * x[r_j]`` in fp32 (fixed order,
-  deterministic), optionally the ``[T, E]`` gradient of the permuted probabilities. The
-  unpermute forward and the permute backward.
+  deterministic), optionally the ``[T, E]`` gradient of the permuted probabilities (given per
+  row, or as per-row partial sums added in a fixed order). The unpermute forward, the permute
+  backward and the backward of an expert GEMM that read its rows through the map.
 - :func:`unpermute_backward`: each token reads its output gradient once and writes its rows'
   gradients and its probs gradient (the dots ``<x[r_j], grad[t]>``).
 
@@ -76,12 +77,13 @@ def _scatter_tokens_kernel(
 @triton.jit
 def _combine_tokens_kernel(
     x_ptr, trows_ptr, texp_ptr, tcount_ptr, probs_ptr, out_ptr, gpp_ptr, gprobs_ptr,
-    T, E, hidden, S,
+    T, E, hidden, S, parts, part_stride,
     HAS_PROBS: tl.constexpr, GRAD_PROBS: tl.constexpr, S_BLOCK: tl.constexpr,
     E_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, SLOT: tl.constexpr = 1,
 ):
     # out[t] = sum_j probs[t, e_j] * x[r_j] (fp32, fixed order); with GRAD_PROBS also
-    # gprobs[t, e] = gpp[r_j] where e == e_j, 0 elsewhere (the permute backward).
+    # gprobs[t, e] = sum_q gpp[q, r_j] where e == e_j (``parts`` partials, in order), 0
+    # elsewhere (the permute backward: one part).
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < hidden
@@ -112,7 +114,9 @@ def _combine_tokens_kernel(
             acc += v
             if GRAD_PROBS:
                 gok = j < g_cnt
-                g = tl.load(gpp_ptr + row, mask=gok, other=0.0)
+                g = tl.load(gpp_ptr + row, mask=gok, other=0.0).to(tl.float32)
+                for q in range(1, parts):
+                    g += tl.load(gpp_ptr + q * part_stride + row, mask=gok, other=0.0)
                 tl.store(gprobs_ptr + t * E + e_j, g, mask=gok)
         j0 += S_BLOCK
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
@@ -234,15 +238,18 @@ def combine_tokens(x, token_rows, token_experts, token_count, out, *, probs=None
                    grad_permuted_probs=None, grad_probs=None) -> None:
     """``out[t] = sum_j w_j * x[token_rows[t, j]]`` with ``w_j = probs[t, token_experts[t, j]]``
     (1 without probs); with ``grad_probs`` (``[T, E]``) also ``grad_probs[t, e_j] =
-    grad_permuted_probs[r_j]`` and 0 elsewhere. One launch."""
+    grad_permuted_probs[r_j]`` and 0 elsewhere (``grad_permuted_probs`` ``[N]``, or ``[P, N]``
+    contiguous partial sums, added in order in fp32). One launch."""
     tokens, hidden = out.shape
     num_experts = grad_probs.shape[1] if grad_probs is not None else (
         probs.shape[1] if probs is not None else 1)
     stride, slot = token_rows.stride()
     gpp = grad_permuted_probs
+    parts = 1 if gpp is None or gpp.dim() == 1 else gpp.shape[0]
+    part_stride = 0 if gpp is None else gpp.shape[-1]
     key = ("combine", tokens, hidden, num_experts, token_rows.shape[1], stride, slot, x.dtype,
            out.dtype, None if probs is None else probs.dtype, None if gpp is None else gpp.dtype,
-           None if grad_probs is None else grad_probs.dtype,
+           None if grad_probs is None else grad_probs.dtype, None if gpp is None else gpp.shape,
            aligned(x, token_rows, token_experts, token_count, probs, out, gpp, grad_probs),
            x.device)  # fmt: skip
     launch = _PLANS.get(key)
@@ -252,7 +259,7 @@ def combine_tokens(x, token_rows, token_experts, token_count, out, *, probs=None
     if launch is not None:
         launch(x, token_rows, token_experts, token_count, probs if probs is not None else x, out,
                gpp if gpp is not None else x, grad_probs if grad_probs is not None else out,
-               tokens, num_experts, hidden, stride)  # fmt: skip
+               tokens, num_experts, hidden, stride, parts, part_stride)  # fmt: skip
 
 
 def _combine_plan(x, token_rows, token_experts, token_count, out, probs, gpp, grad_probs):
@@ -266,9 +273,11 @@ def _combine_plan(x, token_rows, token_experts, token_count, out, probs, gpp, gr
     cblocks = triton.cdiv(hidden, block) if hidden else (1 if grad_probs is not None else 0)
     if cblocks == 0:
         return None
+    parts = 1 if gpp is None or gpp.dim() == 1 else gpp.shape[0]
     args = (x, token_rows, token_experts, token_count, probs if probs is not None else x, out,
             gpp if gpp is not None else x, grad_probs if grad_probs is not None else out,
-            tokens, num_experts, hidden, token_rows.stride(0))
+            tokens, num_experts, hidden, token_rows.stride(0), parts,
+            0 if gpp is None else gpp.shape[-1])
     return Launch(_combine_tokens_kernel, (tokens, cblocks), args, dict(
         HAS_PROBS=probs is not None, GRAD_PROBS=grad_probs is not None,
         S_BLOCK=_s_block(token_rows.shape[1]), E_BLOCK=next_power_of_2(num_experts),

@@ -115,9 +115,14 @@ def _check_structure(result):
     assert all(r["fwd_host_syncs"] == r["bwd_host_syncs"] == 0 for r in lce.values())
     moe = result["structure"]["moe_layer_forward"]
     by = {(r["E"], r["backend"]): r for r in moe}
-    for E in (8, 128, 256):
+    assert by[(8, "triton")]["device_ops"] <= 10 and by[(8, "triton")]["fwd_bwd_device_ops"] <= 24
+    for E in (8, 64, 128, 256):
         assert by[(E, "triton")]["host_syncs"] == 0 and by[(E, "triton")]["graph_safe"] == "yes"
-        assert by[(E, "triton")]["device_ops"] == by[(8, "triton")]["device_ops"]
+        # the same launches for any E (a large routing: + the row map's count launch)
+        assert by[(E, "triton")]["device_ops"] <= by[(8, "triton")]["device_ops"] + 1
+        # the dispatch inside fc1, only x and h kept: less activation memory than unfused
+        assert (by[(E, "triton")]["saved_bytes_per_token"]
+                < by[(E, "triton-unfused")]["saved_bytes_per_token"])  # fmt: skip
         # fused epilogues: the activation and the probability scaling are no extra op
         assert by[(E, "triton")]["device_ops"] + 2 <= by[(E, "triton-unfused")]["device_ops"]
         assert by[(E, "sequential")]["host_syncs"] >= 1

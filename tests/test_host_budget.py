@@ -47,10 +47,12 @@ BUDGETS = {
     # without it: the row map inverted first (one launch), then as above
     ("unpermute_no_map", "fwd"): (126, 2),
     ("unpermute_no_map", "fwd+bwd"): (242, 3),
-    # router, row map, token scatter, the two expert GEMMs, the token combine; backward: the
-    # router's and the combine's and the experts' kernels
-    ("moe_layer", "fwd"): (630, 7),
-    ("moe_layer", "fwd+bwd"): (1100, 14),
+    # router, row map (with the counts), fc1 reading its rows through it (no token scatter),
+    # fc2 (TMA: its tile map and the GEMM), the token combine; backward: the combine's gather,
+    # the experts' kernels (fc1's data gradient summed per token with the probs gradient in one
+    # token-major combine) and the router's
+    ("moe_layer", "fwd"): (565, 6),
+    ("moe_layer", "fwd+bwd"): (1050, 13),
 }
 
 _WORKER = r"""

@@ -396,7 +396,7 @@ def _combine_tokens_build(s_block, hidden, grad_probs, slot=1):
         token_kernels._combine_tokens_kernel,
         dict(x_ptr="*bf16", out_ptr="*bf16", gpp_ptr="*fp32", gprobs_ptr="*fp32", T="i32",
              E="i32", hidden="i32", S="i32", trows_ptr="*i32", texp_ptr="*i32",
-             tcount_ptr="*i32", probs_ptr="*fp32"),
+             tcount_ptr="*i32", probs_ptr="*fp32", parts="i32", part_stride="i32"),
         dict(HAS_PROBS=True, GRAD_PROBS=grad_probs, S_BLOCK=s_block, E_BLOCK=256,
              BLOCK_H=block, SLOT=slot),
         num_warps=warps, divisible_by_16=("hidden", "S", "E"),
@@ -428,11 +428,12 @@ def test_new_permute_kernels_compile_for_sm90_and_sm100():
             map_kernels._place_kernel,
             dict(route_ptr=route, probs_ptr="*fp32", counts_ptr="*i32", row_id_ptr="*i64",
                  pair_ptr="*i64", pprobs_ptr="*fp32", trows_ptr="*i32", texp_ptr="*i32",
-                 tcount_ptr="*i32", status_ptr="*i1", T="i32", E="i32", N="i32",
+                 tcount_ptr="*i32", status_ptr="*i1", tpe_ptr="*i64", T="i32", E="i32", N="i32",
                  capacity="i32", tokens_per_chunk="i32", num_chunks="i32",
                  rows_per_chunk="i32", S="i32"),
             dict(DROP=False, HAS_PROBS=True, WRITE_PAIR=True,
-                 ROW_BLOCK=max(1, map_kernels.TILE // e_block), FUSED=is_idx, **common),
+                 ROW_BLOCK=max(1, map_kernels.TILE // e_block), FUSED=is_idx,
+                 WRITE_COUNTS=True, **common),
             num_warps=map_kernels.NUM_WARPS), "place")  # fmt: skip
         _no_spills(compile_for_targets(
             map_kernels._invert_kernel,

@@ -74,9 +74,10 @@ __all__ = [
 
 
 def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=None,
-                 activation=None):  # fmt: skip
+                 activation=None, rows=None):  # fmt: skip
     """Check the arguments of :func:`grouped_gemm` and resolve them: ``(backend name, counts)``
-    with the counts where the backend reads them (the loop backends' one host copy)."""
+    with the counts where the backend reads them (the loop backends' one host copy); ``rows``:
+    the grouped rows the counts cover (default ``x``'s)."""
     validation_mode(validate)  # a bad value raises here, naming the argument
     if isinstance(tokens_per_expert, (list, tuple)):
         tokens_per_expert = torch.tensor(tokens_per_expert, dtype=torch.int64)
@@ -90,7 +91,7 @@ def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=
     # validation and the backward read that copy. Single-launch backends read them on the device.
     tokens_per_expert = tokens_per_expert.contiguous()  # [E] ints: a no-op or a tiny copy
     counts = tokens_per_expert if impl.device_counts else tokens_per_expert.to("cpu")
-    check_count_values(counts, x.shape[0], validate)
+    check_count_values(counts, x.shape[0] if rows is None else rows, validate)
     return name, (counts.to(x.device) if impl.device_counts else counts)
 
 

@@ -9,7 +9,8 @@ a choice and its reason side by side). The launchers in
 :mod:`mtp.kernels.grouped_gemm_details.launch` decide nothing: they run the config.
 
 TMA kernels run only where the operands allow (16-bit, TMA-aligned, an epilogue with a TMA
-kernel). Among those launches, the kernel family comes from :func:`override` (``kernel="tma"`` or
+kernel, ``a`` rows read in order: a GEMM that gathers its rows through a row index takes the
+pointer kernels, ``make_config(..., gather=True)``). Among those launches, the kernel family comes from :func:`override` (``kernel="tma"`` or
 ``"pointer"``), else ``MTP_TRITON_TMA=1/0`` (read by :func:`_tma_setting` only), both of which
 act under the interpreter too (descriptors run there), else the default: TMA on sm_90+.
 """
@@ -379,6 +380,8 @@ def make_config(
     bias: bool = False,
     tma_ok: bool = False,
     sms: int = 0,
+    gather: bool = False,
+    recompute: bool = False,
 ) -> GroupedGemmConfig:
     """The config of one grouped GEMM launch.
 
@@ -394,19 +397,39 @@ def make_config(
         tma_ok: whether the operands are TMA-aligned (:func:`tma_aligned`) and the epilogue has
             a TMA kernel.
         sms: SMs of the device (0 under the interpreter): persistent grids and the split.
+        gather: ``a``'s rows are read through a row index (the MoE dispatch's gather fused
+            into the GEMM): the pointer kernels, which load any rows (a TMA descriptor reads a
+            box of consecutive rows; Blackwell's row-gather TMA is not exposed by Triton 3.6).
+        recompute: the activation's data gradient also rewrites the forward's ``act(h) * p``
+            (what the next weight gradient reads, so that the forward need not keep it).
     """
     forced = _forced()
     want = {"tma": True, "pointer": False}.get(forced.get("kernel"), _tma_setting())
     # TMA only where the operands allow it; forced (override, MTP_TRITON_TMA=1) under the
     # interpreter too (descriptors run there); by default on sm_90+ only.
-    use_tma = tma_ok and (arch >= 9 if want is None else want)
+    use_tma = tma_ok and not gather and (arch >= 9 if want is None else want)
     extra = tuple(sorted((k, v) for k, v in forced.items() if k != "kernel"))
+    cfg = None
     if TUNED and arch:  # a measured config for this shape class first
         epilogue = activation or ("bias" if bias else "none")
         cfg = _tuned(arch, dtype, M, N, K, E, gemm, epilogue, use_tma, want is True, sms)
-        if cfg is not None:
-            return dataclasses.replace(cfg, **dict(extra)) if extra else cfg
-    return _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra)
+        if cfg is not None and extra:
+            cfg = dataclasses.replace(cfg, **dict(extra))
+    if cfg is None:
+        cfg = _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra)
+    if recompute and cfg.kernel == "pointer" and cfg.block_m == 128 and cfg.block_n > 32:
+        # the pointer epilogue's extra pass over the tile spilled at 64 columns (sm_90a)
+        cfg = dataclasses.replace(cfg, block_n=32, reason=cfg.reason + "; the data gradient "
+                                  "rewrites fc1's output: 32 columns")  # fmt: skip
+    if recompute and cfg.kernel == "tma" and cfg.block_m == 128 and cfg.num_stages > 3:
+        # the TMA epilogue's rewrite spilled 4 B at 255 registers with 4 stages (sm_90a,
+        # triton 3.6, the GPU machines'); 3 stages: none
+        cfg = dataclasses.replace(cfg, num_stages=3, reason=cfg.reason + "; the data gradient "
+                                  "rewrites fc1's output: 3 stages")  # fmt: skip
+    if gather:
+        cfg = dataclasses.replace(cfg, reason=cfg.reason + "; a rows gathered through a row "
+                                  "index: pointer loads (TMA reads consecutive rows)")
+    return cfg
 
 
 @functools.lru_cache(maxsize=4096)

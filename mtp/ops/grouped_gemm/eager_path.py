@@ -92,16 +92,17 @@ def tuned_backend(x, w, trans_b) -> str | None:
     return name
 
 
-def counts_and_routing(tokens_per_expert, x, E: int, impl, mode: str):
+def counts_and_routing(tokens_per_expert, x, E: int, impl, mode: str, M: int | None = None):
     """``(counts, routing)``: the counts where backend ``impl`` reads them, and the call's
-    :class:`Routing` (its status word asserted on the device for ``validate`` mode ``"device"``
-    on the ``triton`` backend; the other modes and backends check here)."""
+    :class:`Routing` for ``M`` rows (default ``x``'s; its status word asserted on the device for
+    ``validate`` mode ``"device"`` on the ``triton`` backend; the other modes and backends check
+    here)."""
     counts = tokens_per_expert.contiguous()
     if not impl.device_counts:
         counts = counts.to("cpu")  # the loop backends' one host copy
     elif counts.device != x.device:
         counts = counts.to(x.device)
-    M = x.shape[0]
+    M = x.shape[0] if M is None else M
     check = None
     if mode != "off" and E and not capturing_on(counts):
         if mode == "device" and impl is _TRITON:

@@ -16,7 +16,7 @@ import torch
 
 from mtp.dtypes import FLOATS as _FLOAT_DTYPES
 from mtp.ops._backend import resolve_backend
-from mtp.ops._eager import needs_grad
+from mtp.ops._eager import autograd_apply, needs_grad
 from mtp.ops.moe_permute.checks import (
     check_permute_data,
     check_row_map,
@@ -111,7 +111,7 @@ def permute_eager(tokens, routing, probs, drop_and_pad, return_token_map, n, cap
     with_p = probs is not None and probs.requires_grad
     if (tokens.requires_grad or with_p) and torch.is_grad_enabled():  # needs_grad, inlined
         maps = []
-        out = Permute.apply(tokens, probs, (plan, routing, n, num_experts, with_p, maps))
+        out = _PERMUTE_APPLY(tokens, probs, (plan, routing, n, num_experts, with_p, maps))
         if with_p:
             (permuted, pprobs), (row_id_map, rows, experts, count, ok) = out, maps
         else:
@@ -156,6 +156,9 @@ def permute_general(tokens, routing_map, probs, num_out_tokens, drop_and_pad, ca
         return (*out, TokenMap(rows, experts, count, num_experts, drop_and_pad))
     return out
 
+
+_PERMUTE_APPLY = autograd_apply(Permute)  # the eager path's (C) apply
+_UNPERMUTE_APPLY = autograd_apply(Unpermute)
 
 _INVERTED = (
     "mtp.ops.unpermute: no token_map given, so row_id_map is inverted on the device first "
@@ -218,7 +221,7 @@ def unpermute_eager(permuted, row_id_map, probs, routing_map, indices, token_map
             torch._assert_async(problems == 0, message)
         log_once(_INVERTED)
     if needs_grad(permuted, probs):
-        return Unpermute.apply(permuted, probs, (rows, experts, count, row_id_map))
+        return _UNPERMUTE_APPLY(permuted, probs, (rows, experts, count, row_id_map))
     return unpermute_impl(permuted, rows, experts, count, probs)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from mtp import settings
 from mtp.kernels import moe_token_major as _kernels
-from mtp.ops._eager import eager, needs_grad
+from mtp.ops._eager import autograd_apply, eager, needs_grad
 from mtp.ops.moe_permute.token_map import TokenMap, backward_meta, permute_grads, poisoned_empty
 
 __all__ = ["ScatterRows", "scatter_rows"]
@@ -77,6 +77,9 @@ class ScatterRows(torch.autograd.Function):
         return permute_grads(ctx.maps, ctx.meta, True, False, grad, None)[0], None
 
 
+_SCATTER_APPLY = autograd_apply(ScatterRows)  # the eager path's (C) apply
+
+
 def scatter_rows(tokens: torch.Tensor, token_map: TokenMap, row_id_map: torch.Tensor):
     """``[N, H]`` rows of ``tokens [T, H]`` in the order of ``row_id_map [N]`` (int64, the
     token of each row, ``-1`` for none: a zero row), whose token-major map is ``token_map``
@@ -84,6 +87,6 @@ def scatter_rows(tokens: torch.Tensor, token_map: TokenMap, row_id_map: torch.Te
     tm = token_map
     if eager(tokens, row_id_map) and tokens.device.type != "meta":
         if needs_grad(tokens):
-            return ScatterRows.apply(tokens, (tm.rows, tm.experts, tm.count, row_id_map))
+            return _SCATTER_APPLY(tokens, (tm.rows, tm.experts, tm.count, row_id_map))
         return scatter_rows_impl(tokens, tm.rows, tm.count, row_id_map)
     return torch.ops.mtp.moe_scatter_rows(tokens, tm.rows, tm.experts, tm.count, row_id_map)

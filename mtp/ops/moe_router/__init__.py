@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from mtp.kernels import moe_router as _kernels
 from mtp.ops._backend import resolve_backend
-from mtp.ops._eager import CheckedKeys, eager, needs_grad
+from mtp.ops._eager import CheckedKeys, autograd_apply, eager, needs_grad
 from mtp.ops.moe_router.checks import check_router_inputs, check_routing_config
 from mtp.ops.moe_router.reference import (
     RouterOutput,
@@ -165,6 +165,10 @@ class _RouterFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dprobs, _dmap, dscores, _dcounts, dz):
+        # without the statistics, ``scores``/``z`` are empty: a traced backward (AOT autograd
+        # materialises every gradient) hands in zeros of that empty shape, read as no gradient
+        dscores = None if dscores is None or dscores.numel() == 0 else dscores
+        dz = None if dz is None or dz.numel() == 0 else dz
         if dprobs is None and dscores is None and dz is None:
             return None, None, None, None, None
         logits, routing_map, padding_mask = ctx.saved_tensors
@@ -173,6 +177,9 @@ class _RouterFunction(torch.autograd.Function):
         dlogits = run(logits, routing_map, dprobs, dscores, dz, padding_mask, score, renorm,
                       scaling_factor, num_groups)  # fmt: skip
         return dlogits, None, None, None, None
+
+
+_ROUTER_APPLY = autograd_apply(_RouterFunction)  # the eager path's (C) apply
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,8 +327,8 @@ def moe_router(
     pad = None if padding_mask is None else padding_mask.reshape(-1).contiguous()
     bias = None if expert_bias is None else expert_bias.contiguous()
     if needs_grad(logits):
-        probs, routing_map, scores, counts, z = _RouterFunction.apply(logits, bias, pad, plan,
-                                                                      stats)  # fmt: skip
+        apply = _ROUTER_APPLY if direct else _RouterFunction.apply
+        probs, routing_map, scores, counts, z = apply(logits, bias, pad, plan, stats)
     else:
         run = _forward_impl if direct else torch.ops.mtp.moe_router
         probs, routing_map, scores, counts, z = run(logits, bias, pad, *plan, stats)
