@@ -14,19 +14,24 @@ GEMMs and loss maths, without the all-gather of three fp32 per row). Compared wi
 - ``torch.compile`` of ``F.linear`` + ``F.cross_entropy(logits.float())``;
 - Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` when installed.
 
+GPU runs also time ``triton`` at other chunk sizes (:data:`CHUNK_VARIANTS`: ``N/4`` and
+``N/16`` rows against the default ``N/8``): the fp32 ``d_weight`` GEMM-add reads and writes
+``V x H x 8`` bytes per chunk, so larger chunks trade memory (their peak column) for time.
+
 The goal: at least 1.2x faster than ``unfused`` at a tenth of its peak memory.
 
 FLOPs: the op is GEMM-bound. Forward ``2*N*H*V`` (one GEMM); forward+backward ``6*N*H*V`` (the
-forward GEMM and the two gradient GEMMs). A fused loss that keeps no logits recomputes them in
-the backward (``8*N*H*V`` done), so its fraction of the FLOP floor is at most 0.75.
+forward GEMM and the two gradient GEMMs). mtp's fused loss does exactly these for the mean loss
+timed here (the gradient GEMMs run chunk by chunk in the forward, the backward only scales);
+one that recomputes the logits in the backward (``reduction="none"``) does ``8*N*H*V``.
 
 Bytes (the floor of the unfused pair would be dominated by the logits; the fused op's is its
 operands): read ``hidden`` and ``weight`` (and the targets), write the loss; backward also writes
 ``d_hidden`` and ``d_weight``.
 
-Structure (CPU, :func:`structure`): per backend, the bytes the loss maths move beyond the GEMMs
-(Triton launches and non-GEMM aten ops, counted by address under the interpreter) over
-``N*V*s`` (the logits' size), forward and backward; dtype casts apart (on CUDA the Triton
+Structure (CPU, :func:`structure`): per backend and reduction, the bytes the loss maths move
+beyond the GEMMs (Triton launches and non-GEMM aten ops, counted by address under the
+interpreter) over ``N*V*s`` (the logits' size), forward and backward; dtype casts apart (on CUDA the Triton
 path's half-precision gradient GEMMs write fp32 directly, on CPU they cast). That peak memory does not grow with ``N``
 is asserted in ``tests/test_ops_linear_cross_entropy.py``.
 """
@@ -57,6 +62,8 @@ from .core import (
 FAMILY = "linear_cross_entropy"
 OPS = ("linear_cross_entropy",)
 BACKENDS = ("triton", "fused", "torch")
+#: provider -> the divisor of ``N`` giving its chunk rows (``backend="triton"``; GPU only)
+CHUNK_VARIANTS = {"triton-chunk/4": 4, "triton-chunk/16": 16}
 
 _SHAPES = {  # (N, H, V, label suffix)
     "smoke": [(16, 8, 50, ""), (40, 16, 300, "")],
@@ -95,6 +102,8 @@ def providers(op: str = "linear_cross_entropy") -> list[Provider]:
         Provider("triton", "mtp"),
         Provider("fused", "mtp"),
         Provider("torch", "mtp"),
+        *(Provider(name, "mtp", cpu=False, note=f"chunk_size=N/{f}")
+          for name, f in CHUNK_VARIANTS.items()),
         Provider("unfused", "baseline"),
         Provider("reference", "baseline"),
         Provider("torch.compile", "baseline", cpu=False, needs=needs_compile),
@@ -123,6 +132,10 @@ def _loss_fn(provider: str):
         return lambda h, w, t: ops.vocab_parallel_cross_entropy(
             F.linear(h, w), t, reduction="mean", validate=False
         )
+    if provider in CHUNK_VARIANTS:
+        f = CHUNK_VARIANTS[provider]
+        return lambda h, w, t: ops.linear_cross_entropy(
+            h, w, t, validate=False, backend="triton", chunk_size=max(1, h.shape[0] // f))
     if provider == "liger":
         loss = peer_attr("liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss")()
 
@@ -168,7 +181,8 @@ _GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_")
 _CASTS = ("aten::_to_copy",)
 
 
-def _loss_maths_bytes(backend: str, n: int, h: int, v: int, chunk: int, dtype) -> dict:
+def _loss_maths_bytes(backend: str, n: int, h: int, v: int, chunk: int, dtype,
+                      reduction: str) -> dict:
     from mtp.testing.traffic import count_traffic
 
     gen = torch.Generator().manual_seed(n)
@@ -177,11 +191,13 @@ def _loss_maths_bytes(backend: str, n: int, h: int, v: int, chunk: int, dtype) -
     target = torch.randint(0, v, (n,), generator=gen)
     with count_traffic() as fwd:
         loss = ops.linear_cross_entropy(hidden, weight, target, chunk_size=chunk,
-                                        label_smoothing=0.1, backend=backend)  # fmt: skip
+                                        label_smoothing=0.1, backend=backend,
+                                        reduction=reduction)  # fmt: skip
     with count_traffic() as bwd:
-        loss.backward()
+        loss.sum().backward()
     logits = n * v * torch.empty((), dtype=dtype).element_size()
-    out = {"backend": backend, "N": n, "H": h, "V": v, "chunk": chunk, "dtype": dtype_name(dtype)}
+    out = {"backend": backend, "reduction": reduction, "N": n, "H": h, "V": v, "chunk": chunk,
+           "dtype": dtype_name(dtype)}  # fmt: skip
     for name, t in (("fwd", fwd), ("bwd", bwd)):
         maths = sum(x.bytes_program for x in t.launches)
         maths += sum(a.read + a.write for a in t.aten if a.name not in _GEMMS + _CASTS)
@@ -194,9 +210,11 @@ def _loss_maths_bytes(backend: str, n: int, h: int, v: int, chunk: int, dtype) -
 
 
 def structure(size: str) -> dict:
-    """Loss-maths bytes per backend (fp32 and bf16 at ``N=256, H=32, V=2048``, 64-row chunks)."""
+    """Loss-maths bytes per backend (fp32 and bf16 at ``N=256, H=32, V=2048``, 64-row chunks),
+    for the mean loss (gradients in the forward) and ``reduction="none"`` (recomputed)."""
     rows = [
-        _loss_maths_bytes(backend, 256, 32, 2048, 64, dtype)
+        _loss_maths_bytes(backend, 256, 32, 2048, 64, dtype, reduction)
+        for reduction in ("mean", "none")
         for dtype in (torch.float32, torch.bfloat16)
         for backend in ("triton", "torch")  # "fused" has no logits to compare with
     ]

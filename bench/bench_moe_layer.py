@@ -17,7 +17,10 @@ float32 reference of all 256 experts fits next to it in 80 GB):
 
 - Mixtral-like: E=8, top-2, H=4096, F=14336;
 - DeepSeek-like: E=256, top-8, H=4096, F=1024;
-- Qwen3-MoE-like: E=128, top-8, H=4096, F=1536.
+- Qwen3-MoE-like: E=128, top-8, H=4096, F=1536;
+- fine-grained experts: Qwen3-30B-A3B-like (E=128, top-8, H=2048, F=768) and OLMoE-like (E=64,
+  top-8, H=2048, F=1024): many small GEMMs, where the dispatch, the combine and the launches
+  weigh the most.
 
 FLOPs (``M = T*k``, ``F1 = 2F`` for SwiGLU): forward ``2*T*H*E + 2*M*H*F1 + 2*M*F*H``
 (router and the two expert GEMMs; the elementwise work is left out); forward+backward three
@@ -28,8 +31,9 @@ the weights read again, and the input and weight gradients written:
 ``3*T*H*s + 2*E*H*s + 2*E*(H*F1 + F*H)*s``.
 
 Structure (CPU, :func:`structure`): aten ops, device ops, Triton launches and host syncs of one
-forward, by backend and number of experts (kernels recorded, not executed, at E=128 and 256),
-and whether :func:`mtp.testing.assert_graph_safe` accepts the forward.
+forward, the device ops of forward+backward and the activation bytes autograd saves per token
+(the input included), by backend and number of experts (kernels recorded, not executed), and
+whether :func:`mtp.testing.assert_graph_safe` accepts the forward.
 """
 
 from __future__ import annotations
@@ -56,11 +60,13 @@ MODELS = {
     "Mixtral-like": (8, 2, 4096, 14336),
     "DeepSeek-like": (256, 8, 4096, 1024),
     "Qwen3-MoE-like": (128, 8, 4096, 1536),
+    "Qwen3-30B-A3B-like": (128, 8, 2048, 768),
+    "OLMoE-like": (64, 8, 2048, 1024),
 }
 _TOKENS = {"quick": 4096, "full": 8192}
 _SMOKE = (24, 32, 16)  # T, H, F for the CPU check at E=8
 _STRUCTURE = (64, 32, 16)  # T, H, F for the structural counts
-STRUCTURE_EXPERTS = ((8, 2), (128, 8), (256, 8))
+STRUCTURE_EXPERTS = ((8, 2), (64, 8), (128, 8), (256, 8))
 
 
 def moe_layer_flops(T: int, H: int, F: int, E: int, k: int, pass_: str) -> int:
@@ -95,7 +101,7 @@ def cases(size: str, dtype: torch.dtype) -> list[Case]:
     T = _TOKENS[size]
     # The cheaper case first, so that its rows land even if the family's time share runs out
     # during the DeepSeek-like case.
-    quick = ("Mixtral-like", "DeepSeek-like")
+    quick = ("Mixtral-like", "Qwen3-30B-A3B-like", "DeepSeek-like")
     models = MODELS if size == "full" else {k: MODELS[k] for k in quick}
     return [
         _case(name, E, k, T, H, F, dtype, pass_)
@@ -212,9 +218,34 @@ def _graph_safety(layer: MoELayer, x: torch.Tensor) -> str:
     return "yes"
 
 
+def _counts(layer: MoELayer, x: torch.Tensor):
+    """``(forward counts, forward+backward counts, saved bytes)`` of one call (kernels
+    recorded, not executed)."""
+    from .counting import count_ops
+
+    with torch.no_grad(), count_ops(execute_kernels=False) as fwd:
+        layer(x)
+    from mtp.testing import saved_activation_bytes
+
+    xg = x.detach().requires_grad_(True)
+    saved = saved_activation_bytes(layer, xg, skip=list(layer.parameters()))
+    with count_ops(execute_kernels=False) as step:
+        y = layer(xg)
+        torch.autograd.grad(y, [xg, *layer.parameters()], torch.ones_like(y), allow_unused=True)
+    return fwd, step, saved
+
+
 def structure(size: str, backends=(*BACKENDS, UNFUSED)) -> dict:
-    """Per backend and E: ops, launches and host syncs of one forward, and graph safety."""
-    from .counting import count_ops, triton_launch_hook
+    """Per backend and E: ops, launches and host syncs of one forward (and the device ops of
+    forward+backward, the activation bytes autograd saves per token), and graph safety."""
+    from mtp import settings
+
+    with settings.override(poison_outputs=False):  # a test extra (NaN fills), not the layer's
+        return _structure(backends)
+
+
+def _structure(backends) -> dict:
+    from .counting import triton_launch_hook
 
     device = torch.device("cpu")
     T, H, F = _STRUCTURE
@@ -226,13 +257,15 @@ def structure(size: str, backends=(*BACKENDS, UNFUSED)) -> dict:
             case = _case("structure", E, k, T, H, F, torch.float32, "fwd", check=False)
             layer = build_layer(case, backend, device, torch.float32)
             x = randn((T, H), torch.float32, device, seeded(case, device))
-            with torch.no_grad(), triton_launch_hook(lambda *a: None, execute=False):
-                layer(x)  # builds the workspace
-                with count_ops(execute_kernels=False) as counted:
-                    layer(x)
-                safe = _graph_safety(layer, x)
+            with triton_launch_hook(lambda *a: None, execute=False):
+                with torch.no_grad():
+                    layer(x)  # builds the workspace
+                counted, step, saved = _counts(layer, x)
+                with torch.no_grad():
+                    safe = _graph_safety(layer, x)
             summary = counted.summary()
             summary.pop("sync_events")
             rows.append({"E": E, "topk": k, "T": T, "H": H, "F": F, "backend": backend,
-                         **summary, "graph_safe": safe})  # fmt: skip
+                         **summary, "fwd_bwd_device_ops": step.device_ops,
+                         "saved_bytes_per_token": saved / T, "graph_safe": safe})  # fmt: skip
     return {"moe_layer_forward": rows}

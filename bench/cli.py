@@ -31,9 +31,10 @@ __all__ = ["main", "parse_args", "default_out"]
 
 logger = logging.getLogger("mtp")
 
-#: Providers the quick GPU run does not time: the per-expert loop and the plain-PyTorch
-#: reference (still computed once per case as the check).
-QUICK_UNTIMED = ("sequential", "reference")
+#: Providers the quick GPU run does not time: the per-expert loop, the plain-PyTorch reference
+#: (still computed once per case as the check) and the fused linear CE's chunk-size variants
+#: (time them with ``--untimed reference``).
+QUICK_UNTIMED = ("sequential", "reference", "triton-chunk/4", "triton-chunk/16")
 
 
 def default_out() -> Path:

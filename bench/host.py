@@ -156,6 +156,29 @@ def _case_permute():
     }
 
 
+def _case_unpermute(token_map: bool):
+    def build():
+        torch = _torch()
+        from mtp.ops import permute, unpermute
+        from mtp.ops.moe_permute.reference import unpermute_reference
+
+        routing_map, probs = _routing(64, 8, 2)
+        with torch.no_grad():
+            out = permute(torch.zeros(64, 256, dtype=torch.bfloat16), routing_map, None, 128,
+                          return_token_map=True)
+        rid, tm = out[2], (out[3] if token_map else None)
+        y = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+        return {
+            "mtp": _passes(lambda y: unpermute(y, rid, (64, 256), probs, routing_map,
+                                               token_map=tm), (y,)),
+            "aten": _passes(lambda y: unpermute_reference(y, rid, (64, 256), probs, routing_map),
+                            (y,)),
+            "bare": _bare_passes(y),
+        }
+
+    return build
+
+
 def _counts(tokens: int, experts: int):
     torch = _torch()
     counts = torch.full((experts,), tokens // experts, dtype=torch.int64)
@@ -234,9 +257,10 @@ def _case_moe_layer():
     from mtp.moe import MoELayer
 
     torch.manual_seed(0)
-    layer = MoELayer(128, 256, 8, 2, activation="swiglu", backend="triton",
+    # Small widths: the router's and the backward's aten GEMMs run on the CPU for real.
+    layer = MoELayer(32, 64, 8, 2, activation="swiglu", backend="triton",
                      params_dtype=torch.bfloat16)
-    x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
 
     def call(x):
         out = layer(x)
@@ -266,6 +290,8 @@ CASES: dict[str, Callable[[], dict]] = {
     "bias_swiglu": _case_bias_act(True),
     "cross_entropy": _case_cross_entropy,
     "permute": _case_permute,
+    "unpermute": _case_unpermute(token_map=True),
+    "unpermute_no_map": _case_unpermute(token_map=False),
     "grouped_gemm": _case_grouped_gemm,
     "grouped_gemm_fp8": _case_grouped_gemm_fp8,
     "quantize": _case_quantize,

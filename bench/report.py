@@ -281,22 +281,27 @@ def _structure_lines(structure) -> list[str]:
     lce = structure.get("linear_cross_entropy_loss_bytes")
     if lce:
         lines += ["## Fused linear cross-entropy: bytes of the loss maths beyond the GEMMs", ""]
-        rows = [[r["dtype"], r["backend"], r["fwd_loss_bytes_over_logits"],
-                 r["bwd_loss_bytes_over_logits"], r["fwd_cast_bytes_over_logits"],
-                 r["bwd_cast_bytes_over_logits"], r["fwd_triton_launches"],
-                 r["bwd_triton_launches"], r["fwd_host_syncs"] + r["bwd_host_syncs"]]
-                for r in lce]  # fmt: skip
-        lines += _table(["dtype", "backend", "fwd / N·V·s", "bwd / N·V·s", "fwd casts",
-                         "bwd casts", "fwd launches", "bwd launches", "host syncs"], rows)
+        rows = [[r.get("reduction", "mean"), r["dtype"], r["backend"],
+                 r["fwd_loss_bytes_over_logits"], r["bwd_loss_bytes_over_logits"],
+                 r["fwd_cast_bytes_over_logits"], r["bwd_cast_bytes_over_logits"],
+                 r["fwd_triton_launches"], r["bwd_triton_launches"],
+                 r["fwd_host_syncs"] + r["bwd_host_syncs"]] for r in lce]  # fmt: skip
+        lines += _table(["reduction", "dtype", "backend", "fwd / N·V·s", "bwd / N·V·s",
+                         "fwd casts", "bwd casts", "fwd launches", "bwd launches",
+                         "host syncs"], rows)  # fmt: skip
         lines += [f"N={lce[0]['N']}, H={lce[0]['H']}, V={lce[0]['V']}, chunk={lce[0]['chunk']}; "
                   "casts: `_to_copy` bytes (CPU; on CUDA the Triton path's GEMMs write fp32).", ""]
     moe = structure.get("moe_layer_forward")
     if moe:
         lines += ["## MoE layer, one forward (EP=1, dropless): what it issues by backend and E", ""]
-        rows = [[r["E"], r["topk"], r["backend"], r["device_ops"], r["triton_launches"],
-                 r["aten_ops"], r["host_syncs"], r["graph_safe"]] for r in moe]  # fmt: skip
-        lines += _table(["E", "top-k", "backend", "device ops", "Triton launches", "aten ops",
-                         "host syncs", "graph-safe (assert_graph_safe)"], rows)  # fmt: skip
+        rows = [[r["E"], r["topk"], r["backend"], r["device_ops"],
+                 _fmt_int(r.get("fwd_bwd_device_ops")), r["triton_launches"], r["aten_ops"],
+                 r["host_syncs"], _fmt_int(None if r.get("saved_bytes_per_token") is None
+                                           else round(r["saved_bytes_per_token"])), r["graph_safe"]]
+                for r in moe]  # fmt: skip
+        lines += _table(["E", "top-k", "backend", "device ops", "fwd+bwd device ops",
+                         "Triton launches", "aten ops", "host syncs", "saved B/token",
+                         "graph-safe (assert_graph_safe)"], rows)  # fmt: skip
         lines += [f"T={moe[0]['T']} tokens, H={moe[0]['H']}, F={moe[0]['F']}; Triton kernels "
                   "recorded, not executed. The single-launch backends issue the same work for any "
                   "E; the loop backends one GEMM per expert that received tokens (at most "

@@ -8,27 +8,42 @@ A launcher instead keeps a :class:`Launch` per key that covers everything the bu
 pointers, the values it passes as constexpr, the device) and calls it with the runtime
 arguments only: the compiled kernel's own launcher runs, nothing else.
 
-Under the interpreter a :class:`Launch` is ``kernel[grid](*args, **constexprs)``. With
+Under the interpreter (or :func:`set_direct`) a :class:`Launch` is
+``kernel[grid](*args, **constexprs)``. With
 :func:`set_verify` on (the tests), every call also asks Triton which build it would have used
 and raises when it is not the cached one: a key that misses a specialisation fails loudly.
 """
 
 from __future__ import annotations
 
+import weakref
+
 from triton import knobs
 from triton.runtime import driver
 
 from mtp.kernels._common import interpreting
 
-__all__ = ["Launch", "Plans", "aligned", "set_verify"]
+__all__ = ["Launch", "Plans", "aligned", "set_direct", "set_verify"]
 
 _VERIFY = [False]
+_DIRECT = [False]
+_ALL_PLANS: list[weakref.ref] = []  # every Plans made (module-level caches: a few dozen)
 _CHAIN = getattr(knobs, "HookChain", None)  # newer Tritons: launch hooks are chains
 
 
 def set_verify(on: bool) -> None:
     """Check every cached launch against Triton's own build choice (slow; tests only)."""
     _VERIFY[0] = bool(on)
+
+
+def set_direct(on: bool) -> None:
+    """Every launch through ``kernel[grid]`` (for tools that intercept it, e.g. compile-only
+    builds for another GPU); every plan is forgotten, so none built in the other mode stays."""
+    _DIRECT[0] = bool(on)
+    for ref in _ALL_PLANS:
+        plans = ref()
+        if plans is not None:
+            plans.clear()
 
 
 def aligned(*tensors) -> int:
@@ -51,10 +66,12 @@ class Launch:
         self.kernel, self.kwargs = kernel, kwargs
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.compiled = None
-        if interpreting():
+        if interpreting() or _DIRECT[0]:
             return
         self.consts = _trailing_constants(kernel, len(args), kwargs)
         self.compiled = kernel.warmup(*args, grid=self.grid, **kwargs)
+        if self.compiled is None:  # a jit_cache_hook declined the compile (compile-only tools)
+            return  # every call then goes through ``kernel[grid]``, as the hook expects
         self.run = self.compiled.run  # loads the binary and builds Triton's launcher once
         self.function = self.compiled.function
         self.packed = self.compiled.packed_metadata
@@ -114,6 +131,7 @@ class Plans(dict):
     def __init__(self, limit: int = 1024):
         super().__init__()
         self.limit = limit
+        _ALL_PLANS.append(weakref.ref(self))
 
     def add(self, key, launch):
         if len(self) >= self.limit:

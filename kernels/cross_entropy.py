@@ -255,6 +255,9 @@ def row_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
     Leading dims are merged where their strides allow; None when more than two strided leading
     dims remain (the caller then makes a contiguous copy). ``t.stride(-1)`` must be 1.
     """
+    if t.dim() == 2:  # the common case, decided at once
+        rows = t.shape[0]
+        return (rows, 0, t.stride(0)) if rows != 1 else (1, 0, 0)
     merged: list[list[int]] = []
     for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
         if size == 1:

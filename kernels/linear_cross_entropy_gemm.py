@@ -23,13 +23,14 @@ import triton
 import triton.language as tl
 
 from mtp.kernels._common import dot_upcast, fp32_dot_precision, gpu_like, interpreting
+from mtp.kernels.linear_cross_entropy import _vocab
 
 
 @triton.jit
 def _lce_gemm_stats_kernel(
-    h_ptr, w_ptr, bias_ptr, local_t_ptr, coef_ptr, part_ptr,
-    n_rows, V_local, H, stride_hm, stride_wv, tiles_per_split,
-    HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr,
+    h_ptr, w_ptr, bias_ptr, target_ptr, vinfo_ptr, part_ptr,
+    n_rows, V_local, H, stride_hm, stride_wv, tiles_per_split, ignore_index, eps,
+    HAS_BIAS: tl.constexpr, SMOOTHING: tl.constexpr, TP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -37,7 +38,10 @@ def _lce_gemm_stats_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < n_rows
     rows64 = rows.to(tl.int64)
-    target = tl.load(local_t_ptr + rows, mask=mask_m, other=-1)
+    start, _ = _vocab(vinfo_ptr, V_local, TP)
+    t = tl.load(target_ptr + rows, mask=mask_m, other=ignore_index).to(tl.int64)
+    # a column only when this shard owns it; int32 like the columns (fewer registers)
+    target = tl.where(t != ignore_index, t - start, -1).to(tl.int32)
     ks = tl.arange(0, BLOCK_K)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
@@ -68,9 +72,10 @@ def _lce_gemm_stats_kernel(
         x_t += tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
         if SMOOTHING:
             sum_x += tl.sum(tl.where(mask_n[None, :], acc, 0.0), axis=1)
-    c = tl.load(coef_ptr) * x_t
+    c = (1.0 - eps) * x_t
     if SMOOTHING:
-        c += tl.load(coef_ptr + 1) * sum_x
+        _, vocab = _vocab(vinfo_ptr, V_local, TP)  # loaded here: a register less in the loop
+        c += (eps / vocab.to(tl.float32)) * sum_x
     out = part_ptr + (split.to(tl.int64) * n_rows + rows64) * 3
     tl.store(out, m, mask=mask_m)
     tl.store(out + 1, s, mask=mask_m)
@@ -87,18 +92,20 @@ def _tiles(dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int, int, int]:
 
 
 def gemm_stats(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-               local_t: torch.Tensor, coefs: torch.Tensor, smoothing: bool) -> torch.Tensor:
+               target: torch.Tensor, vinfo: torch.Tensor | None, *, ignore_index: int,
+               eps: float) -> torch.Tensor:
     """fp32 ``[splits, rows, 3]``: ``(m, s, c)`` of the logits ``h @ w^T (+ bias)`` over each
     share of the vocab, without forming the logits.
 
     ``h``: ``[rows, H]``, ``w``: ``[V_local, H]`` (same dtype, unit last stride), ``bias``:
-    ``[V_local]`` or None; ``local_t``: int64 ``[rows]`` local target ids (-1: another rank's);
-    ``coefs``: fp32 ``[2]`` ``(1 - eps, eps / V)``; ``smoothing``: ``eps > 0``.
+    ``[V_local]`` or None; ``target``: ``[rows]`` contiguous global ids (or ``ignore_index``);
+    ``vinfo``: int64 ``[2]`` ``(first id of the shard, global vocab)`` on the device at tp > 1,
+    None at tp = 1; ``eps``: the label smoothing.
     """
     rows, hidden = h.shape
     v_local = w.shape[0]
     assert h.stride(1) == 1 and w.stride(1) == 1 and w.shape[1] == hidden and h.dtype == w.dtype
-    assert local_t.dtype == torch.int64 and local_t.is_contiguous() and coefs.numel() == 2
+    assert target.is_contiguous() and target.numel() == rows
     on_gpu = gpu_like(h.device) and not interpreting()
     bm, bn, bk, warps, stages = _tiles(h.dtype, on_gpu)
     row_blocks, tiles = triton.cdiv(max(rows, 1), bm), triton.cdiv(v_local, bn)
@@ -109,9 +116,10 @@ def gemm_stats(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     part = torch.empty((splits, rows, 3), dtype=torch.float32, device=h.device)
     if rows:
         _lce_gemm_stats_kernel[(row_blocks, splits)](
-            h, w, h if bias is None else bias, local_t, coefs, part,
-            rows, v_local, hidden, h.stride(0), w.stride(0), per_split,
-            HAS_BIAS=bias is not None, SMOOTHING=smoothing, BLOCK_M=bm, BLOCK_N=bn,
+            h, w, h if bias is None else bias, target, target if vinfo is None else vinfo, part,
+            rows, v_local, hidden, h.stride(0), w.stride(0), per_split, ignore_index, eps,
+            HAS_BIAS=bias is not None, SMOOTHING=eps > 0.0, TP=vinfo is not None, BLOCK_M=bm,
+            BLOCK_N=bn,
             BLOCK_K=bk, UPCAST_DOT=dot_upcast(h.dtype),
             DOT_PRECISION=fp32_dot_precision() if h.dtype == torch.float32 else "ieee",
             num_warps=warps, num_stages=stages,

@@ -12,21 +12,12 @@ Two kernels carry every data movement of :mod:`mtp.ops.moe_permute` (forward and
   a per-token gather, no atomics, deterministic. Grid (tokens, column blocks). This is the
   unpermute forward and the permute backward.
 
-The token-major kernels take the map of :mod:`mtp.kernels.moe_row_map` (``token_count[t]``
-rows ``token_rows[t, :count]``, experts ``token_experts[t, :count]``, ascending) and work on a
-``[rows of a token, BLOCK_H]`` tile, so that all index loads of a token are issued before its
-data loads:
-
-- :func:`scatter_tokens`: each token row is read once and written to its rows; extra programs
-  zero the rows that hold no token. The permute forward.
-- :func:`combine_tokens`: ``out[t] = sum_j probs[t, e_j] * x[r_j]`` in fp32 (fixed order,
-  deterministic), optionally the ``[T, E]`` gradient of the permuted probabilities. The
-  unpermute forward and the permute backward.
-- :func:`unpermute_backward`: each token reads its output gradient once and writes its rows'
-  gradients and its probs gradient (the dots ``<x[r_j], grad[t]>``).
+The token-major kernels (the fused permute / unpermute with the map of
+:mod:`mtp.kernels.moe_row_map`) are in :mod:`mtp.kernels.moe_token_major`.
 
 All address arithmetic is int64: a DeepSeek-size ``num_out_tokens * hidden`` exceeds 2**31.
-The launchers take contiguous tensors and preallocated outputs; they do no autograd.
+The launchers take contiguous tensors and preallocated outputs, keep one
+:class:`~mtp.kernels._launch.Launch` per key and do no autograd.
 """
 
 from __future__ import annotations
@@ -36,8 +27,11 @@ import triton
 import triton.language as tl
 
 from mtp.kernels._common import next_power_of_2
+from mtp.kernels._launch import Launch, Plans, aligned
 
 __all__ = ["gather_rows", "combine_rows", "block_config", "MAX_BLOCK_H"]
+
+_PLANS = Plans()
 
 #: Largest slice of the hidden dimension one program handles at a time.
 MAX_BLOCK_H = 1024
@@ -159,24 +153,25 @@ def gather_rows(
         if dot is not None:
             dot.zero_()
         return
-    block, warps = block_config(hidden)
-    has_dot = dot is not None
-    grid = (n, 1 if has_dot else triton.cdiv(hidden, block))
-    _gather_rows_kernel[grid](
-        x,
-        index,
-        scale if scale is not None else index,
-        other if has_dot else x,
-        out if out is not None else x,
-        dot if has_dot else x,
-        x.shape[0],
-        hidden,
-        HAS_SCALE=scale is not None,
-        WRITE_OUT=out is not None,
-        HAS_DOT=has_dot,
-        BLOCK_H=block,
-        num_warps=warps,
-    )
+    key = ("gather", n, x.shape[0], hidden, x.dtype, index.dtype,
+           None if scale is None else scale.dtype, None if other is None else other.dtype,
+           None if out is None else out.dtype, dot is None,
+           aligned(x, index, scale, other, out, dot), x.device)  # fmt: skip
+    launch = _PLANS.get(key)
+    if launch is None:
+        block, warps = block_config(hidden)
+        has_dot = dot is not None
+        grid = (n, 1 if has_dot else triton.cdiv(hidden, block))
+        launch = _PLANS.add(key, Launch(
+            _gather_rows_kernel, grid, _gather_args(x, index, out, scale, other, dot),
+            dict(HAS_SCALE=scale is not None, WRITE_OUT=out is not None, HAS_DOT=has_dot,
+                 BLOCK_H=block, num_warps=warps)))  # fmt: skip
+    launch(*_gather_args(x, index, out, scale, other, dot))
+
+
+def _gather_args(x, index, out, scale, other, dot) -> tuple:
+    return (x, index, scale if scale is not None else index, other if dot is not None else x,
+            out if out is not None else x, dot if dot is not None else x, x.shape[0], x.shape[1])
 
 
 def combine_rows(
@@ -199,253 +194,15 @@ def combine_rows(
     tokens, hidden = out.shape
     if tokens == 0 or hidden == 0:
         return
-    block, warps = block_config(hidden)
-    _combine_rows_kernel[(tokens, triton.cdiv(hidden, block))](
-        x,
-        rows,
-        offsets,
-        weight if weight is not None else offsets,
-        out,
-        hidden,
-        HAS_WEIGHT=weight is not None,
-        BLOCK_H=block,
-        num_warps=warps,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Token-major kernels: each token's rows come from the map of :mod:`mtp.kernels.moe_row_map`
-# (token_count[t] rows token_rows[t, :count], experts token_experts[t, :count], ascending).
-# --------------------------------------------------------------------------------------------
-
-#: Elements of one ``[rows of a token, BLOCK_H]`` tile of the token-major kernels.
-TOKEN_TILE = 8192
-#: Rows per program that zero the rows holding no token.
-ZERO_ROWS = 16
-
-
-def token_block(hidden: int, s_block: int) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)`` of the token-major kernels: the ``[S_BLOCK, BLOCK_H]`` tile of a
-    token's rows stays within :data:`TOKEN_TILE` elements."""
-    block, warps = block_config(hidden)
-    block = max(16, min(block, TOKEN_TILE // s_block))
-    return block, max(warps, min(8, s_block * block // 1024))
-
-
-@triton.jit
-def _scatter_tokens_kernel(
-    x_ptr, trows_ptr, tcount_ptr, row_id_ptr, out_ptr, T, N, hidden, S,
-    S_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_ROWS: tl.constexpr,
-):
-    # Programs [0, T): token t reads its row once and writes it to each of its rows (S_BLOCK
-    # rows at a time). Programs [T, T + N / ZERO_ROWS): rows that hold no token get zeros.
-    p = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    cmask = cols < hidden
-    if p < T:
-        t = p.to(tl.int64)
-        cnt = tl.load(tcount_ptr + t)
-        v = tl.load(x_ptr + t * hidden + cols, mask=cols < tl.where(cnt > 0, hidden, 0), other=0.0)
-        v2 = v[None, :] + tl.zeros([S_BLOCK, BLOCK_H], dtype=v.dtype)
-        j0 = 0
-        while j0 < cnt:
-            js = j0 + tl.arange(0, S_BLOCK)
-            jmask = js < cnt
-            rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
-            tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], v2,
-                     mask=jmask[:, None] & cmask[None, :])
-            j0 += S_BLOCK
-    else:
-        r = (p - T).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
-        rid = tl.load(row_id_ptr + r, mask=r < N, other=0)
-        zero = tl.zeros([ZERO_ROWS, BLOCK_H], dtype=out_ptr.dtype.element_ty)
-        tl.store(out_ptr + r[:, None] * hidden + cols[None, :], zero,
-                 mask=((rid < 0) & (r < N))[:, None] & cmask[None, :])
-
-
-@triton.jit
-def _combine_tokens_kernel(
-    x_ptr, trows_ptr, texp_ptr, tcount_ptr, probs_ptr, out_ptr, gpp_ptr, gprobs_ptr,
-    T, E, hidden, S,
-    HAS_PROBS: tl.constexpr, GRAD_PROBS: tl.constexpr, S_BLOCK: tl.constexpr,
-    E_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    # out[t] = sum_j probs[t, e_j] * x[r_j] (fp32, fixed order); with GRAD_PROBS also
-    # gprobs[t, e] = gpp[r_j] where e == e_j, 0 elsewhere (the permute backward).
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    cmask = cols < hidden
-    cnt = tl.load(tcount_ptr + t)
-    if GRAD_PROBS:
-        if tl.program_id(1) == 0:
-            ex = tl.arange(0, E_BLOCK)
-            tl.store(gprobs_ptr + t * E + ex, tl.zeros([E_BLOCK], dtype=tl.float32), mask=ex < E)
-        tl.debug_barrier()  # the zeros land before the routed entries overwrite theirs
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    g_cnt = tl.where(tl.program_id(1) == 0, cnt, 0)  # program column 0 writes gprobs
-    j0 = 0
-    while j0 < cnt:
-        # S_BLOCK rows unrolled, each a 1-D [BLOCK_H] load added in row order: every load of
-        # the chunk is in flight at once and the sum stays in registers. (A [S_BLOCK, BLOCK_H]
-        # tile summed over axis 0 went through shared memory: on the H200, L1 96 % busy at
-        # 12 % of DRAM, 330 us for Mixtral's unpermute.)
-        for jj in tl.static_range(S_BLOCK):
-            j = j0 + jj
-            ok = j < cnt
-            row = tl.load(trows_ptr + t * S + j, mask=ok, other=0).to(tl.int64)
-            vmask = cols < tl.where(ok, hidden, 0)  # cmask, or nothing past the count
-            v = tl.load(x_ptr + row * hidden + cols, mask=vmask, other=0.0).to(tl.float32)
-            if HAS_PROBS or GRAD_PROBS:
-                e_j = tl.load(texp_ptr + t * S + j, mask=ok, other=0)
-            if HAS_PROBS:
-                v = v * tl.load(probs_ptr + t * E + e_j, mask=ok, other=0.0).to(tl.float32)
-            acc += v
-            if GRAD_PROBS:
-                gok = j < g_cnt
-                g = tl.load(gpp_ptr + row, mask=gok, other=0.0)
-                tl.store(gprobs_ptr + t * E + e_j, g, mask=gok)
-        j0 += S_BLOCK
-    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
-
-
-@triton.jit
-def _unpermute_bwd_kernel(
-    g_ptr, x_ptr, trows_ptr, texp_ptr, tcount_ptr, row_id_ptr, probs_ptr, gx_ptr, gprobs_ptr,
-    T, N, E, hidden, S,
-    HAS_PROBS: tl.constexpr, NEED_GX: tl.constexpr, NEED_GPROBS: tl.constexpr,
-    S_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
-    ZERO_ROWS: tl.constexpr,
-):
-    # Programs [0, T): token t reads grad[t] (once when it has <= S_BLOCK rows), writes
-    # gx[r_j] = probs[t, e_j] * grad[t] and the dots <x[r_j], grad[t]> into gprobs[t, e_j]
-    # (0 elsewhere). Programs [T, T + N / ZERO_ROWS): zero the gx rows that hold no token.
-    p = tl.program_id(0)
-    if p < T:
-        t = p.to(tl.int64)
-        cnt = tl.load(tcount_ptr + t)
-        if NEED_GPROBS:
-            ex = tl.arange(0, E_BLOCK)
-            tl.store(gprobs_ptr + t * E + ex, tl.zeros([E_BLOCK], dtype=tl.float32), mask=ex < E)
-            tl.debug_barrier()  # the zeros land before the routed entries overwrite theirs
-        j0 = 0
-        while j0 < cnt:
-            js = j0 + tl.arange(0, S_BLOCK)
-            jmask = js < cnt
-            rows = tl.load(trows_ptr + t * S + js, mask=jmask, other=0).to(tl.int64)
-            exps = tl.load(texp_ptr + t * S + js, mask=jmask, other=0)
-            if HAS_PROBS:
-                w = tl.load(probs_ptr + t * E + exps, mask=jmask, other=0.0).to(tl.float32)
-            dots = tl.zeros([S_BLOCK], dtype=tl.float32)
-            h0 = 0
-            while h0 < hidden:
-                cols = h0 + tl.arange(0, BLOCK_H)
-                cmask = cols < hidden
-                m2 = jmask[:, None] & cmask[None, :]
-                g = tl.load(g_ptr + t * hidden + cols, mask=cmask, other=0.0).to(tl.float32)
-                if NEED_GX:
-                    gx = g[None, :] + tl.zeros([S_BLOCK, BLOCK_H], dtype=tl.float32)
-                    if HAS_PROBS:
-                        gx = gx * w[:, None]
-                    tl.store(gx_ptr + rows[:, None] * hidden + cols[None, :],
-                             gx.to(gx_ptr.dtype.element_ty), mask=m2)
-                if NEED_GPROBS:
-                    xv = tl.load(x_ptr + rows[:, None] * hidden + cols[None, :], mask=m2,
-                                 other=0.0)
-                    dots += tl.sum(xv.to(tl.float32) * g[None, :], axis=1)
-                h0 += BLOCK_H
-            if NEED_GPROBS:
-                tl.store(gprobs_ptr + t * E + exps, dots, mask=jmask)
-            j0 += S_BLOCK
-    elif NEED_GX:
-        r = (p - T).to(tl.int64) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
-        empty = tl.load(row_id_ptr + r, mask=r < N, other=0) < 0
-        h0 = 0
-        while h0 < hidden:
-            cols = h0 + tl.arange(0, BLOCK_H)
-            zero = tl.zeros([ZERO_ROWS, BLOCK_H], dtype=gx_ptr.dtype.element_ty)
-            tl.store(gx_ptr + r[:, None] * hidden + cols[None, :], zero,
-                     mask=(empty & (r < N))[:, None] & (cols < hidden)[None, :])
-            h0 += BLOCK_H
-
-
-#: Most rows of a token handled at once (a top-k token's k rows in one chunk up to k = 8).
-MAX_S_BLOCK = 8
-
-
-def _s_block(token_rows: torch.Tensor) -> int:
-    return min(next_power_of_2(max(token_rows.shape[1], 1)), MAX_S_BLOCK)
-
-
-def scatter_tokens(x, token_rows, token_count, row_id_map, out, *, zero_empty: bool) -> None:
-    """``out[token_rows[t, j]] = x[t]`` for ``j < token_count[t]``; with ``zero_empty`` also
-    ``out[r] = 0`` where ``row_id_map[r] < 0``. One launch."""
-    tokens, hidden = x.shape
-    n = out.shape[0]
-    programs = tokens + (triton.cdiv(n, ZERO_ROWS) if zero_empty else 0)
-    if programs == 0 or hidden == 0:
-        return
-    s_block = _s_block(token_rows)
-    block, warps = token_block(hidden, max(s_block, ZERO_ROWS))
-    _scatter_tokens_kernel[(programs, triton.cdiv(hidden, block))](
-        x, token_rows, token_count, row_id_map, out, tokens, n, hidden, token_rows.shape[1],
-        S_BLOCK=s_block, BLOCK_H=block, ZERO_ROWS=ZERO_ROWS, num_warps=warps,
-    )  # fmt: skip
-
-
-def combine_block(hidden: int) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)`` of ``_combine_tokens_kernel``: its tiles are 1-D, so the row
-    config (16-byte loads; :func:`token_block`'s 8 warps for a ``[S_BLOCK, BLOCK_H]`` tile made
-    them 8 bytes)."""
-    return block_config(hidden)
-
-
-def combine_tokens(x, token_rows, token_experts, token_count, out, *, probs=None,
-                   grad_permuted_probs=None, grad_probs=None) -> None:
-    """``out[t] = sum_j w_j * x[token_rows[t, j]]`` with ``w_j = probs[t, token_experts[t, j]]``
-    (1 without probs); with ``grad_probs`` (``[T, E]``) also ``grad_probs[t, e_j] =
-    grad_permuted_probs[r_j]`` and 0 elsewhere. One launch."""
-    tokens, hidden = out.shape
-    if tokens == 0:
-        return
-    num_experts = grad_probs.shape[1] if grad_probs is not None else (
-        probs.shape[1] if probs is not None else 1)
-    s_block = _s_block(token_rows)
-    block, warps = combine_block(hidden)
-    cblocks = triton.cdiv(hidden, block) if hidden else (1 if grad_probs is not None else 0)
-    if cblocks == 0:
-        return
-    _combine_tokens_kernel[(tokens, cblocks)](
-        x, token_rows, token_experts, token_count,
-        probs if probs is not None else x, out,
-        grad_permuted_probs if grad_permuted_probs is not None else x,
-        grad_probs if grad_probs is not None else out,
-        tokens, num_experts, hidden, token_rows.shape[1],
-        HAS_PROBS=probs is not None, GRAD_PROBS=grad_probs is not None,
-        S_BLOCK=s_block, E_BLOCK=next_power_of_2(num_experts), BLOCK_H=block,
-        num_warps=warps,
-    )  # fmt: skip
-
-
-def unpermute_backward(grad, x, token_rows, token_experts, token_count, row_id_map, *,
-                       probs=None, grad_x=None, grad_probs=None) -> None:
-    """The unpermute backward in one launch: ``grad_x[r_j] = w_j * grad[t]`` (zero rows that
-    hold no token) and ``grad_probs[t, e_j] = <x[r_j], grad[t]>`` (fp32, 0 elsewhere)."""
-    tokens, hidden = grad.shape
-    n = row_id_map.shape[0]
-    programs = tokens + (triton.cdiv(n, ZERO_ROWS) if grad_x is not None else 0)
-    if programs == 0:
-        return
-    num_experts = probs.shape[1] if probs is not None else 1
-    s_block = _s_block(token_rows)
-    block, warps = token_block(hidden, max(s_block, ZERO_ROWS))
-    _unpermute_bwd_kernel[(programs,)](
-        grad, x, token_rows, token_experts, token_count, row_id_map,
-        probs if probs is not None else grad,
-        grad_x if grad_x is not None else grad,
-        grad_probs if grad_probs is not None else grad,
-        tokens, n, num_experts, hidden, token_rows.shape[1],
-        HAS_PROBS=probs is not None, NEED_GX=grad_x is not None,
-        NEED_GPROBS=grad_probs is not None, S_BLOCK=s_block,
-        E_BLOCK=next_power_of_2(num_experts), BLOCK_H=block, ZERO_ROWS=ZERO_ROWS,
-        num_warps=warps,
-    )  # fmt: skip
+    key = ("combine", tokens, hidden, x.dtype, rows.dtype, offsets.dtype,
+           None if weight is None else weight.dtype, out.dtype,
+           aligned(x, rows, offsets, weight, out), x.device)  # fmt: skip
+    w = weight if weight is not None else offsets
+    launch = _PLANS.get(key)
+    if launch is None:
+        block, warps = block_config(hidden)
+        launch = _PLANS.add(key, Launch(
+            _combine_rows_kernel, (tokens, triton.cdiv(hidden, block)),
+            (x, rows, offsets, w, out, hidden),
+            dict(HAS_WEIGHT=weight is not None, BLOCK_H=block, num_warps=warps)))  # fmt: skip
+    launch(x, rows, offsets, w, out, hidden)

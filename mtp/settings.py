@@ -67,7 +67,7 @@ BACKEND_NAMES = ("triton", "reference", "torch", "fused", "cutlass", "multistrea
 
 #: What ``backend="auto"`` means, per op (one rule each; ``mtp.ops._backend.auto_backend``).
 AUTO_BACKENDS: dict[str, str] = {
-    "bias_gelu, bias_swiglu, vocab_parallel_cross_entropy, permute, unpermute, grouped_mlp":
+    "bias_gelu, bias_swiglu, vocab_parallel_cross_entropy, permute, unpermute, grouped_mlp, moe_router":
         "``MTP_BACKEND`` if the op has it; else ``triton`` on CUDA, ``reference`` elsewhere",
     "grouped_gemm": "``MTP_BACKEND`` if it is one of the grouped GEMM backends; else ``triton`` "
         "on CUDA, ``reference`` elsewhere",

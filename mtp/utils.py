@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -65,11 +66,16 @@ def _is_fake_or_traced(t: torch.Tensor) -> bool:
     return not isinstance(t, torch.nn.Parameter)
 
 
+_CUDA: list[bool] = []  # torch.cuda.is_available(), asked once (it reads the environment)
+
+
 def is_capturing() -> bool:
     """True while a CUDA graph is being captured on the current stream, or simulated."""
     if getattr(_state, "capturing", False):
         return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not _CUDA:
+        _CUDA.append(torch.cuda.is_available())
+    return _CUDA[0] and torch.cuda.is_current_stream_capturing()
 
 
 def capturing_on(t: torch.Tensor) -> bool:
@@ -224,6 +230,18 @@ def check_int(name: str, value: object, minimum: int = 0) -> int:
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_positive(name: str, value: object, allow_none: bool = True) -> float | None:
+    """A finite number > 0 (or None when ``allow_none``); raise ``TypeError``/``ValueError``
+    naming the argument."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number or None, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return value
 
 

@@ -45,6 +45,32 @@ def _cross_entropy():
                     loss.backward(torch.ones_like(loss) * 2)
                     with torch.no_grad():
                         vocab_parallel_cross_entropy(x, t.long(), ignore_index=ignore)
+
+
+def _linear_cross_entropy():
+    """Reduced (gradients in the forward) and unreduced (the recomputing backward, its upstream
+    gradient broadcast or per row) losses over several chunks whose per-row slices start at
+    every alignment; misaligned operands, bias, smoothing, z-loss, an ignore_index that is a
+    valid id, int32 targets, no-grad."""
+    from mtp.ops import linear_cross_entropy
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for make in (lambda s: torch.randn(s).to(dtype), lambda s: _misaligned(s, dtype)):
+            h = make((11, 24)).requires_grad_()
+            w = make((40, 24)).requires_grad_()
+            b = make((40,)).requires_grad_()
+            for t in (torch.randint(0, 40, (11,)), torch.randint(0, 40, (11,), dtype=torch.int32)):
+                for reduction, ignore in (("mean", -100), ("sum", 3), ("none", -100)):
+                    loss = linear_cross_entropy(h, w, t, bias=b, ignore_index=ignore,
+                                                label_smoothing=0.1, z_loss_weight=1e-3,
+                                                reduction=reduction, chunk_size=5)
+                    loss.backward(torch.ones_like(loss) if reduction != "none"
+                                  else torch.rand(loss.shape))
+                    linear_cross_entropy(h, w, t, reduction="none").sum().backward()
+                    with torch.no_grad():
+                        linear_cross_entropy(h, w, t, reduction=reduction, chunk_size=4)
+
+
 # --- grouped_gemm / grouped_mlp --------------------------------------------------------------
 
 
@@ -142,11 +168,54 @@ def _grouped_fp8():
         shifted = torch.empty(28 * K + 1, dtype=torch.float8_e4m3fn)[1:].view(28, K)
         shifted.copy_(xq.data)
         grouped_gemm(Fp8Tensor(shifted, xq.scales, recipe, "rowwise"), wq, counts, trans_b=True)
+# --- permute / unpermute ---------------------------------------------------------------------
+
+
+def _shifted(t):
+    """A copy of ``t`` one element past a 16-byte boundary (a misaligned address)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+    return buf[1:].view(t.shape).copy_(t)
+
+
+def _routings(tokens, experts, k):
+    g = torch.Generator().manual_seed(tokens)
+    idx = torch.rand(tokens, experts, generator=g).topk(k, dim=1).indices
+    rm = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, idx, True)
+    return rm, idx, torch.rand(tokens, experts, generator=g) * rm
+
+
+def _permute():
+    from mtp.ops import permute, unpermute
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for tokens, hidden in ((16, 64), (33, 24)):
+            rm, idx, p = _routings(tokens, 6, 2)
+            x = torch.randn(tokens, hidden).to(dtype)
+            for make in (lambda t: t, _shifted):
+                rms, idxs = make(rm), make(idx)
+                for probs in (None, make(p)):
+                    for kw in (dict(routing_map=rms, num_out_tokens=2 * tokens),
+                               dict(indices=idxs, num_experts=6),
+                               dict(routing_map=rms, drop_and_pad=True, capacity=5),
+                               dict(routing_map=rms, num_out_tokens=2 * tokens, validate=False)):
+                        xg = make(x).detach().requires_grad_()
+                        pg = None if probs is None else probs.detach().requires_grad_()
+                        out = permute(xg, probs=pg, return_token_map=True, **kw)
+                        (out[0].sum() + (0 if out[1] is None else out[1].sum())).backward()
+                        y = make(torch.randn(out[0].shape).to(dtype)).requires_grad_()
+                        routing = {k: kw[k] for k in ("routing_map", "indices") if k in kw}
+                        for tm in (out[3], None):
+                            z = unpermute(y, make(out[2]), (tokens, hidden), pg,
+                                          drop_and_pad=kw.get("drop_and_pad", False),
+                                          token_map=tm, **routing)
+                            z.backward(torch.ones_like(z))
 
 
 def run() -> None:
     _bias_act()
     _cross_entropy()
+    _linear_cross_entropy()
     _grouped()
     _quantize()
     _grouped_fp8()
+    _permute()

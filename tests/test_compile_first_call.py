@@ -28,6 +28,13 @@ CASES = {
         f = lambda h, w, t: ops.linear_cross_entropy(h, w, t)
         args = (torch.randn(6, 8), torch.randn(16, 8), torch.randint(0, 16, (6,)))
     """,
+    "linear_cross_entropy_chunks": """
+        # the Triton kernels (interpreter) over two chunks; the recomputing backward
+        f = lambda h, w, t: (ops.linear_cross_entropy(h, w, t, chunk_size=4, backend="triton")
+                             + ops.linear_cross_entropy(h, w, t, reduction="none",
+                                                        chunk_size=4).sum())
+        args = (torch.randn(6, 8), torch.randn(16, 8), torch.randint(0, 16, (6,)))
+    """,
     "bias_gelu": """
         f = lambda x, b: ops.bias_gelu(x, b)
         args = (torch.randn(4, 8), torch.randn(8))

@@ -13,7 +13,15 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mtp.ops import _eager, bias_gelu, bias_swiglu, vocab_parallel_cross_entropy
+from mtp.ops import (
+    _eager,
+    bias_gelu,
+    bias_swiglu,
+    linear_cross_entropy,
+    permute,
+    unpermute,
+    vocab_parallel_cross_entropy,
+)
 
 
 @contextlib.contextmanager
@@ -99,6 +107,36 @@ def test_cross_entropy_second_backward_is_refused_on_both_paths():
                 loss.backward(torch.tensor(2.0))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_eager_equals_custom_op(reduction, dtype):
+    """Several chunks (the last one short), bias, smoothing, z-loss and an ignored row: the
+    gradients computed in the forward (reduced loss) and by the recomputing backward."""
+    hidden = torch.randn(13, 16).to(dtype)
+    weight = (torch.randn(40, 16) / 4).to(dtype)
+    bias = torch.randn(40).to(dtype)
+    target = torch.randint(0, 40, (13,))
+    target[3] = -100
+    fn = lambda h, w, b: linear_cross_entropy(  # noqa: E731
+        h, w, target, bias=b, label_smoothing=0.1, z_loss_weight=1e-3, reduction=reduction,
+        chunk_size=5, backend="triton")
+    assert_paths_equal(fn, (hidden, weight, bias), grad_of=(0, 1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_second_backward_is_refused_on_both_paths(dtype):
+    """A reduced loss's backward scales the gradients its forward saved (in place in fp32): a
+    second backward through the same graph fails autograd's version check, in every dtype."""
+    for ctx in (contextlib.nullcontext, custom_op_path):
+        with ctx():
+            h = torch.randn(4, 16).to(dtype).requires_grad_()
+            w = torch.randn(10, 16).to(dtype).requires_grad_()
+            loss = linear_cross_entropy(h, w, torch.randint(0, 10, (4,)), backend="triton")
+            loss.backward(retain_graph=True)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+
+
 def test_eager_is_off_under_modes_and_subclasses():
     x = torch.randn(4, 8)
     assert _eager.eager(x, None)
@@ -110,6 +148,7 @@ def test_eager_is_off_under_modes_and_subclasses():
         y = bias_gelu(fake, None, backend="reference")
         assert y.shape == (4, 8)
     assert not _eager.eager(x.as_subclass(_Sub))
+    assert not _eager.eager(x, torch.empty(2, device="meta"))
 
 
 class _Sub(torch.Tensor):
@@ -289,3 +328,110 @@ def test_grouped_gemm_fp8_eager_equals_custom_op(recipe, trans_b, monkeypatch):
     for name in FP8_OPS:  # and the eager path runs the bodies, never a custom op
         monkeypatch.setattr(torch.ops.mtp, name, lambda *a, **k: pytest.fail("a custom op"))
     _gg_run(x, w, {}, trans_b=trans_b, fp8_recipe=recipe)
+# --- permute / unpermute ---------------------------------------------------------------------
+
+
+def _topk(tokens, experts, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=g)
+    idx = scores.topk(k, dim=1).indices
+    rm = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, idx, True)
+    return rm, idx, scores * rm
+
+
+PERMUTE = {
+    "map": dict(num_out_tokens=46),
+    "map_no_probs": dict(num_out_tokens=46, probs=False),
+    "indices": dict(indices=True),
+    "drop_and_pad": dict(drop_and_pad=True, capacity=6),
+    "unchecked": dict(num_out_tokens=46, validate=False),
+}
+
+
+def _permute_run(kw, x, rm, idx, p):
+    kw = dict(kw)
+    probs = None if kw.pop("probs", True) is False else p.detach().clone().requires_grad_()
+    if kw.pop("indices", False):
+        kw.update(indices=idx, num_experts=rm.shape[1])
+    else:
+        kw.update(routing_map=rm)
+    tokens = x.detach().clone().requires_grad_()
+    out = permute(tokens, probs=probs, backend="triton", return_token_map=True, **kw)
+    g = torch.randn(out[0].shape, generator=torch.Generator().manual_seed(3)).to(x.dtype)
+    loss = (out[0] * g).sum() + (0 if out[1] is None else (out[1] * out[1]).sum())
+    loss.backward()
+    tm = out[3]
+    grads = [tokens.grad] + ([] if probs is None else [probs.grad])
+    return [t.detach() for t in out[:3] if t is not None] + [tm.rows, tm.experts, tm.count] + grads
+
+
+@pytest.mark.parametrize("case", sorted(PERMUTE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_eager_equals_custom_op(case, dtype):
+    rm, idx, p = _topk(23, 5, 2, seed=4)
+    x = torch.randn(23, 12).to(dtype)
+    eager_out = _permute_run(PERMUTE[case], x, rm, idx, p)
+    with _CustomOps():
+        op_out = _permute_run(PERMUTE[case], x, rm, idx, p)
+    assert len(eager_out) == len(op_out)
+    for a, b in zip(eager_out, op_out):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("with_map", [True, False], ids=["token_map", "inverted"])
+@pytest.mark.parametrize("case", ["probs", "indices", "drop_and_pad", "no_probs"])
+def test_unpermute_eager_equals_custom_op(case, with_map):
+    rm, idx, p = _topk(19, 6, 2, seed=5)
+    drop = case == "drop_and_pad"
+    kw = dict(drop_and_pad=True, capacity=5) if drop else dict(num_out_tokens=38)
+    _, _, rid, tm = permute(torch.randn(19, 8), rm, backend="triton", return_token_map=True,
+                            **kw)  # fmt: skip
+    y = torch.randn(rid.shape[0], 8, dtype=torch.bfloat16)
+    routing = dict(indices=idx) if case == "indices" else dict(routing_map=rm)
+
+    def run():
+        rows = y.clone().requires_grad_()
+        probs = None if case == "no_probs" else p.clone().requires_grad_()
+        out = unpermute(rows, rid, (19, 8), probs, drop_and_pad=drop, backend="triton",
+                        token_map=tm if with_map else None, **routing)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(6)).to(
+            out.dtype))
+        return [out.detach(), rows.grad] + ([] if probs is None else [probs.grad])
+
+    eager_out = run()
+    with _CustomOps():
+        op_out = run()
+    for a, b in zip(eager_out, op_out, strict=True):
+        assert torch.equal(a, b)
+    if not with_map:  # the inverted map gives what the map permute built gives
+        with_tm = unpermute(y, rid, (19, 8), None if case == "no_probs" else p,
+                            drop_and_pad=drop, backend="triton", token_map=tm, **routing)
+        assert torch.equal(eager_out[0], with_tm)
+
+
+@pytest.mark.parametrize("drop_and_pad", [False, True], ids=["dropless", "drop_and_pad"])
+def test_scatter_rows_eager_equals_custom_op_and_the_row_gather(drop_and_pad):
+    """The MoE dispatchers' permutation with the token map: eager and custom op bit-identical,
+    and equal to the row gather it replaces (forward and the backward's per-token sums)."""
+    from mtp.ops.moe_permute import moe_permute_row_map
+    from mtp.ops.moe_permute.rows import scatter_rows
+
+    rm, _, _ = _topk(21, 6, 2, seed=7)
+    kw = dict(drop_and_pad=True, capacity=5) if drop_and_pad else {}
+    row_map = moe_permute_row_map(rm, 30 if drop_and_pad else 42, backend="triton",
+                                  token_map=True, **kw)  # fmt: skip
+    x = torch.randn(21, 10).to(torch.bfloat16)
+    g = torch.randn(row_map.row_id_map.shape[0], 10).to(torch.bfloat16)
+
+    def run(fn):
+        leaf = x.clone().requires_grad_()
+        out = fn(leaf)
+        out.backward(g)
+        return out.detach(), leaf.grad
+
+    eager_out = run(lambda t: scatter_rows(t, row_map.token_map, row_map.row_id_map))
+    with _CustomOps():
+        op_out = run(lambda t: scatter_rows(t, row_map.token_map, row_map.row_id_map))
+    gathered = run(lambda t: torch.ops.mtp.moe_gather_rows(t, row_map.row_id_map, None))
+    for a, b, c in zip(eager_out, op_out, gathered, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)

@@ -77,7 +77,8 @@ def bundle(cutlass_include, tmp_path_factory):
 def test_bundle_main_writes_manifest_and_prints_the_command(cutlass_include, tmp_path, capsys):
     """`make gpu-bundle` end to end (headers only): the manifest, the size and the command."""
     out = tmp_path / "gpu"
-    assert gpu_bundle.main(["--out", str(out), "--no-wheels", "--no-ext"]) == 0
+    args = ["--out", str(out), "--no-wheels", "--no-ext", "--no-triton-cache"]
+    assert gpu_bundle.main(args) == 0
     printed = capsys.readouterr().out
     manifest = json.loads((out / "MANIFEST.json").read_text())
     headers = [p for p in (out / "cutlass").rglob("*") if p.is_file()]
@@ -85,6 +86,7 @@ def test_bundle_main_writes_manifest_and_prints_the_command(cutlass_include, tmp
     assert manifest["header_bytes"] == sum(p.stat().st_size for p in headers)
     assert manifest["wheels"] == [] and manifest["wheel_bytes"] == 0
     assert manifest["extension"] == [] and manifest["extension_archs"] is None  # --no-ext
+    assert manifest["triton_cache"] is None  # --no-triton-cache
     assert manifest["total_bytes"] < manifest["limit_bytes"] == 64 * 2**20
     assert f"tools/gpu_check.py --bundle {os.path.relpath(out, ROOT)}" in printed
     assert (out / "cutlass" / "include" / "cutlass" / "version.h").is_file()
@@ -210,9 +212,10 @@ def test_plan_orders_steps_by_value_within_540_s():
                           capture_output=True, text=True, env=_clean_env(), timeout=60)
     lines = [line.split() for line in proc.stdout.strip().splitlines()]
     steps = [name for name, _ in lines[:-1]]
-    assert steps == ["env", "smoke", "build", "graphs", "grouped_gemm", "linear_cross_entropy",
-                     "moe_layer", "pytest", "cross_entropy", "bias_act", "permute", "quantize",
-                     "ncu"]
+    assert steps == ["env", "sweep", "smoke", "build", "grouped_gemm", "moe_layer", "pytest",
+                     "linear_cross_entropy", "graphs", "cross_entropy", "bias_act", "permute",
+                     "quantize", "ncu"]  # the tuning sweep first: the most valuable use of a lease
+    assert int(dict(lines[:-1])["sweep"]) == max(int(s) for _, s in lines[:-1])
     total = sum(int(s) for _, s in lines[:-1])
     assert lines[-1] == ["total", str(total)] and total <= 540
     assert int(dict(lines[:-1])["build"]) == 0  # only when the carried module fails to load
@@ -225,9 +228,9 @@ def test_dry_run_walks_every_step(bundle, tmp_path):
     proc = _dry_run(dest.parent, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("== mtp gpu-check") :]
-    rows = {line.split()[0]: line for line in table.splitlines()[2:15]}
+    rows = {line.split()[0]: line for line in table.splitlines()[2:2 + len(gpu_check.PLAN)]}
     assert list(rows) == [name for name, _ in gpu_check.PLAN], table
-    for name in gpu_check.BENCH_STEPS + ("graphs", "ncu"):
+    for name in gpu_check.BENCH_STEPS + ("graphs", "ncu", "sweep"):
         assert "not run: no GPU" in rows[name], rows[name]
     assert "tests: not run: no GPU" in table and "bench: not run: no GPU" in table
     collected = re.search(r"\((\d+) of (\d+) tests collected with -m gpu\)", rows["pytest"])
@@ -262,12 +265,12 @@ def test_killed_dry_run_keeps_its_finished_steps(tmp_path, sig):
     the way out), --out still holds every step finished before."""
     out = tmp_path / "out"
     proc = _dry_run(tmp_path / "no-bundle", out, "--dry-step-s", "4", "--only", "smoke",
-                    "graphs", "grouped_gemm", "moe_layer", wait=False)  # fmt: skip
+                    "grouped_gemm", "moe_layer", "graphs", wait=False)  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # wait until graphs is packed, grouped_gemm running
+        while time.monotonic() < deadline:  # wait until grouped_gemm is packed, moe_layer running
             steps = _packed_steps(out)
-            if "graphs" in steps:
+            if "grouped_gemm" in steps:
                 break
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.2)
@@ -277,11 +280,11 @@ def test_killed_dry_run_keeps_its_finished_steps(tmp_path, sig):
     finally:
         proc.kill()
     steps = _packed_steps(out)
-    assert steps[:3] == ["env", "smoke", "graphs"], steps
-    assert "moe_layer" not in steps
+    assert steps[:3] == ["env", "smoke", "grouped_gemm"], steps
+    assert "moe_layer" not in steps and "graphs" not in steps
     if sig == signal.SIGTERM:
         assert steps[-1] == "(signal)" and proc.returncode == 128 + signal.SIGTERM
-    assert (out / "summary.txt").exists() and "graphs" in (out / "summary.txt").read_text()
+    assert (out / "summary.txt").exists() and "grouped_gemm" in (out / "summary.txt").read_text()
 
 
 def _packed_steps(out: Path) -> list[str]:
@@ -675,7 +678,10 @@ def test_ncu_without_ncu_profiles_the_smoke_case_on_cpu(tmp_path):
     assert out.returncode == 0, out.stderr
     (row,) = json.loads((tmp_path / "kernels.json").read_text())
     assert row["rc"] == 0 and row["tool"] == "torch.profiler", row
-    assert any("moe_unpermute" in k["kernel"] for k in row["kernels"]), row
+    # On CPU the profiler sees the call's range and its aten ops (the eager path calls the
+    # Triton kernels directly, without the custom op's record; the interpreter has no kernels)
+    names = [k["kernel"] for k in row["kernels"]]
+    assert "unpermute:fwd" in names and len(names) > 1, row
 
 
 def test_smoke_counts_a_missing_peer_as_skipped_and_a_broken_module_as_failed(monkeypatch):

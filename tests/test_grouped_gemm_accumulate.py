@@ -175,13 +175,13 @@ def test_accumulate_variants_compile_without_spills(which):
     if which == "plain":
         signature = {
             "a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "counts_ptr": "*i32",
-            "M": "i32", "P": "i32", "Q": "i32", "E": "i32", "stride_am": "i32",
+            "g_ptr": "*i32", "M": "i32", "P": "i32", "Q": "i32", "E": "i32", "stride_am": "i32",
             "stride_bm": "i32", "stride_ce": "i32", "stride_cp": "i32",
         }
         constexprs = {
             "stride_ap": 1, "stride_bq": 1, "stride_cq": 1, "BLOCK_P": 128, "BLOCK_Q": 128,
             "BLOCK_R": 64, "BLOCK_E": 64, "GROUP_P": 8, "UPCAST_DOT": False,
-            "DOT_PRECISION": "ieee", "ACCUMULATE": True,
+            "DOT_PRECISION": "ieee", "ACCUMULATE": True, "GATHER_A": False,
         }
         kernel, warps = pointer.grouped_wgrad_kernel, 8
     else:

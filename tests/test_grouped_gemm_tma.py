@@ -240,7 +240,7 @@ def _forward_build(cc: int, cfg: gc.GroupedGemmConfig, trans_b: bool, bias: bool
         ("stride_bk" if trans_b else "stride_bn"): 1, "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "TRANS_B": trans_b,
         "FLATTEN": cfg.flatten, "WARP_SPECIALIZE": cfg.warp_specialize, "UPCAST_DOT": False,
-        "HAS_BIAS": bias,
+        "HAS_BIAS": bias, "MAP_OFF": tiles.head_size(8),  # the launch's constant (8 experts)
     }
     divisible = [k for k in signature if k.startswith("stride")] + ["N", "K"]
     return compile_for_targets(

@@ -17,6 +17,7 @@ from mtp import ops, settings
 from mtp.kernels.grouped_gemm_details import launch, pointer
 from mtp.kernels.grouped_gemm_details import tma as ktma
 from mtp.kernels.grouped_gemm_details.epilogue import ACTIVATIONS
+from mtp.kernels.grouped_gemm_details.tiles import head_size
 from mtp.ops.grouped_gemm.config import make_config, override
 from mtp.moe import GroupedMLP
 from mtp.testing import compile_for_targets, count_host_syncs
@@ -263,7 +264,7 @@ def test_bad_inputs_name_the_argument():
 def _tensor_args(forward: bool) -> dict[str, str]:
     """The bf16 / fp32 tensor arguments both kernel families take (pointer and TMA)."""
     names = (["a_ptr", "b_ptr", "h_ptr", "y_ptr", "bias_ptr", "p_ptr"] if forward
-             else ["g_ptr", "b_ptr", "h_ptr", "p_ptr", "dh_ptr"])  # fmt: skip
+             else ["g_ptr", "b_ptr", "h_ptr", "p_ptr", "dh_ptr", "y_ptr"])  # fmt: skip
     signature = {n: "*bf16" for n in names}
     signature["p_ptr"] = "*fp32"
     if not forward:
@@ -271,14 +272,20 @@ def _tensor_args(forward: bool) -> dict[str, str]:
     return signature
 
 
-def _build(kernel_name: str, act: str, M_rows: int):
-    cfg = make_config(9, torch.bfloat16, M_rows, 4096, 4096, 8, activation=act)
+def _build(kernel_name: str, act: str, M_rows: int, gather: bool = False):
+    """The pointer activation kernels as a launch builds them; ``gather``: fc1 reading its rows
+    through a row index (writing the rows' probabilities), or the data gradient rewriting fc1's
+    output for fc2's weight gradient."""
     forward = kernel_name == "act"
+    cfg = make_config(9, torch.bfloat16, M_rows, 4096, 4096, 8, activation=act,
+                      gather=gather and forward, recompute=gather and not forward)
     signature = _tensor_args(forward)
     signature.update({"counts_ptr": "*i32", "M": "i32", "F": "i32", "K": "i32", "E": "i32"})
     lead = "stride_am" if forward else "stride_gm"
     strides = [lead, "stride_be", "stride_hm", "stride_ym" if forward else "stride_dm"]
     strides.append("stride_bk" if forward else "stride_bn")
+    if not forward:
+        strides.append("stride_ym")
     signature.update({s: "i32" for s in strides})
     constexprs = {
         ("stride_ak" if forward else "stride_gk"): 1, ("stride_bn" if forward else "stride_bk"): 1,
@@ -288,24 +295,42 @@ def _build(kernel_name: str, act: str, M_rows: int):
         "LIMIT": 7.0, "ALPHA": 1.702,
     }
     if forward:
-        constexprs["HAS_BIAS"] = True
+        constexprs.update(HAS_BIAS=True, GATHER=gather, ROW_PROBS=gather, stride_pe=int(gather))
+        signature.update({"g_ptr": "*i64", "pp_ptr": "*fp32"})
+        if gather:
+            signature["stride_ps"] = "i32"  # E: a [T, E] probs tensor read through the index
+        else:
+            constexprs["stride_ps"] = 1
+    else:
+        constexprs["RECOMPUTE"] = gather
     kernel = pointer.grouped_gemm_act_kernel if forward else pointer.grouped_gemm_dact_kernel
     return compile_for_targets(kernel, signature, constexprs, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages,
                                divisible_by_16=strides + ["F", "K"])  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel_name", ["act", "dact"])
-@pytest.mark.parametrize("act", ["swiglu", "gelu", "clamped_swiglu"])
-@pytest.mark.parametrize("rows", [100, 1 << 20], ids=["small_groups", "large_groups"])
-def test_aot_tensor_cores_no_spills(kernel_name, act, rows):
-    builds = _build(kernel_name, act, rows)
+def _check_tensor_cores(builds) -> None:
     assert "wgmma" in builds[90].ptx, "no wgmma in the sm_90a PTX"
     assert "tcgen05" in builds[100].ptx, "no tcgen05 in the sm_100a PTX"
     for cc, build in builds.items():
         assert build.fits_shared_memory, f"sm_{cc}: {build.shared} bytes of shared memory"
         info = build.ptxas()
         assert info is None or not info.spills, f"sm_{cc} spills:\n{info.output}"
+
+
+@pytest.mark.parametrize("kernel_name", ["act", "dact"])
+@pytest.mark.parametrize("act", ["swiglu", "gelu", "clamped_swiglu"])
+@pytest.mark.parametrize("rows", [100, 1 << 20], ids=["small_groups", "large_groups"])
+def test_aot_tensor_cores_no_spills(kernel_name, act, rows):
+    _check_tensor_cores(_build(kernel_name, act, rows))
+
+
+@pytest.mark.parametrize("kernel_name", ["act", "dact"])
+@pytest.mark.parametrize("rows", [100, 1 << 20], ids=["small_groups", "large_groups"])
+def test_aot_gathered_fc1_and_recomputing_dact_no_spills(kernel_name, rows):
+    """fc1 reading its rows through the dispatch's row index (and writing the rows'
+    probabilities), and fc2's data gradient rewriting fc1's output: tensor cores, no spills."""
+    _check_tensor_cores(_build(kernel_name, "swiglu", rows, gather=True))
 
 
 def test_compiled_fullgraph_equals_eager():
@@ -378,18 +403,23 @@ def test_tma_kernels_match_float64(act, dtype, bias, with_probs):
 
 
 def _tma_build(cc: int, forward: bool, act: str, rows: int):
-    cfg = make_config(9, torch.bfloat16, rows, 4096, 4096, 8, activation=act, tma_ok=True)
+    cfg = make_config(9, torch.bfloat16, rows, 4096, 4096, 8, activation=act, tma_ok=True,
+                      recompute=not forward)  # as the launches ask: fc2's rewrites fc1's output
     assert cfg.kernel == "tma", cfg
     signature = _tensor_args(forward)
     strides = (["stride_am", "stride_be", "stride_bk", "stride_hm", "stride_ym"] if forward
-               else ["stride_gm", "stride_be", "stride_bn", "stride_hm", "stride_dm"])  # fmt: skip
+               else ["stride_gm", "stride_be", "stride_bn", "stride_hm", "stride_dm",
+                     "stride_ym"])  # fmt: skip
     signature.update({"map_ptr": "*i32", "M": "i32", "F": "i32", "K": "i32", "E": "i32"})
     signature.update({s: "i32" for s in strides})
     constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                   "GROUP_M": cfg.group_m, "FLATTEN": True, "UPCAST_DOT": False,
-                  "ACT": ACTIVATIONS[act], "HAS_PROB": True}  # fmt: skip
+                  "ACT": ACTIVATIONS[act], "HAS_PROB": True,
+                  "MAP_OFF": head_size(8)}  # the launch's constant (8 experts)  # fmt: skip
     if forward:
         constexprs["HAS_BIAS"] = True
+    else:
+        constexprs["RECOMPUTE"] = True  # fc2's weight gradient reads fc1's output rewritten
     kernel = ktma.grouped_gemm_act_tma_kernel if forward else ktma.grouped_gemm_dact_tma_kernel
     return compile_for_targets(kernel, signature, constexprs, targets=(cc,),
                                num_warps=cfg.num_warps, num_stages=cfg.num_stages,

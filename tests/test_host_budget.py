@@ -27,8 +27,8 @@ BUDGETS = {
     ("bias_gelu", "fwd+bwd"): (235, 3),
     ("bias_swiglu", "fwd"): (90, 1),
     ("bias_swiglu", "fwd+bwd"): (235, 3),
-    ("cross_entropy", "fwd"): (175, 1),
-    ("cross_entropy", "fwd+bwd"): (280, 2),
+    ("cross_entropy", "fwd"): (112, 1),
+    ("cross_entropy", "fwd+bwd"): (215, 2),
     # --- grouped_gemm / grouped_mlp: the tile map (with the counts' status word) and the GEMMs
     ("grouped_gemm", "fwd"): (98, 2),
     ("grouped_gemm", "fwd+bwd"): (250, 4),
@@ -39,6 +39,25 @@ BUDGETS = {
     ("quantize", "fwd"): (95, 1),
     ("grouped_gemm_fp8", "fwd"): (350, 4),
     ("grouped_gemm_fp8", "fwd+bwd"): (630, 7),
+    # --- linear_cross_entropy: one chunk; its three GEMMs are aten ops, the backward only scales
+    ("linear_cross_entropy", "fwd"): (140, 1),
+    ("linear_cross_entropy", "fwd+bwd"): (195, 1),
+    # row map (place; a routing this small is counted in it) and the token scatter; backward:
+    # one token-major combine
+    ("permute", "fwd"): (114, 2),
+    ("permute", "fwd+bwd"): (223, 3),
+    # with the token map permute built: one launch each way
+    ("unpermute", "fwd"): (80, 1),
+    ("unpermute", "fwd+bwd"): (196, 2),
+    # without it: the row map inverted first (one launch), then as above
+    ("unpermute_no_map", "fwd"): (126, 2),
+    ("unpermute_no_map", "fwd+bwd"): (242, 3),
+    # router, row map (with the counts), fc1 reading its rows through it (no token scatter),
+    # fc2 (TMA: its tile map and the GEMM), the token combine; backward: the combine's gather,
+    # the experts' kernels (fc1's data gradient summed per token with the probs gradient in one
+    # token-major combine) and the router's
+    ("moe_layer", "fwd"): (565, 6),
+    ("moe_layer", "fwd+bwd"): (1050, 13),
 }
 
 _WORKER = r"""

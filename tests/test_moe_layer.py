@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtp.moe import GroupedMLP, MoELayer
 from mtp.testing import assert_close, assert_graph_safe, count_host_syncs
+from mtp.utils import simulated_capture
 
 # --- float64 oracle of the whole layer --------------------------------------------------------
 
@@ -123,6 +124,8 @@ def test_capacity_layer_matches_oracle(capacity_factor, drop_policy):
     check_layer_against_oracle(layer, x, capacity_factor=capacity_factor, drop_policy=drop_policy)
     ws = layer.workspace
     assert ws.capacity == min(math.ceil(16 * 2 / 4 * capacity_factor), 16)
+    with torch.no_grad(), simulated_capture():  # the workspace is written while capturing
+        layer(x)
     assert int((ws.row_id_map < 0).sum()) > 0 or capacity_factor < 1
 
 
@@ -272,11 +275,16 @@ def test_workspace_fixed_across_calls_and_rebuilt_on_new_token_count(caplog):
     layer = MoELayer(8, 8, 4, 2, backend="torch")
     layer(torch.randn(10, 8))
     ws = layer.workspace
+    ws.static_output()  # what the first captured call allocates
     ptrs = ws.data_ptrs()
     maps = set()
     for i in range(10):
         x = torch.randn(5, 2, 8) * (i + 1)
-        layer(x)
+        before = ws.row_id_map.clone()
+        layer(x)  # eager: the preprocess stays in fresh tensors, the workspace is left alone
+        assert torch.equal(ws.row_id_map, before)
+        with torch.no_grad(), simulated_capture():  # while capturing it is written in place
+            layer(x)
         assert layer.workspace is ws and ws.data_ptrs() == ptrs
         maps.add(tuple(ws.row_id_map.tolist()))
     assert len(maps) > 5  # the routings differed

@@ -345,3 +345,76 @@ def test_bad_router_input():
     router = TopKRouter(8, 4, 2)
     with pytest.raises(ValueError, match="hidden_size=8"):
         router(torch.randn(3, 7))
+
+
+# --- the fused router against the aten router ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [
+    dict(aux_loss_coeff=0.1, z_loss_coeff=0.01),
+    dict(score_function="sigmoid", expert_bias=True, aux_loss_coeff=[0.1, 0.05],
+         load_balancing_type=["aux_loss", "global_aux_loss"], z_loss_coeff=0.01, num_groups=2,
+         group_topk=1, group_score="top2", scaling_factor=2.5),
+    dict(pre_softmax=True, norm_topk_prob=True, capacity_factor=1.0, expert_bias=True,
+         aux_loss_coeff=0.1, load_balancing_type="seq_aux_loss", z_loss_coeff=0.02),
+    dict(capacity_factor=0.5, drop_policy="position", z_loss_coeff=0.1, aux_loss_coeff=0.1),
+], ids=["softmax", "sigmoid-groups-bias", "pre-capacity-seq", "position-drop"])  # fmt: skip
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_router_equals_the_aten_router(kw, masked):
+    """TopKRouter(backend="triton") (the fused kernels, under the interpreter on CPU) gives the
+    aten router's probabilities, map, losses, counts and gradients."""
+    torch.manual_seed(6)
+    s, b, H, E, k = 6, 3, 8, 8, 2
+    x = torch.randn(s, b, H)
+    g = torch.randn(s * b, E)
+    pad = (torch.rand(s, b) < 0.3) if masked else None
+    weight = torch.randn(E, H)
+    got = {}
+    for backend in ("reference", "triton"):
+        router = TopKRouter(H, E, k, backend=backend, **kw)
+        with torch.no_grad():
+            router.weight.copy_(weight)
+            if router.expert_bias is not None:
+                router.expert_bias.copy_(torch.linspace(-0.2, 0.2, E))
+        xi = x.clone().requires_grad_(True)
+        probs, routing_map = router(xi, pad)
+        (probs * g).sum().backward()
+        got[backend] = (probs, routing_map, router.aux_loss, router.z_loss, router.weight.grad,
+                        xi.grad, router.local_tokens_per_expert)  # fmt: skip
+    ref, fused = got["reference"], got["triton"]
+    assert torch.equal(ref[1], fused[1])
+    for name, a, want in zip(("probs", "aux", "z", "dweight", "dx", "counts"),
+                             (fused[0], *fused[2:]), (ref[0], *ref[2:])):  # fmt: skip
+        if want is None:
+            assert a is None, name
+        else:
+            assert_close(a, want, torch.float32, msg=name)
+
+
+def test_router_in_the_layer_is_one_launch_and_one_gemm():
+    """MoELayer(backend="triton"): the router is its GEMM and one launch forward, one launch
+    (and the GEMM's two) backward, no host sync; no softmax/top-k/scatter aten op is left."""
+    from mtp import settings
+    from mtp.bench.counting import count_ops
+    from mtp.moe import MoELayer
+
+    settings.configure(poison_outputs=False)  # the NaN fill of outputs is a test extra
+    torch.manual_seed(0)
+    layer = MoELayer(32, 16, 8, 2, activation="swiglu", backend="triton",
+                     router_dtype=torch.float32)  # fmt: skip
+    x = torch.randn(64, 32, requires_grad=True)
+    layer(x)
+    with count_ops() as router:
+        probs, _ = layer.router(x)
+    loss, seed = probs.sum(), torch.ones(())
+    with count_ops() as router_bwd:
+        loss.backward(seed)
+    assert dict(router.triton) == {"_router_fwd_kernel": 1} and dict(router.compute) == {
+        "aten::mm": 1}, router.summary()  # fmt: skip
+    assert dict(router_bwd.triton) == {"_router_bwd_kernel": 1} and dict(router_bwd.compute) == {
+        "aten::mm": 2}, router_bwd.summary()  # fmt: skip
+    assert router.host_syncs == router_bwd.host_syncs == []
+    with count_ops() as forward:
+        layer(x)
+    names = set(forward.compute)
+    assert not names & {"aten::topk", "aten::_softmax", "aten::scatter", "aten::gather"}, names

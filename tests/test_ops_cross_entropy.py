@@ -250,6 +250,10 @@ def test_target_validation(backend, device):
     with count_host_syncs() as syncs:
         vocab_parallel_cross_entropy(logits, bad, validate=False, backend=backend)
     assert syncs.count == 0, syncs.events
+    with settings.override(validate="off"):  # MTP_VALIDATE=off: validate=True checks nothing
+        vocab_parallel_cross_entropy(logits, bad, backend=backend)
+        with pytest.raises(TargetOutOfRangeError):  # an explicit mode still checks
+            vocab_parallel_cross_entropy(logits, bad, backend=backend, validate="sync")
     with count_host_syncs() as syncs:
         vocab_parallel_cross_entropy(logits, target, backend=backend, reduction="mean")
     assert syncs.count == 0, syncs.events

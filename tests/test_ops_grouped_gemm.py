@@ -382,11 +382,17 @@ def test_opcheck_custom_ops():
     out = torch.empty(10, 6)
     torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,
                           (x, w, counts, out, False, "reference", None, None, None, "none",
-                           7.0, 1.702))  # fmt: skip
+                           7.0, 1.702, None, None))  # fmt: skip
     torch.library.opcheck(  # the activation epilogue: h and the activation's output
         torch.ops.mtp.grouped_gemm_out.default,
         (x, w, counts, torch.empty(10, 3), False, "reference", None, torch.empty(10, 6),
-         torch.rand(10), "swiglu", 7.0, 1.702),
+         torch.rand(10), "swiglu", 7.0, 1.702, None, None),
+    )  # fmt: skip
+    gather = torch.tensor([4, 0, 2, -1, 1, 3, 0, 2, 4, -1])  # rows of a [5, 8] source x
+    torch.library.opcheck(  # fc1 reading its rows through a row index (MoE dispatch fused)
+        torch.ops.mtp.grouped_gemm_out.default,
+        (x[:5].clone(), w, counts, torch.empty(10, 3), False, "triton", None,
+         torch.empty(10, 6), torch.rand(5, 3), "swiglu", 7.0, 1.702, gather, torch.empty(10)),
     )  # fmt: skip
     for accumulate in (False, True):
         torch.library.opcheck(
@@ -588,17 +594,19 @@ def _forward_build(dtype_name: str, cfg, trans_b=False, persistent=False,
     )
 
 
-def _wgrad_build(dtype_name: str, cfg):
+def _wgrad_build(dtype_name: str, cfg, gather: bool = False):
+    """The pointer weight gradient (``gather``: ``a``'s rows read through a row index, as
+    fc1's weight gradient in an MoE layer whose dispatch gathers inside the GEMM)."""
     signature = {
         "a_ptr": f"*{dtype_name}", "b_ptr": f"*{dtype_name}", "c_ptr": f"*{dtype_name}",
-        "counts_ptr": "*i32", "M": "i32", "P": "i32", "Q": "i32", "E": "i32",
+        "counts_ptr": "*i32", "g_ptr": "*i64", "M": "i32", "P": "i32", "Q": "i32", "E": "i32",
         "stride_am": "i32", "stride_bm": "i32", "stride_ce": "i32", "stride_cp": "i32",
     }
     constexprs = {
         "stride_ap": 1, "stride_bq": 1, "stride_cq": 1,
         "BLOCK_P": cfg.block_m, "BLOCK_Q": cfg.block_n, "BLOCK_R": cfg.block_k,
         "BLOCK_E": 64, "GROUP_P": cfg.group_m, "UPCAST_DOT": False, "DOT_PRECISION": "ieee",
-        "ACCUMULATE": False,
+        "ACCUMULATE": False, "GATHER_A": gather,
     }
     strides = [k for k in signature if k.startswith("stride")]
     return compile_for_targets(
@@ -620,7 +628,8 @@ def _check_tensor_core_builds(builds) -> None:
 
 @pytest.mark.parametrize(
     "which",
-    ["forward_bf16_small_groups", "forward_bf16_large_groups_bias", "wgrad_bf16"],
+    ["forward_bf16_small_groups", "forward_bf16_large_groups_bias", "wgrad_bf16",
+     "wgrad_bf16_gathered"],
 )
 def test_aot_compiles_with_tensor_cores(which):
     if which.startswith("forward"):
@@ -628,7 +637,8 @@ def test_aot_compiles_with_tensor_cores(which):
         cfg = forward_config(torch.bfloat16, M, 4096, 4096, 8)
         builds = _forward_build("bf16", cfg, bias=which.endswith("bias"))
     else:
-        builds = _wgrad_build("bf16", wgrad_config(torch.bfloat16, 4096, 4096))
+        cfg = wgrad_config(torch.bfloat16, 4096, 4096)
+        builds = _wgrad_build("bf16", cfg, gather=which.endswith("gathered"))
     _check_tensor_core_builds(builds)
 
 

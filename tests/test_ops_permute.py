@@ -436,6 +436,10 @@ def test_token_map_custom_ops_pass_opcheck():
         ops.moe_unpermute_backward.default,
         (torch.randn(12, 6), y.detach(), rows, experts, count, rid, probs.detach(), True),
     )
+    torch.library.opcheck(ops.moe_invert_row_map.default, (rid, routing_map, 12, 5, 5, -1, True,
+                                                           True))  # fmt: skip
+    torch.library.opcheck(ops.moe_invert_row_map.default, (rid, None, 12, 5, 5, 4, False, True))
+    torch.library.opcheck(ops.moe_scatter_rows.default, (x, rows, experts, count, rid))
 
 
 def test_torch_compile_fullgraph():

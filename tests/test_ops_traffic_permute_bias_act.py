@@ -15,7 +15,7 @@ import torch
 from mtp import settings
 import mtp.ops
 from mtp.kernels import bias_act as bias_kernels
-from mtp.kernels import moe_permute as perm_kernels
+from mtp.kernels import moe_token_major as token_kernels
 from mtp.kernels import moe_row_map as map_kernels
 from mtp.ops import permute, unpermute
 from mtp.testing import assert_close, compile_for_targets, count_host_syncs
@@ -57,7 +57,9 @@ def test_permute_unpermute_bytes_launches_syncs():
                                             return_token_map=True)
     # read tokens, routing map, the routed probs; write rows, row map, permuted probs
     _check(t, T * H * s + T * E + N * H * s + 8 * N + N * s + N * s, 4, "permute fwd")
-    assert t.num_launches == 3  # count, scan + place, scatter (+ the device-side assert)
+    # scan + place (a routing this small is counted in it: no count launch), scatter (+ the
+    # device-side assert)
+    assert t.num_launches == 2
 
     g_rows, g_probs = torch.randn(N, H), torch.randn(N)
     with count_traffic() as t:
@@ -196,8 +198,9 @@ def test_unpermute_uses_the_token_map_it_is_given():
 
 
 def test_unpermute_without_a_token_map_says_why(monkeypatch, caplog):
-    """The sort fallback is logged once, eagerly and from a fullgraph-compiled call alike; a
-    compiled call given the map runs the fused path."""
+    """Inverting the row map is logged once, eagerly and from a fullgraph-compiled call alike;
+    the result is the one with the map (same kernel, same order). Without probs or a routing
+    to bound a token's rows, the sort fallback says so."""
     from mtp.ops.moe_permute import token_map
 
     tokens = 16
@@ -217,15 +220,34 @@ def test_unpermute_without_a_token_map_says_why(monkeypatch, caplog):
         with caplog.at_level("INFO", logger="mtp"):
             fast, slow, again = fn(tm), fn(None), fn(None)
         said = [r.getMessage() for r in caplog.records if "no token_map" in r.getMessage()]
-        assert len(said) == 1 and "sort" in said[0], said
-        assert_close(fast, slow)
-        assert_close(slow, again)
+        assert len(said) == 1 and "inverted on the device first" in said[0], said
+        assert torch.equal(fast, slow) and torch.equal(slow, again)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mtp"):
+        plain = unpermute(y, rid, x.shape, backend="triton")
+    said = [r.getMessage() for r in caplog.records if "no token_map" in r.getMessage()]
+    assert len(said) == 1 and "sort" in said[0], said
+    assert_close(plain, unpermute(y, rid, x.shape, backend="triton", token_map=tm))
 
 
-def test_row_map_kernels_over_many_chunks(monkeypatch):
-    """More chunks than the count table holds in one program's tile: scan across chunks."""
+def _counted_by(monkeypatch, fused: bool) -> None:
+    """Count small routings in the programs that need the counts (``fused``) or in a count
+    launch, with launch plans made for this setting only."""
+    from mtp.ops import moe_permute as ops_permute
+    from mtp.ops.moe_permute import token_map
+
+    monkeypatch.setattr(map_kernels, "FUSE_COUNT", 10**9 if fused else 0)
+    for module in (ops_permute, token_map, map_kernels):
+        monkeypatch.setattr(module, "_PLANS", type(module._PLANS)())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["count_launch", "fused_count"])
+def test_row_map_kernels_over_many_chunks(monkeypatch, fused):
+    """More chunks than the count table holds in one program's tile: scan across chunks (the
+    table a count launch wrote, or counts each place program makes itself)."""
     monkeypatch.setattr(map_kernels, "TILE", 64)
     monkeypatch.setattr(map_kernels, "MAX_CHUNKS", 5)
+    _counted_by(monkeypatch, fused)
     tokens = 45
     routing_map, probs = _routing(3, tokens)
     x = torch.randn(tokens, 3)
@@ -236,6 +258,31 @@ def test_row_map_kernels_over_many_chunks(monkeypatch):
         ref = permute(x, routing_map, probs, backend="reference", **kw)
         for a, b in zip(got, ref):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["count_launch", "fused_count"])
+def test_unpermute_inverts_the_row_map(monkeypatch, fused):
+    """Without a token map the row map is inverted (experts from the count table or counted in
+    the inversion's programs): the result of the map permute built, and the device check."""
+    _counted_by(monkeypatch, fused)
+    tokens = 24
+    routing_map, probs = _routing(5, tokens)
+    indices = routing_map.float().topk(K, dim=1).indices
+    x = torch.randn(tokens, 6)
+    for kw in (dict(num_out_tokens=tokens * K), dict(drop_and_pad=True, capacity=5)):
+        drop = kw.get("drop_and_pad", False)
+        _, _, rid, tm = permute(x, routing_map, probs, backend="triton", return_token_map=True,
+                                **kw)  # fmt: skip
+        y = torch.randn(rid.shape[0], 6)
+        want = unpermute(y, rid, x.shape, probs, routing_map, drop, backend="triton",
+                         token_map=tm)  # fmt: skip
+        for routing in (dict(routing_map=routing_map), dict(indices=indices)):
+            got = unpermute(y, rid, x.shape, probs, drop_and_pad=drop, backend="triton",
+                            **routing)  # fmt: skip
+            assert torch.equal(got, want)
+        if not drop:
+            with pytest.raises(RuntimeError, match="does not match routing_map"):
+                unpermute(y, rid.flip(0), x.shape, probs, routing_map, backend="triton")
 
 
 # --- robustness --------------------------------------------------------------------------------
@@ -341,17 +388,17 @@ def _no_spills(builds, name):
             assert info.registers <= 255 and not info.spills, (name, cc, info.output)
 
 
-def _combine_tokens_build(s_block, hidden, grad_probs):
+def _combine_tokens_build(s_block, hidden, grad_probs, slot=1):
     """``_combine_tokens_kernel`` as ``combine_tokens`` launches it (hidden a multiple of 16,
-    as Triton specialises it)."""
-    block, warps = perm_kernels.combine_block(hidden)
+    as Triton specialises it; ``slot=2``: the token map an inversion made)."""
+    block, warps = token_kernels.combine_block(hidden)
     return compile_for_targets(
-        perm_kernels._combine_tokens_kernel,
+        token_kernels._combine_tokens_kernel,
         dict(x_ptr="*bf16", out_ptr="*bf16", gpp_ptr="*fp32", gprobs_ptr="*fp32", T="i32",
              E="i32", hidden="i32", S="i32", trows_ptr="*i32", texp_ptr="*i32",
-             tcount_ptr="*i32", probs_ptr="*fp32"),
+             tcount_ptr="*i32", probs_ptr="*fp32", parts="i32", part_stride="i32"),
         dict(HAS_PROBS=True, GRAD_PROBS=grad_probs, S_BLOCK=s_block, E_BLOCK=256,
-             BLOCK_H=block),
+             BLOCK_H=block, SLOT=slot),
         num_warps=warps, divisible_by_16=("hidden", "S", "E"),
     )  # fmt: skip
 
@@ -381,29 +428,40 @@ def test_new_permute_kernels_compile_for_sm90_and_sm100():
             map_kernels._place_kernel,
             dict(route_ptr=route, probs_ptr="*fp32", counts_ptr="*i32", row_id_ptr="*i64",
                  pair_ptr="*i64", pprobs_ptr="*fp32", trows_ptr="*i32", texp_ptr="*i32",
-                 tcount_ptr="*i32", status_ptr="*i1", T="i32", E="i32", N="i32",
+                 tcount_ptr="*i32", status_ptr="*i1", tpe_ptr="*i64", T="i32", E="i32", N="i32",
                  capacity="i32", tokens_per_chunk="i32", num_chunks="i32",
                  rows_per_chunk="i32", S="i32"),
             dict(DROP=False, HAS_PROBS=True, WRITE_PAIR=True,
-                 ROW_BLOCK=max(1, map_kernels.TILE // e_block), **common),
+                 ROW_BLOCK=max(1, map_kernels.TILE // e_block), FUSED=is_idx,
+                 WRITE_COUNTS=True, **common),
             num_warps=map_kernels.NUM_WARPS), "place")  # fmt: skip
+        _no_spills(compile_for_targets(
+            map_kernels._invert_kernel,
+            dict(row_id_ptr="*i64", route_ptr=route, counts_ptr="*i32", packed_ptr="*i64",
+                 tcount_ptr="*i32", N="i32", T="i32", E="i32", W="i32", capacity="i32",
+                 num_chunks="i32", tokens_per_chunk="i32", rows_per_program="i32"),
+            dict(ROUTE=2 if is_idx else 1, K=k, EXPERTS=2, COUNTS=True, CHECK=True,
+                 SUB_R=max(16, map_kernels.INVERT_TILE // e_block), E_BLOCK=e_block,
+                 SUB_T=sub_t, FUSED=is_idx),
+            num_warps=4), "invert")  # fmt: skip
     s_block, hidden = 8, 7168
-    block, warps = perm_kernels.token_block(hidden, max(s_block, perm_kernels.ZERO_ROWS))
+    block, warps = token_kernels.token_block(hidden, max(s_block, token_kernels.ZERO_ROWS))
     _no_spills(compile_for_targets(
-        perm_kernels._scatter_tokens_kernel,
+        token_kernels._scatter_tokens_kernel,
         dict(x_ptr="*bf16", trows_ptr="*i32", tcount_ptr="*i32", row_id_ptr="*i64",
              out_ptr="*bf16", T="i32", N="i32", hidden="i32", S="i32"),
-        dict(S_BLOCK=s_block, BLOCK_H=block, ZERO_ROWS=perm_kernels.ZERO_ROWS),
+        dict(S_BLOCK=s_block, BLOCK_H=block, ZERO_ROWS=token_kernels.ZERO_ROWS),
         num_warps=warps), "scatter")  # fmt: skip
     ptrs = dict(trows_ptr="*i32", texp_ptr="*i32", tcount_ptr="*i32", probs_ptr="*fp32")
     _no_spills(_combine_tokens_build(s_block, hidden, grad_probs=True), "combine")
-    block, warps = perm_kernels.token_block(hidden, max(s_block, perm_kernels.ZERO_ROWS))
+    _no_spills(_combine_tokens_build(s_block, hidden, grad_probs=False, slot=2), "combine")
+    block, warps = token_kernels.token_block(hidden, max(s_block, token_kernels.ZERO_ROWS))
     _no_spills(compile_for_targets(
-        perm_kernels._unpermute_bwd_kernel,
+        token_kernels._unpermute_bwd_kernel,
         dict(g_ptr="*bf16", x_ptr="*bf16", row_id_ptr="*i64", gx_ptr="*bf16",
              gprobs_ptr="*fp32", T="i32", N="i32", E="i32", hidden="i32", S="i32", **ptrs),
         dict(HAS_PROBS=True, NEED_GX=True, NEED_GPROBS=True, S_BLOCK=s_block, E_BLOCK=256,
-             BLOCK_H=block, ZERO_ROWS=perm_kernels.ZERO_ROWS),
+             BLOCK_H=block, ZERO_ROWS=token_kernels.ZERO_ROWS, SLOT=1),
         num_warps=warps), "unpermute bwd")  # fmt: skip
 
 
@@ -434,7 +492,7 @@ def test_tokens_with_more_rows_than_one_chunk():
     """12 experts per token: the token-major kernels take a token's rows in chunks of
     MAX_S_BLOCK; forward and backward of both ops against float64."""
     tokens, experts, hidden = 7, 12, 10
-    assert experts > perm_kernels.MAX_S_BLOCK
+    assert experts > token_kernels.MAX_S_BLOCK
     g = torch.Generator().manual_seed(7)
     routing_map = torch.rand(tokens, experts, generator=g) < 0.9
     routing_map[0] = True  # all 12 experts

@@ -20,6 +20,11 @@ CUTLASS module built here (Python 3.11) cannot load there. This script fills the
   spends no nvcc minutes: ``tools/gpu_check.py`` copies it next to ``mtp/__init__.py`` and
   builds only when it does not import there. The module links the CUDA runtime statically and
   no torch, so one build serves any torch there.
+* ``.gpu/triton-cache.tar.xz``: Triton's cache of the tuning sweep's grouped GEMM kernels,
+  compiled here for sm_90a by CPython 3.12 with the PyPI triton 3.6.0 wheel
+  (``tools/sweep_cache.py``), so the lease skips those compiles where its triton is that wheel
+  (``triton_key`` in the manifest; ``tools/gpu_check.py`` unpacks it and sets
+  ``TRITON_CACHE_DIR``).
 * ``.gpu/MANIFEST.json``: CUTLASS version, file counts and sizes, and the bytes that travel.
 
 It then prints the folder to carry and the command to run on the GPU machine. The working tree
@@ -54,6 +59,7 @@ WHEEL_MODULES = {"hypothesis": "hypothesis", "sortedcontainers": "sortedcontaine
                  "pytest_xdist": "xdist", "execnet": "execnet", "pytest_timeout": "pytest_timeout",
                  "liger_kernel": "liger_kernel", "megatron_core": "megatron.core"}  # fmt: skip
 EXT_FOLDER = "ext"  # .gpu/ext/: the prebuilt CUTLASS module
+TRITON_CACHE = "triton-cache.tar.xz"  # .gpu/: the sweep's kernels, compiled for the GPU's Python
 GPU_PYTHON = "3.12"  # the GPU machines' CPython
 EXT_ARCHS = "9.0a;10.0a"
 BUILD_INPUTS = ("nvidia-cutlass==4.2.*", "pybind11>=2.12", "ninja")
@@ -206,6 +212,25 @@ def git_commit(root: Path = ROOT) -> str | None:
     return sha + ("+dirty" if dirty else "")
 
 
+def build_triton_cache(out: Path) -> dict | None:
+    """``out/triton-cache.tar.xz``: the sweep's GEMM kernels compiled for sm_90a by CPython 3.12
+    with the PyPI triton 3.6.0 (``tools/sweep_cache.py``; captured in ``.venv-min``, which
+    ``make test-triton-min`` creates). None, with a note, when either Python is missing."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import sweep_cache
+
+    capture, base = ROOT / ".venv-min" / "bin" / "python", find_python()
+    if not capture.exists() or base is None:
+        print(f"gpu-bundle: no Triton cache (needs {capture}: `make test-triton-min`, and a "
+              f"CPython {GPU_PYTHON})")  # fmt: skip
+        return None
+    info = sweep_cache.build(out / TRITON_CACHE, capture, base, ROOT / "build" / "triton-cache",
+                             max(1, (os.cpu_count() or 2) - 1))  # fmt: skip
+    print(f"gpu-bundle: {TRITON_CACHE}: {info['kernels']} kernels, "
+          f"{info['archive_bytes'] / 2**20:.1f} MiB (triton_key {info['triton_key']})")
+    return info
+
+
 def device_command(carry: str = ".gpu") -> str:
     """The one command a GPU session runs (device tool ``run``, carry=[".gpu"])."""
     return f"PYTHONUNBUFFERED=1 python3 tools/gpu_check.py --bundle {carry}"
@@ -219,9 +244,13 @@ def main(argv=None) -> int:
     parser.add_argument("--build-python", type=Path, default=None,
                         help="a CPython 3.12 with the build inputs (default: build/py312-venv)")
     parser.add_argument("--check-only", action="store_true", help="measure an existing bundle")
+    parser.add_argument("--no-triton-cache", action="store_true",
+                        help=f"no {TRITON_CACHE} (the sweep's kernels, compiled for the GPU's "
+                             "CPython 3.12 and triton 3.6)")  # fmt: skip
     args = parser.parse_args(argv)
     out = args.out.resolve()
     previous = out / "MANIFEST.json"
+    triton_cache = None
     ext_archs = json.loads(previous.read_text()).get("extension_archs") if previous.exists() \
         else None
     build_ext = load_build_ext()
@@ -238,6 +267,8 @@ def main(argv=None) -> int:
             so = build_extension(out, python)
             ext_archs = EXT_ARCHS
             print(f"gpu-bundle: {so.name} for {EXT_ARCHS} ({so.stat().st_size / 2**20:.1f} MiB)")
+        if not args.no_triton_cache:
+            triton_cache = build_triton_cache(out)
     headers = folder_bytes(out / "cutlass")
     wheels_b = folder_bytes(out / "wheels")
     tree = tree_bytes(travelling_files())
@@ -255,6 +286,8 @@ def main(argv=None) -> int:
         "working_tree_bytes": tree,
         "total_bytes": total,
         "limit_bytes": LIMIT_BYTES,
+        "triton_cache": triton_cache if not args.check_only else (
+            json.loads(previous.read_text()).get("triton_cache") if previous.exists() else None),
         "command": device_command(),
     }
     out.mkdir(parents=True, exist_ok=True)

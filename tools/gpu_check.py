@@ -11,6 +11,9 @@ since each step's deadline is the sum of the shares up to it):
 
 ``env``: versions, the GPU and its clocks, the bundle's commit; the carried CUTLASS module
 (``.gpu/ext/``, built here by ``make gpu-bundle``) copied next to ``mtp/__init__.py``.
+``sweep``: ``tools/gpu_sweep.py``: candidate configs of every kernel family at the bench shapes,
+compiled in parallel, checked and timed against today's defaults and the peers
+(``gpu-check/sweep.jsonl``, one record per candidate as it ends; ``sweep-summary.txt``).
 ``smoke``: ``tools/gpu_smoke.py``: import every mtp module, one tiny call per op family against
 its reference (a torch/triton mismatch shows in seconds).
 ``build``: only when the carried CUTLASS module does not import: ``csrc/build_ext.py`` for this
@@ -49,8 +52,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bundle import EXT_FOLDER, WHEEL_MODULES  # noqa: E402
+from gpu_bundle import EXT_FOLDER, TRITON_CACHE, WHEEL_MODULES  # noqa: E402
 from gpu_probe import TORCH_PROBE, first_line, kill_group, nvidia_smi, smi, which_nvcc  # noqa: E402
+from sweep_cache import KEY_PROBE, unpack  # noqa: E402
 from gpu_report import (  # noqa: E402
     NO_GPU, bench_table, collected_text, failures_text, graphs_table, junit_counts,
     merge_counts, merge_junit, progress_text, tests_text, text_table,
@@ -59,16 +63,18 @@ from gpu_report import (  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 #: (step, seconds), in run order. The sum is the whole run's budget (at most 540 s: the device
 #: tool's 600 s command limit less Python's start, the wheel install and the last pack).
-PLAN = (("env", 15), ("smoke", 30), ("build", 0), ("graphs", 40), ("grouped_gemm", 110),
-        ("linear_cross_entropy", 55), ("moe_layer", 75), ("pytest", 120), ("cross_entropy", 30),
-        ("bias_act", 20), ("permute", 25), ("quantize", 15), ("ncu", 0))  # fmt: skip
+PLAN = (("env", 15), ("sweep", 225), ("smoke", 20), ("build", 0), ("grouped_gemm", 60),
+        ("moe_layer", 45), ("pytest", 90), ("linear_cross_entropy", 25), ("graphs", 15),
+        ("cross_entropy", 10), ("bias_act", 10), ("permute", 10), ("quantize", 15),
+        ("ncu", 0))  # fmt: skip
 BENCH_STEPS = ("grouped_gemm", "linear_cross_entropy", "moe_layer", "cross_entropy", "bias_act",
                "permute", "quantize")  # fmt: skip
+DRY_SWEEP_CAP_S = 3600  # --dry-sweep on CPU: the interpreter and the compiles take minutes
 BUILD_CAP_S = 150  # the CUTLASS build when the carried module does not load (16 cores: ~100 s)
 ARCH_OF_CAPABILITY = {"9.0": "9.0a", "10.0": "10.0a"}  # only these have CUTLASS kernels
 #: At most 8 files come back: the tarball holds everything, these are also copied flat.
 FLAT_FILES = ("summary.txt", "env.json", "results.json", "failures.txt", "pytest.log",
-              "junit.xml", "graphs.json")  # fmt: skip
+              "junit.xml", "sweep.jsonl")  # fmt: skip
 CUTLASS_TESTS = "tests/test_cutlass_grouped_gemm.py"
 
 
@@ -210,6 +216,8 @@ class Checker:
             if data.get("commit"):
                 self.env["MTP_REVISION"] = data["commit"]
         rec["carried_extension"] = self.place_extension()
+        rec["triton_cache"] = self.place_triton_cache(
+            json.loads(manifest.read_text()) if manifest and manifest.exists() else {})
         out = self.python(TORCH_PROBE, timeout=120)
         rec.update(json.loads(out) if out else {"torch": None, "error": "torch/triton failed"})
         self.record = rec
@@ -240,6 +248,20 @@ class Checker:
             if not dest.exists() and not self.dry:
                 shutil.copy2(so, dest)
         return carried[0].name if carried else None
+
+    def place_triton_cache(self, manifest: dict) -> dict | None:
+        """Unpack the carried Triton cache (``make gpu-bundle``) and point ``TRITON_CACHE_DIR``
+        at it; whether this triton's key is the one it was built with (else every lookup
+        misses and the kernels compile here)."""
+        archive = self.bundle / TRITON_CACHE if self.bundle else None
+        if archive is None or not archive.exists():
+            return None
+        cache = Path(tempfile.gettempdir()) / "mtp-triton-cache"
+        entries = unpack(archive, cache)
+        self.env["TRITON_CACHE_DIR"] = str(cache)
+        key, built = self.python(KEY_PROBE), (manifest.get("triton_cache") or {}).get("triton_key")
+        return {"dir": str(cache), "entries": entries, "triton_key": key, "built_with": built,
+                "keys_match": key == built}  # fmt: skip
 
     def write_env(self) -> None:
         (self.own / "env.json").write_text(json.dumps(self.record, indent=2) + "\n")
@@ -286,6 +308,27 @@ class Checker:
             status = "dry-run ok" if rc == 0 else status
         self.record["build"] = dict(status=status, seconds=round(seconds, 1), arch=arch)
         self.step("build", status, seconds, f"{arch}, CUTLASS_DIR={env.get('CUTLASS_DIR')}", log)
+
+    # -- the tuning sweep -------------------------------------------------------------------
+
+    def step_sweep(self) -> None:
+        log, data = self.own / "sweep.log", self.own / "sweep.jsonl"
+        cap = self.step_deadline("sweep") - time.monotonic()
+        cmd = [sys.executable, "tools/gpu_sweep.py", "--jsonl", str(data),
+               "--budget-s", f"{max(cap - 15, 1):.0f}", *self.args.sweep_args]  # fmt: skip
+        if self.dry or not self.has_gpu:
+            walk = self.args.dry_sweep is not None or "sweep" in (self.args.only or ())
+            if not walk:  # the whole walk takes minutes: only when asked for
+                return self.dry_bench("sweep", cmd + ["--dry-run"], log)
+            cmd += ["--dry-run", *(self.args.dry_sweep or [])]
+            cap = max(cap, DRY_SWEEP_CAP_S)
+        status, rc, seconds = self.run(cmd, log, cap)
+        records = [json.loads(line) for line in data.read_text().splitlines()
+                   if line.strip()] if data.exists() else []  # fmt: skip
+        timed = sum(r.get("stage") == "gpu" and r.get("status") == "ok" for r in records)
+        checked = sum(r.get("stage") in ("interp", "aot") for r in records)
+        detail = f"{timed} timed, {checked} dry-run checks, {len(records)} records"
+        self.step("sweep", "dry-run ok" if self.dry and rc == 0 else status, seconds, detail, log)
 
     # -- graphs and the bench families ------------------------------------------------------
 
@@ -409,6 +452,9 @@ class Checker:
             lines.append("bench: no results.json")
         else:
             lines += bench_table(json.loads(path.read_text()))
+        sweep = self.own / "sweep-summary.txt"
+        if sweep.exists():
+            lines += ["", *sweep.read_text().splitlines()]
         graphs = self.own / "graphs.json"
         if graphs.exists():
             lines += graphs_table(json.loads(graphs.read_text()))
@@ -477,6 +523,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="--dry-run: seconds each bench step sleeps (tests)")
     parser.add_argument("--only", nargs="+", default=None, choices=[s for s, _ in PLAN],
                         help="run only these steps (env always runs), e.g. a rerun of failures")
+    parser.add_argument("--sweep-args", nargs="+", default=[],
+                        help="extra tools/gpu_sweep.py arguments (e.g. --families gg_fwd)")
+    parser.add_argument("--dry-sweep", nargs="*", default=None,
+                        help="--dry-run: run the sweep's CPU walk (interpreter + sm_90a compile; "
+                             "also with --only sweep) with these gpu_sweep.py arguments")
     parser.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[],
                         help="extra mtp-bench arguments (last on the line)")
     return parser.parse_args(argv)

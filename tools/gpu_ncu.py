@@ -98,10 +98,11 @@ def child(target: str, profile: bool, size: str) -> None:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
         return
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity, profile as tprofile, record_function
 
     with tprofile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        run.fn()
+        with record_function(target):  # on CPU the range names the call (no kernel rows)
+            run.fn()
         if cuda:
             torch.cuda.synchronize()
     rows = [

@@ -4,8 +4,12 @@
   store the pre-activation ``h`` (in the output dtype, saved for the backward), apply the
   activation and the row's routing probability, store ``y = act(h) * p``.
 - Data gradient of the next GEMM (:func:`dact_epilogue`): on ``dy = dL/dy`` (fp32, never
-  stored): load ``h``, recompute the activation, store ``dh = dy * p * act'(h)`` and the fp32
-  partial of ``dL/dp = sum_cols(dy * act(h))`` of this column tile.
+  stored): load ``h``, recompute the activation, store ``dh = dy * p * act'(h)``, the fp32
+  partial of ``dL/dp = sum_cols(dy * act(h))`` of this column tile and, optionally
+  (``RECOMPUTE``), the forward's ``y = act(h) * p`` again (what the next GEMM's weight gradient
+  reads: the forward need not keep it).
+- :func:`row_probs`: each row's probability, read directly or through a row index (a GEMM
+  that gathers its rows: ``probs[source row, expert]`` of a ``[S, E]`` or ``[S]`` tensor).
 - :func:`add_bias`: the plain per-expert bias of the GEMM without an activation.
 
 The activation of the *stored* (rounded) ``h`` is taken, so the forward and the backward agree.
@@ -31,6 +35,8 @@ __all__ = [
     "fwd_epilogue",
     "fwd_zero",
     "gate_up",
+    "row_probs",
+    "source_rows",
 ]
 
 #: activation name -> the kernels' ``ACT``: bias_act's codes plus GPT-OSS's clamped SwiGLU
@@ -91,13 +97,35 @@ def _act(ua, ug, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
 
 
 @triton.jit
+def source_rows(g_ptr, rows, mask_m, GATHER: tl.constexpr):
+    """``(source rows (int64), mask)`` of output ``rows``: the rows themselves, or with
+    ``GATHER`` the row index ``g[rows]`` (``-1``: no source row, masked out and read as 0)."""
+    if GATHER:
+        src = tl.load(g_ptr + rows, mask=mask_m, other=-1).to(tl.int64)
+        keep = mask_m & (src >= 0)
+        return tl.where(keep, src, 0), keep
+    return rows.to(tl.int64), mask_m
+
+
+@triton.jit
+def row_probs(p_ptr, src, keep, expert, stride_ps, stride_pe, HAS_PROB: tl.constexpr):
+    """fp32 ``p[src * stride_ps + expert * stride_pe]`` of each row (0 where not ``keep``;
+    zeros without ``HAS_PROB``)."""
+    if HAS_PROB:
+        offs = src * stride_ps + expert.to(tl.int64) * stride_pe
+        return tl.load(p_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+    return tl.zeros(src.shape, dtype=tl.float32)
+
+
+@triton.jit
 def fwd_epilogue(
-    acc_a, acc_g, expert, rows, mask_m, cols, mask_n, h_ptr, y_ptr, bias_ptr, p_ptr, F,
+    acc_a, acc_g, expert, rows, mask_m, cols, mask_n, h_ptr, y_ptr, bias_ptr, prob, F,
     stride_hm, stride_ym, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
     LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702,
 ):
     """fc1's epilogue on the fp32 accumulators (``acc_g``: the up half, gated activations
-    only): + bias, store ``h``, store ``act(h) * p``."""
+    only): + bias, store ``h``, store ``act(h) * prob`` (``prob``: the rows' fp32
+    probabilities, :func:`row_probs`)."""
     rows64 = rows.to(tl.int64)
     gc, up = gate_up(cols, F, ACT)
     if HAS_BIAS:
@@ -114,7 +142,7 @@ def fwd_epilogue(
         tl.store(h_ptrs + up, hg, mask=mask)
     y = _act(ha.to(tl.float32), hg.to(tl.float32), ACT, LIMIT, ALPHA)
     if HAS_PROB:
-        y = y * tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        y = y * prob[:, None]
     tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :],
              y.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
@@ -136,12 +164,13 @@ def fwd_zero(rows, mask_m, cols, F, h_ptr, y_ptr, stride_hm, stride_ym, ACT: tl.
 
 @triton.jit
 def dact_epilogue(
-    dy, rows, mask_m, cols, mask_n, h_ptr, p_ptr, dh_ptr, part_ptr, pid_n, M, F,
-    stride_hm, stride_dm, ACT: tl.constexpr, HAS_PROB: tl.constexpr,
-    LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702,
+    dy, rows, mask_m, cols, mask_n, h_ptr, p_ptr, dh_ptr, part_ptr, y_ptr, pid_n, M, F,
+    stride_hm, stride_dm, stride_ym, ACT: tl.constexpr, HAS_PROB: tl.constexpr,
+    RECOMPUTE: tl.constexpr, LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702,
 ):
     """fc2's data-gradient epilogue on ``dy = dL/dy`` (fp32): ``dh`` and the ``dL/dp``
-    partial of this column tile."""
+    partial of this column tile; with ``RECOMPUTE`` also ``y = act(h) * p`` (the forward's
+    output, bit-equal: the forward's fp32 operations on the same stored ``h``)."""
     rows64 = rows.to(tl.int64)
     mask = mask_m[:, None] & mask_n[None, :]
     gc, up = gate_up(cols, F, ACT)
@@ -164,17 +193,33 @@ def dact_epilogue(
     if HAS_PROB:
         dp = tl.sum(tl.where(mask, dy * act, 0.0), axis=1)
         tl.store(part_ptr + pid_n.to(tl.int64) * M + rows, dp, mask=mask_m)
-        scaled = dy * tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        prob = tl.load(p_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+        scaled = dy * prob[:, None]
     if ACT >= 2:
         tl.store(dh_ptrs + up, (scaled * grad_g).to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(dh_ptrs, (scaled * grad_a).to(dh_ptr.dtype.element_ty), mask=mask)
+    if RECOMPUTE:  # after dh: the tile's h again (cache-hot), so no more values live at once
+        ua = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+        ug = ua
+        if ACT >= 2:
+            ug = tl.load(h_ptrs + up, mask=mask, other=0.0).to(tl.float32)
+        y = _act(ua, ug, ACT, LIMIT, ALPHA)  # the forward's function: bit-equal to its y
+        if HAS_PROB:
+            y = y * prob[:, None]
+        tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, stride_dm, ACT: tl.constexpr,
-              HAS_PROB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Zeros in ``dh`` and the ``dL/dp`` partials for a tile of the rows past the routed ones."""
+def dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, y_ptr, stride_dm, stride_ym,
+              ACT: tl.constexpr, HAS_PROB: tl.constexpr, RECOMPUTE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Zeros in ``dh``, the ``dL/dp`` partials (and ``y``) for a tile of the rows past the
+    routed ones."""
     mask = mask_m[:, None] & (cols < F)[None, :]
+    if RECOMPUTE:
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :],
+                 tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=mask)
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dh_ptr.dtype.element_ty)
     gc, up = gate_up(cols, F, ACT)
     dh_ptrs = dh_ptr + rows.to(tl.int64)[:, None] * stride_dm + gc[None, :]

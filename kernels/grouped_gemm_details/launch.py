@@ -10,9 +10,15 @@ the operands' device and are never read on the host.
   rows (TMA: the tile map, then the GEMM: two launches; pointer: one).
 - :func:`wgrad`: ``out[e] (+)= a_e^T @ b_e`` (TMA: expert rows, the GEMM, the split's
   reduction when ``split > 1``; pointer: one launch).
-- :func:`forward_act` / :func:`dgrad_act`: the activation epilogue and its backward.
+- :func:`forward_act` / :func:`dgrad_act`: the activation epilogue and its backward
+  (``dgrad_act(..., y=)``: the forward's ``act(h) * p`` written again, for the next weight
+  gradient).
 - :func:`fp8_forward_plan` / :func:`fp8_wgrad_plan`: FP8 operands with block scales
   (:mod:`.fp8`; one launch each).
+
+Row gather: :func:`forward_act` and :func:`wgrad` take ``gather`` (``[M]`` int32/int64, row
+``r`` reads ``a[gather[r]]``, ``-1`` a zero row); only the pointer kernels gather (a TMA
+descriptor loads a box of consecutive rows), so a gathered launch needs a pointer config.
 
 Each is a plan builder (``forward_plan``, ...: the config's launches compiled once, bound to
 their grids and constexprs, :class:`mtp.kernels._launch.Launch`) called once. The op layer keeps
@@ -32,10 +38,13 @@ from mtp.kernels._launch import Launch
 from mtp.kernels.grouped_gemm_details import fp8, pointer, tma
 from mtp.kernels.grouped_gemm_details.epilogue import ACTIVATIONS
 from mtp.kernels.grouped_gemm_details.routing import Routing
+from mtp.kernels.grouped_gemm_details.tiles import head_size
 
 __all__ = [
     "Routing",
     "act_plan",
+    "act_tensors",
+    "dact_tensors",
     "dgrad_act",
     "dgrad_act_plan",
     "forward",
@@ -115,19 +124,21 @@ def _grid(config, M: int, N: int, E: int) -> tuple[int]:
 
 class _TileGemm:
     """A forward-type launch: ``launch(*tensors, counts or the tile map, *ints)``; TMA kernels
-    (``block_m`` set) read the tile map of ``block_m``-row tiles."""
+    (``block_m`` set) read the tile map of ``block_m``-row tiles and take the first ``take``
+    tensors (the pointer kernels' gather operands are not theirs)."""
 
-    __slots__ = ("launch", "block_m", "ints")
+    __slots__ = ("launch", "block_m", "ints", "take")
 
-    def __init__(self, launch: Launch, block_m: int, ints: tuple):
-        self.launch, self.block_m, self.ints = launch, block_m, ints
+    def __init__(self, launch: Launch, block_m: int, ints: tuple, take: int = 64):
+        self.launch, self.block_m, self.ints, self.take = launch, block_m, ints, take
 
     def __call__(self, tensors: tuple, counts: torch.Tensor, routing: Routing) -> None:
         if not self.block_m:
             self.launch(*tensors, counts, *self.ints)
             return
         block_m = self.block_m
-        args = (*tensors, routing.head if routing.block == block_m else routing.tile_map(block_m),
+        args = (*tensors[: self.take],
+                routing.head if routing.block == block_m else routing.tile_map(block_m),
                 *self.ints)  # fmt: skip
         try:
             self.launch(*args)
@@ -164,8 +175,8 @@ def forward_plan(a, b, counts, out, config, *, bias=None):
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, TRANS_B=trans_b, FLATTEN=config.flatten,
             UPCAST_DOT=dot_upcast(a.dtype), HAS_BIAS=bias is not None,
-            WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            WARP_SPECIALIZE=config.warp_specialize, MAP_OFF=head_size(E),
+            num_warps=config.num_warps, num_stages=config.num_stages,
         ))  # fmt: skip
         return _TileGemm(launch, config.block_m, ints)
     ints = (M, N, K, E, *a.stride(), *b.stride(), *out.stride())
@@ -208,9 +219,9 @@ class _Wgrad:
         self.launch, self.tma, self.ints, self.split, self.reduce = (
             launch, tma_rows, ints, split, reduce)
 
-    def __call__(self, a, b, counts, out, routing: Routing) -> None:
+    def __call__(self, a, b, counts, out, routing: Routing, gather=None) -> None:
         if not self.tma:
-            self.launch(a, b, out, counts, *self.ints)
+            self.launch(a, b, out, counts, counts if gather is None else gather, *self.ints)
             return
         target = out
         if self.split is not None:  # (shape of the fp32 partials, ints of the reduction)
@@ -225,24 +236,25 @@ class _Wgrad:
             self.reduce(target, out, *self.split[1])
 
 
-def wgrad_plan(a, b, counts, out, config, *, accumulate: bool = False):
+def wgrad_plan(a, b, counts, out, config, *, accumulate: bool = False, gather=None):
     """The launches of :func:`wgrad` for these arguments' key: ``plan(a, b, counts, out,
-    routing)``."""
-    M, P = a.shape
-    Q = b.shape[1]
-    E = out.shape[0]
+    routing, gather)``."""
+    P, (M, Q), E = a.shape[1], b.shape, out.shape[0]
     if E == 0 or P == 0 or Q == 0:
         return _nothing
     grid = (config.split * E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n),)
     if config.kernel == "pointer":
         ints = (M, P, Q, E, *a.stride(), *b.stride(), *out.stride())
-        launch = Launch(pointer.grouped_wgrad_kernel, grid, (a, b, out, counts, *ints), dict(
+        args = (a, b, out, counts, counts if gather is None else gather, *ints)
+        launch = Launch(pointer.grouped_wgrad_kernel, grid, args, dict(
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
             BLOCK_E=next_power_of_2(E), GROUP_P=config.group_m, ACCUMULATE=accumulate,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-            **_dot_flags(a.dtype),
+            GATHER_A=gather is not None, num_warps=config.num_warps,
+            num_stages=config.num_stages, **_dot_flags(a.dtype),
         ))  # fmt: skip
         return _Wgrad(launch, False, ints)
+    if gather is not None:
+        raise ValueError("a gathered weight gradient needs the pointer kernel (kernel='pointer')")
     _require_tma(tma_aligned(a, 1) and tma_aligned(b, 1) and out.stride(2) == 1)
     split = config.split
     target = out if split == 1 else torch.empty((split, E, P, Q), dtype=torch.float32,
@@ -266,7 +278,8 @@ def wgrad_plan(a, b, counts, out, config, *, accumulate: bool = False):
     return _Wgrad(launch, True, ints, ((split, E, P, Q), sums), reduce)
 
 
-def wgrad(a, b, counts, out, config, *, accumulate: bool = False, routing=None) -> torch.Tensor:
+def wgrad(a, b, counts, out, config, *, accumulate: bool = False, routing=None,
+          gather=None) -> torch.Tensor:  # fmt: skip
     """``out[e] = a[rows of e]^T @ b[rows of e]``, exact zeros for empty experts;
     ``accumulate=True``: ``out[e] += ...`` in fp32 in the epilogue (empty experts leave
     ``out[e]`` as it was).
@@ -276,18 +289,22 @@ def wgrad(a, b, counts, out, config, *, accumulate: bool = False, routing=None) 
         config: tiles ``block_m`` x ``block_n`` of ``out[e]``, ``block_k`` rows per step; TMA:
             ``split`` row chunks per expert through an fp32 workspace and a fixed-order sum.
         routing: the :class:`Routing` of ``counts`` for ``M`` rows (a new one when None).
+        gather: ``[M]`` int32/int64 row index: row ``r`` of ``a`` is ``a[gather[r]]`` (``a``
+            then has any number of rows; ``-1``: a zero row). Pointer configs only.
     """
-    E = out.shape[0]
+    E, M = out.shape[0], b.shape[0]
     _check_counts(counts, E, a.device)
-    plan = wgrad_plan(a, b, counts, out, config, accumulate=accumulate)
-    plan(a, b, counts, out, routing or Routing(counts, a.shape[0], E))
+    plan = wgrad_plan(a, b, counts, out, config, accumulate=accumulate, gather=gather)
+    plan(a, b, counts, out, routing or Routing(counts, M, E), gather)
     return out
 
 
 def act_plan(pointer_kernel, tma_kernel, a, b, b_unit_dim, counts, M, F, K, act, limit, alpha,
-             config, tensors, pointer_strides, tma_strides, flags) -> _TileGemm:  # fmt: skip
+             config, tensors, pointer_strides, tma_strides, flags, tma_take=64,
+             pointer_flags=None) -> _TileGemm:  # fmt: skip
     """The activation kernels: ``config.kernel`` picks the pointer or the TMA version (which
-    reads ``b`` with its unit stride in ``b_unit_dim``)."""
+    reads ``b`` with its unit stride in ``b_unit_dim`` and takes the first ``tma_take`` of
+    ``tensors``); ``pointer_flags``: constexprs of the pointer kernel only."""
     E = b.shape[0]
     flags = dict(flags, ACT=ACTIVATIONS[act])
     if act == "clamped_swiglu":  # constexprs: other activations keep one build
@@ -299,37 +316,46 @@ def act_plan(pointer_kernel, tma_kernel, a, b, b_unit_dim, counts, M, F, K, act,
     if config.kernel == "tma":
         _require_tma(tma_aligned(a, 1) and tma_aligned(b, b_unit_dim))
         ints = (M, F, K, E, *tma_strides)
-        launch = Launch(tma_kernel, grid, (*tensors, _map_example(a.device), *ints), dict(
-            tiles, FLATTEN=config.flatten, UPCAST_DOT=dot_upcast(a.dtype), **flags))
-        return _TileGemm(launch, config.block_m, ints)
+        launch = Launch(tma_kernel, grid, (*tensors[:tma_take], _map_example(a.device), *ints),
+                        dict(tiles, FLATTEN=config.flatten, UPCAST_DOT=dot_upcast(a.dtype),
+                             MAP_OFF=head_size(E), **flags))  # fmt: skip
+        return _TileGemm(launch, config.block_m, ints, tma_take)
     ints = (M, F, K, E, *pointer_strides)
     launch = Launch(pointer_kernel, grid, (*tensors, counts, *ints), dict(
         tiles, BLOCK_E=next_power_of_2(E), PERSISTENT=config.persistent, **flags,
-        **_dot_flags(a.dtype)))
+        **(pointer_flags or {}), **_dot_flags(a.dtype)))
     return _TileGemm(launch, 0, ints)
 
 
+def act_tensors(a, b, h, y, bias, probs, gather=None, row_probs=None) -> tuple:
+    """The tensors a :func:`forward_act_plan` plan takes (unused slots hold ``h``)."""
+    return (a, b, h, y, h if bias is None else bias, h if probs is None else probs,
+            h if gather is None else gather, h if row_probs is None else row_probs)
+
+
 def forward_act_plan(a, b, counts, h, y, config, act, *, bias=None, probs=None, limit=7.0,
-                     alpha=1.702):  # fmt: skip
-    """The launch of :func:`forward_act` for these arguments' key: ``plan((a, b, h, y, bias or
-    h, probs or h), counts, routing)``."""
-    M, K = a.shape
-    F = y.shape[1]
+                     alpha=1.702, gather=None, row_probs=None, probs_strides=(1, 0)):
+    """The launch of :func:`forward_act` for these arguments' key: ``plan(act_tensors(...),
+    counts, routing)``."""
+    K, (M, F) = a.shape[1], y.shape
     if M == 0 or F == 0:
         return _nothing
+    if gather is not None and config.kernel == "tma":
+        raise ValueError("a gathered forward needs the pointer kernel (kernel='pointer')")
     return act_plan(
         pointer.grouped_gemm_act_kernel, tma.grouped_gemm_act_tma_kernel, a, b, 2, counts, M, F,
-        K, act, limit, alpha, config,
-        (a, b, h, y, h if bias is None else bias, h if probs is None else probs),
+        K, act, limit, alpha, config, act_tensors(a, b, h, y, bias, probs, gather, row_probs),
         (a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
-         y.stride(0)),
+         y.stride(0), *probs_strides),
         (a.stride(0), b.stride(0), b.stride(1), h.stride(0), y.stride(0)),
-        dict(HAS_BIAS=bias is not None, HAS_PROB=probs is not None),
+        dict(HAS_BIAS=bias is not None, HAS_PROB=probs is not None), tma_take=6,
+        pointer_flags=dict(GATHER=gather is not None, ROW_PROBS=row_probs is not None),
     )  # fmt: skip
 
 
 def forward_act(a, b, counts, h, y, config, act: str, *, bias=None, probs=None,
-                limit: float = 7.0, alpha: float = 1.702, routing=None) -> None:  # fmt: skip
+                limit: float = 7.0, alpha: float = 1.702, routing=None, gather=None,
+                row_probs=None, probs_strides=(1, 0)) -> None:  # fmt: skip
     """``h = a_e @ b[e] + bias[e]`` and ``y = act(h) * probs`` on each expert's rows, zeros past
     ``sum(counts)``.
 
@@ -338,35 +364,49 @@ def forward_act(a, b, counts, h, y, config, act: str, *, bias=None, probs=None,
             columns ``[0, F)``, up ``[F, 2F)``; clamped SwiGLU: gate ``2j``, up ``2j + 1``),
             else ``F``. h: ``[M, W]``, y: ``[M, F]`` outputs (last dims contiguous).
         act: a key of :data:`.epilogue.ACTIVATIONS`. bias: contiguous ``[E, W]`` or None.
-        probs: contiguous ``[M]`` or None. limit, alpha: the clamped SwiGLU's.
+        probs: row ``r``'s probability is ``probs[r * s + e * t]`` with ``(s, t) =
+            probs_strides`` (default: a contiguous ``[M]``), or None. limit, alpha: the clamped
+            SwiGLU's.
         routing: the :class:`Routing` of ``counts`` for ``M`` rows (a new one when None).
+        gather: ``[M]`` int32/int64: row ``r`` reads ``a[gather[r]]`` and its probability at
+            ``gather[r]`` instead of ``r`` (``a`` then has any number of rows; ``-1``: a zero
+            row of probability 0). Pointer configs only.
+        row_probs: optional fp32 ``[M]`` output: each row's probability (pointer configs).
     """
-    M, E = a.shape[0], b.shape[0]
+    M, E = y.shape[0], b.shape[0]
     if M == 0 or y.shape[1] == 0:
         return
     _check_counts(counts, E, a.device)
     plan = forward_act_plan(a, b, counts, h, y, config, act, bias=bias, probs=probs,
-                            limit=limit, alpha=alpha)  # fmt: skip
-    plan((a, b, h, y, h if bias is None else bias, h if probs is None else probs), counts,
+                            limit=limit, alpha=alpha, gather=gather, row_probs=row_probs,
+                            probs_strides=probs_strides)  # fmt: skip
+    plan(act_tensors(a, b, h, y, bias, probs, gather, row_probs), counts,
          routing or Routing(counts, M, E))
 
 
-def dgrad_act_plan(g, b, counts, h, dh, config, act, *, probs=None, limit=7.0, alpha=1.702):
-    """The launch of :func:`dgrad_act` for these arguments' key: ``plan((g, b, h, probs or dh,
-    dh, part or dh), counts, routing)`` with ``part`` ``[part_rows(config, F), M]`` fp32."""
+def dact_tensors(g, b, h, dh, probs, part, y) -> tuple:
+    """The tensors a :func:`dgrad_act_plan` plan takes (unused slots hold ``dh``)."""
+    return (g, b, h, dh if probs is None else probs, dh, dh if part is None else part,
+            dh if y is None else y)
+
+
+def dgrad_act_plan(g, b, counts, h, dh, config, act, *, probs=None, limit=7.0, alpha=1.702,
+                   y=None):  # fmt: skip
+    """The launch of :func:`dgrad_act` for these arguments' key: ``plan(dact_tensors(...),
+    counts, routing)`` with ``part`` ``[part_rows(config, F), M]`` fp32."""
     M, K = g.shape
     F = b.shape[2]
     if M == 0 or F == 0:
         return _nothing
-    part = dh if probs is None else torch.empty((1,), dtype=torch.float32, device=g.device)
+    part = None if probs is None else torch.empty((1,), dtype=torch.float32, device=g.device)
+    y_stride = 0 if y is None else y.stride(0)
     return act_plan(
         pointer.grouped_gemm_dact_kernel, tma.grouped_gemm_dact_tma_kernel, g, b, 1, counts, M,
-        F, K, act, limit, alpha, config,
-        (g, b, h, dh if probs is None else probs, dh, part),
+        F, K, act, limit, alpha, config, dact_tensors(g, b, h, dh, probs, part, y),
         (g.stride(0), g.stride(1), b.stride(0), b.stride(1), b.stride(2), h.stride(0),
-         dh.stride(0)),
-        (g.stride(0), b.stride(0), b.stride(2), h.stride(0), dh.stride(0)),
-        dict(HAS_PROB=probs is not None),
+         dh.stride(0), y_stride),
+        (g.stride(0), b.stride(0), b.stride(2), h.stride(0), dh.stride(0), y_stride),
+        dict(HAS_PROB=probs is not None, RECOMPUTE=y is not None),
     )  # fmt: skip
 
 
@@ -376,7 +416,7 @@ def part_rows(config, F: int) -> int:
 
 
 def dgrad_act(g, b, counts, h, dh, config, act: str, *, probs=None, limit: float = 7.0,
-              alpha: float = 1.702, routing=None) -> torch.Tensor | None:  # fmt: skip
+              alpha: float = 1.702, routing=None, y=None) -> torch.Tensor | None:  # fmt: skip
     """``dy = g_e @ b[e]`` (``b[e] = w2[e]^T``), ``dh = dy * probs * act'(h)`` on each expert's
     rows, zeros past ``sum(counts)``; returns the fp32 ``[column tiles, M]`` partials of
     ``dL/dprobs`` (sum them over dim 0) when ``probs`` is given, else None.
@@ -386,6 +426,8 @@ def dgrad_act(g, b, counts, h, dh, config, act: str, *, probs=None, limit: float
             2)`` of an ``[E, F, K]`` weight; TMA reads ``w2`` with its unit last stride);
             h: ``[M, W]`` the forward's pre-activation; dh: ``[M, W]`` output; the rest as
             :func:`forward_act`.
+        y: optional ``[M, F]`` output (last dim contiguous): ``act(h) * probs`` again, the
+            forward's fc1 output (what fc2's weight gradient reads), bit-equal to it.
     """
     M, E, F = g.shape[0], b.shape[0], b.shape[2]
     _check_counts(counts, E, g.device)
@@ -395,9 +437,8 @@ def dgrad_act(g, b, counts, h, dh, config, act: str, *, probs=None, limit: float
     if M == 0 or F == 0:
         return None if part is None else part.zero_()
     plan = dgrad_act_plan(g, b, counts, h, dh, config, act, probs=probs, limit=limit,
-                          alpha=alpha)  # fmt: skip
-    plan((g, b, h, dh if probs is None else probs, dh, dh if part is None else part), counts,
-         routing or Routing(counts, M, E))
+                          alpha=alpha, y=y)  # fmt: skip
+    plan(dact_tensors(g, b, h, dh, probs, part, y), counts, routing or Routing(counts, M, E))
     return part
 
 

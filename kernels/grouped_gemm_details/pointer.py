@@ -14,6 +14,12 @@
   activation epilogue and the data gradient with the activation's backward
   (:mod:`.epilogue`); SwiGLU holds two accumulators so each ``a`` tile is read once.
 
+Row gather (``GATHER`` / ``GATHER_A``): the forward with the activation epilogue and the weight
+gradient can read their ``a`` rows through a row index ``g`` (row ``r`` of the expert-major
+order is row ``g[r]`` of ``a``, ``-1`` a zero row), so that a permuted copy of ``a`` is never
+written: the MoE dispatch's gather fused into the first expert GEMM. The index is loaded once
+per row tile; the tile maps still enumerate the expert-major rows.
+
 All accumulate in fp32 and store in the output dtype; row offsets are int64 (``M * K`` may
 exceed 2^31 elements).
 """
@@ -28,6 +34,8 @@ from mtp.kernels.grouped_gemm_details.epilogue import (
     fwd_epilogue,
     fwd_zero,
     gate_up,
+    row_probs,
+    source_rows,
 )
 from mtp.kernels.grouped_gemm_details.tiles import (
     expert_tile_map,
@@ -147,8 +155,31 @@ def grouped_gemm_kernel(
 
 
 @triton.jit
+def _gathered_wgrad_loop(
+    acc, a_ptr, b_ptr, g_ptr, row0, rows_e, ps64, mask_p, qs64, mask_q, stride_am, stride_ap,
+    stride_bm, stride_bq, BLOCK_R: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``acc += a[g[rows]]^T @ b[rows]`` over the expert's ``rows_e`` rows from ``row0``:
+    each step loads the next ``BLOCK_R`` row numbers, then those rows of ``a``."""
+    rs = tl.arange(0, BLOCK_R)
+    for i in range((rows_e + BLOCK_R - 1) // BLOCK_R):
+        r = row0.to(tl.int64) + i * BLOCK_R + rs
+        src, keep = source_rows(g_ptr, r, rs < rows_e - i * BLOCK_R, True)
+        a = tl.load(a_ptr + src[None, :] * stride_am + ps64[:, None] * stride_ap,
+                    mask=mask_p[:, None] & keep[None, :], other=0.0)
+        b = tl.load(b_ptr + r[:, None] * stride_bm + qs64[None, :] * stride_bq,
+                    mask=keep[:, None] & mask_q[None, :], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def grouped_wgrad_kernel(
-    a_ptr, b_ptr, c_ptr, counts_ptr,
+    a_ptr, b_ptr, c_ptr, counts_ptr, g_ptr,
     M, P, Q, E,
     stride_am, stride_ap,
     stride_bm, stride_bq,
@@ -156,14 +187,16 @@ def grouped_wgrad_kernel(
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_P: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False,
+    GATHER_A: tl.constexpr = False,
 ):
     """``c[e] = a[rows of e]^T @ b[rows of e]`` (``[P, Q]`` per expert); zeros for empty experts.
     With ``ACCUMULATE`` the epilogue adds the product to ``c`` instead (``c += ...``, in fp32
     before the store: Megatron's gradient-accumulation fusion into an fp32 ``main_grad``).
 
-    ``a`` is ``[M, P]`` and ``b`` is ``[M, Q]`` (any strides). Grid:
-    ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs, expert-major, grouped by ``GROUP_P``
-    inside an expert.
+    ``a`` is ``[M, P]`` and ``b`` is ``[M, Q]`` (any strides); with ``GATHER_A`` row ``r`` of
+    ``a`` is read as ``a[g[r]]`` (``g``: ``[M]`` int32/int64, ``-1`` a zero row; ``a`` then has
+    any number of rows). Grid: ``E * cdiv(P, BLOCK_P) * cdiv(Q, BLOCK_Q)`` programs,
+    expert-major, grouped by ``GROUP_P`` inside an expert.
     """
     _, expert, pid_p, pid_q = wgrad_tile(tl.program_id(0), E, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
 
@@ -183,13 +216,20 @@ def grouped_wgrad_kernel(
     # a is read transposed: its tile is [BLOCK_P, BLOCK_R].
     ps64 = ps.to(tl.int64)
     qs64 = qs.to(tl.int64)
-    a_ptrs = a_ptr + (row0.to(tl.int64) + rs[None, :]) * stride_am + ps64[:, None] * stride_ap
-    b_ptrs = b_ptr + (row0.to(tl.int64) + rs[:, None]) * stride_bm + qs64[None, :] * stride_bq
-    acc = mma_loop(
-        tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32), a_ptrs, b_ptrs,
-        mask_p[:, None], mask_q[None, :], rs[None, :], rs[:, None], rows_e,
-        BLOCK_R * stride_am, BLOCK_R * stride_bm, BLOCK_R, UPCAST_DOT, DOT_PRECISION,
-    )
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    if GATHER_A:
+        acc = _gathered_wgrad_loop(acc, a_ptr, b_ptr, g_ptr, row0, rows_e, ps64, mask_p, qs64,
+                                   mask_q, stride_am, stride_ap, stride_bm, stride_bq, BLOCK_R,
+                                   UPCAST_DOT, DOT_PRECISION)  # fmt: skip
+    else:
+        a_ptrs = (a_ptr + (row0.to(tl.int64) + rs[None, :]) * stride_am
+                  + ps64[:, None] * stride_ap)  # fmt: skip
+        b_ptrs = (b_ptr + (row0.to(tl.int64) + rs[:, None]) * stride_bm
+                  + qs64[None, :] * stride_bq)  # fmt: skip
+        acc = mma_loop(
+            acc, a_ptrs, b_ptrs, mask_p[:, None], mask_q[None, :], rs[None, :], rs[:, None],
+            rows_e, BLOCK_R * stride_am, BLOCK_R * stride_bm, BLOCK_R, UPCAST_DOT, DOT_PRECISION,
+        )
     c_ptrs = (
         c_ptr + expert.to(tl.int64) * stride_ce + ps64[:, None] * stride_cp
         + qs64[None, :] * stride_cq
@@ -261,18 +301,24 @@ def _tile_coords(
 
 @triton.jit
 def grouped_gemm_act_kernel(
-    a_ptr, b_ptr, h_ptr, y_ptr, bias_ptr, p_ptr, counts_ptr,
+    a_ptr, b_ptr, h_ptr, y_ptr, bias_ptr, p_ptr, g_ptr, pp_ptr, counts_ptr,
     M, F, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_hm, stride_ym,
+    stride_ps, stride_pe,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702,
+    LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702, GATHER: tl.constexpr = False,
+    ROW_PROBS: tl.constexpr = False,
 ):
     """fc1 with its epilogue: ``h[rows of e] = a @ b[e] + bias[e]`` (``[M, W]``, ``W = 2F`` for
-    the gated activations, else ``F``) and ``y = act(h) * p[row]`` (``[M, F]``); zeros past the
+    the gated activations, else ``F``) and ``y = act(h) * p`` (``[M, F]``); zeros past the
     routed rows (``LIMIT`` / ``ALPHA``: the clamped SwiGLU's).
+
+    Row ``r``'s ``a`` row and probability: ``a[r]`` and ``p[r * stride_ps + e * stride_pe]``, or
+    with ``GATHER`` ``a[g[r]]`` and ``p[g[r] * stride_ps + e * stride_pe]`` (``g[r] = -1``: a
+    zero row of probability 0). ``ROW_PROBS``: each row's probability is stored to ``pp[r]``.
     Tiles and grid as :func:`grouped_gemm_kernel` over ``[M, F]``."""
     pid = tl.program_id(0)
     lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed, total = expert_tile_map(
@@ -280,40 +326,48 @@ def grouped_gemm_act_kernel(
     )
     last = total if PERSISTENT else pid + 1
     for tile in range(pid, last, tl.num_programs(0)):
-        expert, rows, mask_m, cols, _ = _tile_coords(
+        expert, rows, mask_m, cols, pid_n = _tile_coords(
             tile, counts_ptr, M, lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
             BLOCK_M, BLOCK_N, GROUP_M,
         )
         if expert >= 0:
             gc, up = gate_up(cols, F, ACT)
+            src, keep = source_rows(g_ptr, rows, mask_m, GATHER)
             acc_a, acc_g = _dual_mma(
-                a_ptr, b_ptr, expert, rows.to(tl.int64), mask_m, gc, cols < F, gc + up, K,
+                a_ptr, b_ptr, expert, src, keep, gc, cols < F, gc + up, K,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                 BLOCK_M, BLOCK_N, BLOCK_K, ACT >= 2, UPCAST_DOT, DOT_PRECISION,
             )
+            prob = row_probs(p_ptr, src, keep, expert, stride_ps, stride_pe, HAS_PROB)
+            if ROW_PROBS:
+                tl.store(pp_ptr + rows, prob, mask=mask_m & ((rows * 0 + pid_n) == 0))
             fwd_epilogue(acc_a, acc_g, expert, rows, mask_m, cols, cols < F, h_ptr, y_ptr,
-                         bias_ptr, p_ptr, F, stride_hm, stride_ym, ACT, HAS_BIAS, HAS_PROB,
+                         bias_ptr, prob, F, stride_hm, stride_ym, ACT, HAS_BIAS, HAS_PROB,
                          LIMIT, ALPHA)  # fmt: skip
         else:  # the zero tail: rows [routed, M)
             fwd_zero(rows, mask_m, cols, F, h_ptr, y_ptr, stride_hm, stride_ym, ACT,
                      BLOCK_M, BLOCK_N)
+            if ROW_PROBS:
+                tl.store(pp_ptr + rows, tl.zeros((BLOCK_M,), dtype=tl.float32),
+                         mask=mask_m & ((rows * 0 + pid_n) == 0))
 
 
 @triton.jit
 def grouped_gemm_dact_kernel(
-    g_ptr, b_ptr, h_ptr, p_ptr, dh_ptr, part_ptr, counts_ptr,
+    g_ptr, b_ptr, h_ptr, p_ptr, dh_ptr, part_ptr, y_ptr, counts_ptr,
     M, F, K, E,
-    stride_gm, stride_gk, stride_be, stride_bk, stride_bn, stride_hm, stride_dm,
+    stride_gm, stride_gk, stride_be, stride_bk, stride_bn, stride_hm, stride_dm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
     ACT: tl.constexpr, HAS_PROB: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702,
+    LIMIT: tl.constexpr = 7.0, ALPHA: tl.constexpr = 1.702, RECOMPUTE: tl.constexpr = False,
 ):
     """fc2's data gradient with the activation's backward: ``dy = g[rows of e] @ b[e]``
     (``[M, F]``, ``b[e]`` is ``w2[e]^T``), ``dh = dy * p * act'(h)`` (``[M, W]``) and
     ``part[tile column, row] = sum(dy * act(h))`` over the tile's columns (``[cdiv(F, BN), M]``
-    fp32, with ``HAS_PROB``); zeros past the routed rows."""
+    fp32, with ``HAS_PROB``); with ``RECOMPUTE`` also ``y = act(h) * p`` (``[M, F]``, the
+    forward's fc1 output, for fc2's weight gradient); zeros past the routed rows."""
     pid = tl.program_id(0)
     lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed, total = expert_tile_map(
         counts_ptr, M, F, E, BLOCK_M, BLOCK_N, BLOCK_E
@@ -331,7 +385,8 @@ def grouped_gemm_dact_kernel(
                 BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, DOT_PRECISION,
             )
             dact_epilogue(dy, rows, mask_m, cols, cols < F, h_ptr, p_ptr, dh_ptr, part_ptr,
-                          pid_n, M, F, stride_hm, stride_dm, ACT, HAS_PROB, LIMIT, ALPHA)
+                          y_ptr, pid_n, M, F, stride_hm, stride_dm, stride_ym, ACT, HAS_PROB,
+                          RECOMPUTE, LIMIT, ALPHA)  # fmt: skip
         else:  # the zero tail
-            dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, stride_dm, ACT,
-                      HAS_PROB, BLOCK_M, BLOCK_N)
+            dact_zero(rows, mask_m, cols, pid_n, M, F, dh_ptr, part_ptr, y_ptr, stride_dm,
+                      stride_ym, ACT, HAS_PROB, RECOMPUTE, BLOCK_M, BLOCK_N)  # fmt: skip

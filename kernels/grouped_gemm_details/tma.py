@@ -35,6 +35,7 @@ from mtp.kernels.grouped_gemm_details.epilogue import (
     dact_zero,
     fwd_epilogue,
     fwd_zero,
+    row_probs,
 )
 from mtp.kernels.grouped_gemm_details.tiles import map_tile, routing_map, tail_tile, wgrad_tile
 
@@ -56,6 +57,7 @@ def grouped_gemm_tma_kernel(
     GROUP_M: tl.constexpr, TRANS_B: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    MAP_OFF: tl.constexpr = -1,
 ):
     """``c[M, N]``: rows of expert ``e`` get ``a[rows] @ b[e]`` (``+ bias[e]``, a contiguous
     ``[E, N]``, with ``HAS_BIAS``); rows past the routed ones get 0.
@@ -70,7 +72,9 @@ def grouped_gemm_tma_kernel(
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    map_ptr = routing_map(map_ptr, E)
+    # The tile map after the routing head: at a constant offset when the launch passes it
+    # (folded into the loads' addresses: no derived pointer kept in a register).
+    map_ptr = map_ptr + MAP_OFF if MAP_OFF >= 0 else routing_map(map_ptr, E)
     a_desc = tl.make_tensor_descriptor(
         a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -209,12 +213,15 @@ def grouped_gemm_act_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, UPCAST_DOT: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
+    MAP_OFF: tl.constexpr = -1,
 ):
     """fc1 with its epilogue (see :func:`.pointer.grouped_gemm_act_kernel`);
     ``a`` ``[M, K]`` and ``b`` ``[E, K, W]`` with unit last strides."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    map_ptr = routing_map(map_ptr, E)
+    # The tile map after the routing head: at a constant offset when the launch passes it
+    # (folded into the loads' addresses: no derived pointer kept in a register).
+    map_ptr = map_ptr + MAP_OFF if MAP_OFF >= 0 else routing_map(map_ptr, E)
     a_desc = tl.make_tensor_descriptor(
         a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -245,8 +252,9 @@ def grouped_gemm_act_tma_kernel(
         rows = row + tl.arange(0, BLOCK_M)
         cols = col + tl.arange(0, BLOCK_N)
         mask_m = rows < tl.minimum(row0 + rows_e, M)
+        prob = row_probs(p_ptr, rows.to(tl.int64), mask_m, expert, 1, 0, HAS_PROB)
         fwd_epilogue(acc_a, acc_g, expert, rows, mask_m, cols, cols < F, h_ptr, y_ptr, bias_ptr,
-                     p_ptr, F, stride_hm, stride_ym, ACT, HAS_BIAS, HAS_PROB)  # fmt: skip
+                     prob, F, stride_hm, stride_ym, ACT, HAS_BIAS, HAS_PROB)  # fmt: skip
     for tile in range(pid, (M - routed + BLOCK_M - 1) // BLOCK_M * num_n, programs):
         rows, cols = tail_tile(tile, 0, routed, num_n, BLOCK_M, BLOCK_N)
         fwd_zero(rows, rows < M, cols, F, h_ptr, y_ptr, stride_hm, stride_ym, ACT,
@@ -255,19 +263,22 @@ def grouped_gemm_act_tma_kernel(
 
 @triton.jit
 def grouped_gemm_dact_tma_kernel(
-    g_ptr, b_ptr, h_ptr, p_ptr, dh_ptr, part_ptr, map_ptr,
+    g_ptr, b_ptr, h_ptr, p_ptr, dh_ptr, part_ptr, y_ptr, map_ptr,
     M, F, K, E,
-    stride_gm, stride_be, stride_bn, stride_hm, stride_dm,
+    stride_gm, stride_be, stride_bn, stride_hm, stride_dm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    ACT: tl.constexpr, HAS_PROB: tl.constexpr,
+    ACT: tl.constexpr, HAS_PROB: tl.constexpr, RECOMPUTE: tl.constexpr = False,
+    MAP_OFF: tl.constexpr = -1,
 ):
     """fc2's data gradient with the activation's backward (see
-    :func:`.pointer.grouped_gemm_dact_kernel`); ``g`` ``[M, K]`` with a
+    :func:`.pointer.grouped_gemm_dact_kernel`, ``RECOMPUTE`` included); ``g`` ``[M, K]`` with a
     unit last stride and ``b_ptr`` the ``[E, F, K]`` weight ``w2`` with a unit last stride."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    map_ptr = routing_map(map_ptr, E)
+    # The tile map after the routing head: at a constant offset when the launch passes it
+    # (folded into the loads' addresses: no derived pointer kept in a register).
+    map_ptr = map_ptr + MAP_OFF if MAP_OFF >= 0 else routing_map(map_ptr, E)
     g_desc = tl.make_tensor_descriptor(
         g_ptr, shape=[M, K], strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -292,9 +303,10 @@ def grouped_gemm_dact_tma_kernel(
         rows = row + tl.arange(0, BLOCK_M)
         cols = col + tl.arange(0, BLOCK_N)
         mask_m = rows < tl.minimum(row0 + rows_e, M)
-        dact_epilogue(dy, rows, mask_m, cols, cols < F, h_ptr, p_ptr, dh_ptr, part_ptr,
-                      col // BLOCK_N, M, F, stride_hm, stride_dm, ACT, HAS_PROB)  # fmt: skip
+        dact_epilogue(dy, rows, mask_m, cols, cols < F, h_ptr, p_ptr, dh_ptr, part_ptr, y_ptr,
+                      col // BLOCK_N, M, F, stride_hm, stride_dm, stride_ym, ACT, HAS_PROB,
+                      RECOMPUTE)  # fmt: skip
     for tile in range(pid, (M - routed + BLOCK_M - 1) // BLOCK_M * num_n, programs):
         rows, cols = tail_tile(tile, 0, routed, num_n, BLOCK_M, BLOCK_N)
-        dact_zero(rows, rows < M, cols, tile % num_n, M, F, dh_ptr, part_ptr, stride_dm, ACT,
-                  HAS_PROB, BLOCK_M, BLOCK_N)  # fmt: skip
+        dact_zero(rows, rows < M, cols, tile % num_n, M, F, dh_ptr, part_ptr, y_ptr, stride_dm,
+                  stride_ym, ACT, HAS_PROB, RECOMPUTE, BLOCK_M, BLOCK_N)  # fmt: skip

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-from mtp.utils import qualified_name
+from mtp.utils import check_positive, qualified_name
 
 __all__ = ["check_bool", "check_device", "check_float_dtype", "check_group", "check_positive"]
 
@@ -40,14 +38,3 @@ def check_group(name: str, value) -> None:
         raise TypeError(
             f"{name} must be a torch.distributed.ProcessGroup or None, got {qualified_name(value)}"
         )
-
-
-def check_positive(name: str, value, allow_none: bool = True) -> float | None:
-    """A finite number > 0 (or None)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number or None, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value

@@ -20,9 +20,9 @@ import torch
 
 from mtp.moe.comm import (
     all_to_all,
-    gather_rows,
     gather_v,
     permute_backend,
+    permute_rows,
     rank_meta,
     reduce_scatter_v,
 )
@@ -102,7 +102,7 @@ class AllGatherTokenDispatcher(TokenDispatcherBase):
         row_map = moe_permute_row_map(local_map, rows, token_map=True)
         meta = AllGatherDispatchMetadata(row_map.row_id_map, tuple(x.shape), backend,
                                          row_map.token_map)  # fmt: skip
-        tokens = gather_rows(x, row_map.row_id_map, backend)
+        tokens = permute_rows(x, row_map.row_id_map, backend, row_map.token_map)
         counts = local_map.sum(dim=0, dtype=torch.int64)
         return tokens, counts, select_probs(all_probs, row_map.pair), meta
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from mtp.ops._backend import resolve_backend
+from mtp.ops.moe_permute import TokenMap, scatter_rows
 from mtp.parallel.agree import Agreement, agreement
 from mtp.utils import is_fake
 
@@ -16,6 +17,7 @@ __all__ = [
     "gather_rows",
     "gather_v",
     "permute_backend",
+    "permute_rows",
     "rank_meta",
     "reduce_scatter_v",
 ]
@@ -28,6 +30,17 @@ def permute_backend(backend: str, device: torch.device) -> str:
     ``"sequential"`` fall back to ``"auto"``)."""
     name = backend if backend in _PERMUTE_BACKENDS else "auto"
     return resolve_backend("permute", name, device, _PERMUTE_BACKENDS)
+
+
+def permute_rows(x: torch.Tensor, row_id_map: torch.Tensor, backend: str,
+                 token_map: TokenMap | None) -> torch.Tensor:
+    """The permuted rows ``x[row_id_map]`` of a dispatch (zero where ``row_id_map < 0``): with
+    the Triton backend's token map, each token row read once and scattered to its rows (and a
+    sort-free backward: :func:`mtp.ops.moe_permute.rows.scatter_rows`), else
+    :func:`gather_rows`."""
+    if token_map is not None and backend == "triton":
+        return scatter_rows(x, token_map, row_id_map)
+    return gather_rows(x, row_id_map, backend)
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, backend: str) -> torch.Tensor:

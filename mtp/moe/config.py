@@ -77,6 +77,15 @@ def load_balancing_coeffs(load_balancing_type, aux_loss_coeff) -> dict[str, floa
     return out
 
 
+def check_backend(backend) -> str:
+    """One of :data:`LAYER_BACKENDS`."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    if backend not in LAYER_BACKENDS:
+        raise ValueError(f"backend must be one of {LAYER_BACKENDS}, got {backend!r}")
+    return backend
+
+
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     """What :class:`~mtp.moe.TopKRouter` computes (see its docstring for each field)."""
@@ -102,6 +111,7 @@ class RouterConfig:
     layer_number: int | None = None
     num_layers: int | None = None
     init_std: float = 0.02  # init_method_std
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         check_routing_config(
@@ -133,6 +143,7 @@ class RouterConfig:
                 )
         load_balancing_coeffs(self.load_balancing_type, self.aux_loss_coeff)
         check_coeff("z_loss_coeff", self.z_loss_coeff)
+        check_backend(self.backend)
 
     @property
     def load_balancing(self) -> dict[str, float]:
@@ -175,10 +186,7 @@ class ExpertsConfig:
         for name in ("bias", "probs_after_fc2", "gradient_accumulation_fusion",
                      "bias_activation_fusion"):  # fmt: skip
             check_bool(name, getattr(self, name))
-        if not isinstance(self.backend, str):
-            raise TypeError(f"backend must be a str, got {type(self.backend).__name__}")
-        if self.backend not in LAYER_BACKENDS:
-            raise ValueError(f"backend must be one of {LAYER_BACKENDS}, got {self.backend!r}")
+        check_backend(self.backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +300,7 @@ class MoEConfig:
     ) -> MoEConfig:
         """The config of ``MoELayer(hidden_size, ffn_hidden_size, num_experts, topk,
         **kwargs)``: each keyword goes to the sub-config that has a field of its name
-        (``capacity_factor`` and ``backend`` to two of them), the rest to the layer's."""
+        (``capacity_factor`` to two of them, ``backend`` to all three), the rest to the layer's."""
         layer = {f.name for f in dataclasses.fields(cls)} - {"router", "experts", "dispatcher"}
         known = set(_ROUTER_FIELDS) | set(_EXPERT_FIELDS) | set(_DISPATCH_FIELDS) | layer
         unknown = sorted(set(kwargs) - known)

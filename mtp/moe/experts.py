@@ -383,3 +383,18 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
             backend="triton", validate=False,
         )  # fmt: skip
         return y * permuted_probs.to(y.dtype).unsqueeze(-1) if after else y
+
+    def forward_gathered(self, tokens, tokens_per_expert, probs, gather_index, token_map):
+        """The experts on rows read through a row map (the MoE dispatch fused into fc1, see
+        :mod:`mtp.moe.gathered`): ``tokens [T, H]``, ``probs [T, E]``, ``gather_index [M]``
+        (the token of each expert-major row, ``-1``: none) and its ``token_map``; returns the
+        ``[M, H]`` rows, each scaled by its probability before fc2. Fused Triton experts only
+        (:meth:`_fused`)."""
+        w1, w2 = self.weight1, self.weight2
+        return ops.grouped_mlp(
+            tokens, w1.to(tokens.dtype), w2.to(tokens.dtype), tokens_per_expert, probs,
+            self.bias1, self._fc2_bias(), activation=self.activation,
+            activation_limit=self.activation_limit, activation_alpha=self.activation_alpha,
+            gradient_accumulation_fusion=self._accumulates(tokens, w1, w2), backend="triton",
+            validate=False, gather_index=gather_index, token_map=token_map,
+        )  # fmt: skip

@@ -29,6 +29,7 @@ from mtp.moe.allgather_dispatcher import AllGatherTokenDispatcher
 from mtp.moe._checks import check_group
 from mtp.moe.config import MoEConfig
 from mtp.moe.experts import GroupedMLP
+from mtp.moe.gathered import gathered_dispatch, gathers
 from mtp.moe.router import TopKRouter
 from mtp.moe.shared_experts import SharedExpertMLP
 from mtp.moe.token_dispatcher import AllToAllTokenDispatcher
@@ -130,8 +131,9 @@ class MoELayer(nn.Module):
         fp8_recipe: None, ``"blockwise"`` or ``"mxfp8"`` (or an :class:`~mtp.ops.Fp8Recipe`):
             the routed experts' grouped GEMMs in FP8, master weights and gradients in
             ``params_dtype`` (see :class:`~mtp.moe.GroupedMLP`; :meth:`set_fp8_recipe`).
-        backend: kernels of the permutation, activation and grouped GEMMs (``"auto"``,
-            ``"triton"``, ``"reference"``, or a grouped GEMM backend such as ``"sequential"``).
+        backend: kernels of the router, the permutation, activation and grouped GEMMs
+            (``"auto"``, ``"triton"``, ``"reference"``, or a grouped GEMM backend such as
+            ``"sequential"``; the router and the permutation take such a name as ``"auto"``).
         bias: per-expert biases in the experts.
         token_dispatcher_type: ``"alltoall"`` (Megatron's default) or ``"allgather"``
             (:class:`~mtp.moe.AllGatherTokenDispatcher`: every rank gathers all tokens and
@@ -327,14 +329,7 @@ class MoELayer(nn.Module):
         if padding_mask is not None and padding_mask.shape != router_in.shape[:-1]:
             padding_mask = padding_mask.reshape(router_in.shape[:-1])  # this rank's share
         probs, routing_map = self.router(router_in, padding_mask)
-        dispatched, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(
-            tokens, probs, routing_map
-        )
-        shared = None if self.shared_experts is None else self.shared_experts(tokens)
-        expert_output = self.experts(dispatched, tokens_per_expert, permuted_probs)
-        output = self.token_dispatcher.combine(expert_output, meta)
-        if shared is not None:
-            output = output + shared
+        output = self._experts(tokens, probs, routing_map)
         if split:
             output = gather_from_sequence_parallel_region(
                 output, tensor_parallel_output_grad=False, group=self.tp_group
@@ -349,6 +344,27 @@ class MoELayer(nn.Module):
         ):
             return _IntoStatic.apply(output, ws.static_output(), shape)
         return output.view(shape)
+
+    def _experts(self, tokens, probs, routing_map) -> torch.Tensor:
+        """Dispatch, the shared and the routed experts, combine: ``[T, H]``. The experts read
+        their rows through the row map where they can (:mod:`mtp.moe.gathered`), else from
+        the dispatched copy."""
+        fused = None
+        if gathers(self, tokens):
+            fused = gathered_dispatch(self.token_dispatcher, tokens, probs, routing_map)
+        if fused is not None:
+            tokens_per_expert, meta = fused
+            shared = None if self.shared_experts is None else self.shared_experts(tokens)
+            expert_output = self.experts.forward_gathered(
+                tokens, tokens_per_expert, probs, meta.preprocess.row_id_map, meta.token_map)
+        else:
+            dispatched, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(
+                tokens, probs, routing_map
+            )
+            shared = None if self.shared_experts is None else self.shared_experts(tokens)
+            expert_output = self.experts(dispatched, tokens_per_expert, permuted_probs)
+        output = self.token_dispatcher.combine(expert_output, meta)
+        return output if shared is None else output + shared
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):

@@ -48,8 +48,8 @@ class MoEPreprocessResult:
 
     tokens_per_expert: torch.Tensor
     row_id_map: torch.Tensor
-    permuted_probs: torch.Tensor
-    probs_index: torch.Tensor
+    permuted_probs: torch.Tensor | None
+    probs_index: torch.Tensor | None
     send_counts: torch.Tensor | None = None
     recv_counts: torch.Tensor | None = None
     local_tokens_per_expert: torch.Tensor | None = None
@@ -102,19 +102,35 @@ def local_preprocess(
 
 
 def local_preprocess_with_map(
-    routing_map: torch.Tensor, probs: torch.Tensor, workspace: MoEWorkspace
+    routing_map: torch.Tensor, probs: torch.Tensor, workspace: MoEWorkspace,
+    backend: str = "auto", fused: bool = False,
 ) -> tuple[MoEPreprocessResult, TokenMap | None]:
     """:func:`local_preprocess` and the token-major map of its row map (None on the reference
-    backend), for :func:`mtp.ops.unpermute`'s ``token_map``."""
+    backend), for :func:`mtp.ops.unpermute`'s ``token_map``; ``backend``: the row map's.
+
+    ``fused`` (Triton row map, ``P = 1``): for experts that read their rows and probabilities
+    through the row map (:func:`mtp.ops.grouped_mlp`'s ``gather_index``): the counts come from
+    the row map's own launch, the token map is ``topk`` wide, and neither the probability
+    index nor the permuted probabilities are made (``permuted_probs`` and ``probs_index`` are
+    None)."""
     lay = workspace.layout
     num_experts, capacity = lay.num_experts, lay.capacity
+    drop = capacity is not None
+    if fused:
+        row_map = moe_permute_row_map(
+            routing_map, lay.num_rows, drop_and_pad=drop, capacity=capacity, backend=backend,
+            token_map=True, width=lay.topk, pair=False,
+        )  # fmt: skip
+        if row_map.token_map is not None:
+            result = MoEPreprocessResult(row_map.tokens_per_expert, row_map.row_id_map, None, None)
+            return result, row_map.token_map
     device = routing_map.device
     if capacity is None:
         tokens_per_expert = routing_map.sum(dim=0, dtype=torch.int64)
     else:
         tokens_per_expert = torch.full((num_experts,), capacity, dtype=torch.int64, device=device)
     row_map = moe_permute_row_map(
-        routing_map, lay.num_rows, drop_and_pad=capacity is not None, capacity=capacity,
+        routing_map, lay.num_rows, drop_and_pad=drop, capacity=capacity, backend=backend,
         token_map=True,
     )  # fmt: skip
     row_id_map, pair = row_map.row_id_map, row_map.pair

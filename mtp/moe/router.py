@@ -27,13 +27,15 @@ What it computes (as Megatron-Core's ``TopKRouter`` and ``moe_utils`` do, argume
   ``e``. Router z-loss (:func:`z_loss_func`): ``coeff * mean_t(logsumexp(logits[t])**2)``.
 
 Both losses are computed on the device (no host sync, no host-to-device copy), in training mode
-with gradients enabled, and reach the trainer's loss the way Megatron-Core does it: through
-:class:`MoEAuxLossAutoScaler`, an identity on an activation (the probabilities for the
-load-balancing loss, the logits for the z-loss) whose backward also feeds ``d(aux)/d(aux) =
-scale`` into the loss's graph. ``loss.backward()`` on the main loss therefore trains the router
-with the auxiliary losses without any plumbing in the trainer; call
-``MoEAuxLossAutoScaler.set_loss_scale(scale)`` when the main loss is scaled (fp16 loss scaling,
-division by the number of micro-batches) so both get the same scale. The values are kept,
+with gradients enabled, from the statistics the routing op :func:`mtp.ops.moe_router` returns
+with the probabilities (one fused kernel on CUDA: per-expert score sums and counts,
+``sum(logsumexp**2)``), and reach the trainer's loss the way Megatron-Core does it: through
+:class:`MoEAuxLossAutoScaler`, an identity on the probabilities whose backward also feeds
+``d(aux)/d(aux) = scale`` into the loss's graph (Megatron-Core attaches the z-loss to the
+logits, which only feed the probabilities: the same gradients). ``loss.backward()`` on the main
+loss therefore trains the router with the auxiliary losses without any plumbing in the trainer;
+call ``MoEAuxLossAutoScaler.set_loss_scale(scale)`` when the main loss is scaled (fp16 loss
+scaling, division by the number of micro-batches) so both get the same scale. The values are kept,
 detached, for logging: ``router.aux_loss`` and ``router.z_loss`` (coefficient included, as
 Megatron's functions return them; ``None`` when not computed).
 """
@@ -52,13 +54,16 @@ from mtp.moe.load_balancing import save_to_aux_losses_tracker, sequence_load_bal
 from mtp.moe.routing import (  # noqa: F401 - re-exported
     MoEAuxLossAutoScaler,
     compute_routing_scores_for_aux_loss,
+    drop_to_capacity,
     get_capacity,
     get_updated_expert_bias,
+    load_balancing_loss_from_sums,
     switch_load_balancing_loss_func,
     topk_softmax_with_capacity,
     z_loss_func,
 )
 from mtp.moe._checks import check_device, check_float_dtype, check_group
+from mtp.ops.moe_router import RouterOutput, moe_router
 from mtp.parallel.params import mark_tensor_parallel_grad_reduced
 from mtp.utils import check_int
 
@@ -113,6 +118,9 @@ class TopKRouter(nn.Module):
             (``moe_input_jitter_eps``); None disables.
         router_dtype: dtype of the logits and scores (``moe_router_dtype``: ``torch.float32``
             or ``torch.float64``); None uses the input dtype.
+        backend: of the routing op :func:`mtp.ops.moe_router`: ``"auto"`` (the fused Triton
+            kernel on CUDA, aten ops elsewhere), ``"triton"`` or ``"reference"``; a grouped
+            GEMM backend name (a :class:`~mtp.moe.MoELayer`'s) means ``"auto"``.
         tp_group: the group over which the tokens of one sequence are split (sequence parallel
             inside a tensor-parallel group): the weight's gradient is summed over it in the
             backward (each rank sees its own tokens; the parameters are marked
@@ -171,6 +179,7 @@ class TopKRouter(nn.Module):
         self.num_groups, self.group_topk = c.num_groups, c.group_topk
         self.scaling_factor, self.router_dtype = c.scaling_factor, c.router_dtype
         self.input_jitter_eps = c.input_jitter_eps
+        self.backend = c.backend if c.backend in ("triton", "reference") else "auto"
         self.tp_group = tp_group
         self.aux_loss_group = aux_loss_group if aux_loss_group is not None else tp_group
         self.layer_number, self.num_layers = c.layer_number, c.num_layers
@@ -265,53 +274,50 @@ class TopKRouter(nn.Module):
                 name, loss / coeff, self.layer_number, self.num_layers, self.tp_group
             )
 
-    def _load_balancing_losses(self, logits, valid, seq_length):
-        """The enabled load-balancing losses (coefficients included), summed: a 0-D tensor."""
-        aux_map, scores = compute_routing_scores_for_aux_loss(
-            logits, self.topk, self.score_function
-        )
-        if valid is not None:
-            scores = scores * valid.unsqueeze(1).to(scores.dtype)
-            aux_map = aux_map & valid.unsqueeze(1)
-        num_tokens = logits.shape[0] if valid is None else valid.sum()
-        tp = self._tp_size()
-        counts = aux_map.sum(dim=0)
-        if tp > 1:
-            counts = counts.clone()
-            dist.all_reduce(counts, group=self.tp_group)
-            if valid is None:
-                num_tokens = num_tokens * tp
-            else:
-                num_tokens = _all_reduced(num_tokens, self.tp_group)
+    def _load_balancing_losses(self, out: RouterOutput, logits, valid, num_tokens, seq_length):
+        """The enabled load-balancing losses (coefficients included), summed: a 0-D tensor.
+        ``out``: the router's statistics; ``num_tokens``: the valid tokens (an int, or a device
+        count with a padding mask)."""
         total = None
         for kind, coeff in self.load_balancing.items():
             if kind == "aux_loss":
-                loss = switch_load_balancing_loss_func(
-                    scores, counts, num_tokens, self.topk, self.num_experts, coeff
+                counts, tokens = out.aux_tokens_per_expert, num_tokens
+                if self._tp_size() > 1:  # the statistics of all the group's tokens
+                    counts = _all_reduced(counts, self.tp_group)
+                    tokens = tokens * self._tp_size() if valid is None else _all_reduced(
+                        tokens, self.tp_group)  # fmt: skip
+                loss = load_balancing_loss_from_sums(
+                    out.scores_sum, counts, tokens, self.topk, self.num_experts, coeff
                 )
-            elif kind == "seq_aux_loss":
+            elif kind == "seq_aux_loss":  # per-sequence sums: from the per-token scores (aten)
+                aux_map, scores = compute_routing_scores_for_aux_loss(
+                    logits, self.topk, self.score_function
+                )
+                if valid is not None:
+                    scores = scores * valid.unsqueeze(1).to(scores.dtype)
+                    aux_map = aux_map & valid.unsqueeze(1)
                 loss = sequence_load_balancing_loss_func(
                     scores, aux_map, seq_length, self.topk, coeff, self.tp_group
                 )
             else:
-                loss = self._global_aux_loss(scores, aux_map, num_tokens, coeff)
+                loss = self._global_aux_loss(out, logits.shape[0], coeff)
             self._track(kind, loss, coeff)
             total = loss if total is None else total + loss
         return total
 
-    def _global_aux_loss(self, scores, aux_map, num_tokens, coeff):
+    def _global_aux_loss(self, out: RouterOutput, num_tokens: int, coeff: float):
         group = self.aux_loss_group
-        counts = aux_map.sum(dim=0).float()
+        counts = out.aux_tokens_per_expert.float()
         size = 1
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(counts, group=group)
+            counts = _all_reduced(counts, group)
             size = dist.get_world_size(group)
         with torch.no_grad():
             self.global_tokens_per_expert += counts
             self.ga_steps += 1
         average = self.global_tokens_per_expert / self.ga_steps
-        return switch_load_balancing_loss_func(
-            scores, average, scores.shape[0] * size, self.topk, self.num_experts, coeff
+        return load_balancing_loss_from_sums(
+            out.scores_sum, average, num_tokens * size, self.topk, self.num_experts, coeff
         )
 
     def reset_global_aux_loss_tracker(self) -> None:
@@ -329,40 +335,59 @@ class TopKRouter(nn.Module):
         """Top-k (and capacity) routing of ``[T, E]`` logits, with the auxiliary losses.
 
         ``padding_mask``: ``[T]`` bool, True = ignored token; ``seq_length``: ``s`` of a
-        ``[s, b]`` token layout (``"seq_aux_loss"``; default ``T``, one sequence)."""
+        ``[s, b]`` token layout (``"seq_aux_loss"``; default ``T``, one sequence).
+
+        One :func:`mtp.ops.moe_router` call (the fused kernel on CUDA) gives the probabilities,
+        the map and the statistics of the losses; the losses are a few aten ops on ``[E]``
+        tensors; capacity dropping follows in aten ops."""
         num_tokens = logits.shape[0]
-        valid = None if padding_mask is None else ~padding_mask.reshape(-1)
-        self.aux_loss = self.z_loss = None
-        if self.z_loss_coeff > 0 and self._losses_enabled():
-            z_logits = logits if valid is None else logits[valid]
+        mask = None if padding_mask is None else padding_mask.reshape(-1)
+        valid = None if mask is None else ~mask
+        # plain attributes: set in __dict__ (nn.Module.__setattr__ looks for parameters first)
+        self.__dict__["aux_loss"] = self.__dict__["z_loss"] = None
+        losses = self._losses_enabled()
+        balancing = self.load_balancing if losses else {}
+        with_z = losses and self.z_loss_coeff > 0
+        count = losses and self.enable_expert_bias
+        out = moe_router(
+            logits, self.topk, score_function=self.score_function, pre_softmax=self.pre_softmax,
+            norm_topk_prob=self.norm_topk_prob, num_groups=self.num_groups,
+            group_topk=self.group_topk, group_score=self.group_score,
+            scaling_factor=self.scaling_factor, expert_bias=self.expert_bias, padding_mask=mask,
+            aux_statistics=any(kind != "seq_aux_loss" for kind in balancing),
+            z_statistics=with_z, routed_counts=count and self.capacity_factor is None,
+            backend=self.backend,
+        )  # fmt: skip
+        probs, routing_map = out.probs, out.routing_map
+        if self.capacity_factor is not None:
+            routing_map = drop_to_capacity(probs, routing_map, self.topk, self.capacity_factor,
+                                           self.drop_policy)  # fmt: skip
+            probs = probs * routing_map
+        valid_tokens = num_tokens if valid is None else valid.sum()
+        if with_z:
             # Each rank of tp_group holds a share of the tokens: the mean over all of them is
             # the sum of the per-rank means divided by the group size.
-            z_loss = z_loss_func(z_logits, self.z_loss_coeff / self._tp_size())
-            logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
+            coeff = self.z_loss_coeff / self._tp_size()
+            if valid is None:
+                z_loss = out.lse_sq_sum * (coeff / max(num_tokens, 1))
+            else:
+                z_loss = out.lse_sq_sum * coeff / valid_tokens.clamp(min=1)
+            probs = MoEAuxLossAutoScaler.apply(probs, z_loss)
             self.z_loss = z_loss.detach()
             self._track("z_loss", z_loss, self.z_loss_coeff)
-        probs, routing_map, _ = topk_softmax_with_capacity(
-            logits,
-            self.topk,
-            capacity_factor=self.capacity_factor,
-            drop_policy=self.drop_policy,
-            use_pre_softmax=self.pre_softmax,
-            num_groups=self.num_groups,
-            group_topk=self.group_topk,
-            scaling_factor=self.scaling_factor,
-            score_function=self.score_function,
-            expert_bias=self.expert_bias,
-            norm_topk_prob=self.norm_topk_prob,
-            group_score=self.group_score,
-        )
-        if self.load_balancing and self._losses_enabled():
-            aux_loss = self._load_balancing_losses(logits, valid, seq_length or num_tokens)
+        if balancing:
+            aux_loss = self._load_balancing_losses(
+                out, logits, valid, valid_tokens, seq_length or num_tokens
+            )
             probs = MoEAuxLossAutoScaler.apply(probs, aux_loss)
             self.aux_loss = aux_loss.detach()
-        if self.enable_expert_bias and self._losses_enabled():
+        if count:
             with torch.no_grad():
-                counted = routing_map if valid is None else routing_map & valid.unsqueeze(1)
-                self.local_tokens_per_expert += counted.sum(dim=0)
+                if out.tokens_per_expert is not None:
+                    self.local_tokens_per_expert += out.tokens_per_expert
+                else:  # the tokens kept after dropping
+                    counted = routing_map if valid is None else routing_map & valid.unsqueeze(1)
+                    self.local_tokens_per_expert += counted.sum(dim=0)
         return probs, routing_map
 
     def forward(

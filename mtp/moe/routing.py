@@ -1,7 +1,9 @@
-"""Routing functions of the top-k router (Megatron-Core's ``moe_utils`` names): scores, top-k,
-group-limited selection, capacity dropping, the auxiliary losses and their autograd scaler, and
-the configuration checks. :class:`mtp.moe.TopKRouter` (``mtp.moe.router``) is built on them; see
-its module docstring for the maths.
+"""Routing functions of the top-k router (Megatron-Core's ``moe_utils`` names): top-k routing
+with capacity dropping, the auxiliary losses and their autograd scaler, and the configuration
+checks. The scores, the (group-limited) top-k and the loss statistics are the op
+:func:`mtp.ops.moe_router` (one fused kernel, or its aten reference); capacity dropping follows
+it in aten ops. :class:`mtp.moe.TopKRouter` (``mtp.moe.router``) is built on them; see its
+module docstring for the maths.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from mtp.moe._checks import check_positive
-from mtp.utils import check_int
+from mtp.ops.moe_router import (
+    check_routing_config,
+    compute_routing_scores_for_aux_loss,
+    moe_router,
+)
 
 __all__ = [
     "MoEAuxLossAutoScaler",
@@ -20,14 +25,11 @@ __all__ = [
     "compute_routing_scores_for_aux_loss",
     "get_capacity",
     "get_updated_expert_bias",
+    "load_balancing_loss_from_sums",
     "switch_load_balancing_loss_func",
     "topk_softmax_with_capacity",
     "z_loss_func",
 ]
-
-_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-_DROP_POLICIES = ("probs", "position")
-_GROUP_SCORES = ("topk", "top2")
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,13 +143,28 @@ def switch_load_balancing_loss_func(
     Returns:
         A 0-D tensor in ``probs``' dtype (fp32 for the router's scores), on the device.
     """
-    aggregated = probs.sum(dim=0)
+    return load_balancing_loss_from_sums(
+        probs.sum(dim=0), tokens_per_expert, total_num_tokens, topk, num_experts,
+        moe_aux_loss_coeff,
+    )  # fmt: skip
+
+
+def load_balancing_loss_from_sums(
+    scores_sum: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    total_num_tokens: int | torch.Tensor,
+    topk: int,
+    num_experts: int,
+    moe_aux_loss_coeff: float,
+) -> torch.Tensor:
+    """:func:`switch_load_balancing_loss_func` from the per-expert score sums ``[E]``
+    (``P_e``, e.g. :func:`mtp.ops.moe_router`'s ``scores_sum``): two device ops."""
     if isinstance(total_num_tokens, torch.Tensor):  # a device count (padding mask): no sync
-        denom = total_num_tokens.clamp(min=1).to(aggregated.dtype) ** 2
+        denom = total_num_tokens.clamp(min=1).to(scores_sum.dtype) ** 2
         scale = num_experts * moe_aux_loss_coeff / (topk * denom)
     else:
         scale = num_experts * moe_aux_loss_coeff / (topk * max(total_num_tokens, 1) ** 2)
-    return torch.sum(aggregated * tokens_per_expert.to(aggregated.dtype)) * scale
+    return torch.dot(scores_sum, tokens_per_expert.to(scores_sum.dtype)) * scale
 
 
 def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
@@ -191,29 +208,6 @@ def get_updated_expert_bias(
 # --------------------------------------------------------------------------------------------
 
 
-def _group_limited_topk(
-    scores: torch.Tensor, topk: int, num_groups: int, group_topk: int, group_score: str = "topk"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k restricted to the ``group_topk`` best of ``num_groups`` expert groups. A group
-    scores the sum of its best ``topk // group_topk`` experts (``group_score="topk"``,
-    Megatron-Core) or of its best two (``"top2"``, DeepSeek-V3's ``n_group``/``topk_group``)."""
-    tokens, experts = scores.shape
-    grouped = scores.view(tokens, num_groups, experts // num_groups)
-    per_group = 2 if group_score == "top2" else topk // group_topk
-    group_scores = grouped.topk(min(per_group, experts // num_groups), dim=-1).values.sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False).indices
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_idx, True)
-    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
-    masked = scores.masked_fill(~expert_mask, float("-inf"))
-    return torch.topk(masked, k=topk, dim=-1)
-
-
-def _topk(scores, topk, num_groups, group_topk, group_score="topk"):
-    if group_topk:
-        return _group_limited_topk(scores, topk, num_groups, group_topk, group_score)
-    return torch.topk(scores, k=topk, dim=1)
-
-
 def _capacity_mask(
     probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, drop_policy: str
 ) -> torch.Tensor:
@@ -224,7 +218,7 @@ def _capacity_mask(
         key = (~routing_map).to(torch.int8)
     else:
         # "probs": highest probabilities first, ties to the lower token (stable sort).
-        key = -probs.to(torch.promote_types(probs.dtype, torch.float32))
+        key = -probs.to(torch.float64 if probs.dtype == torch.float64 else torch.float32)
     order = torch.sort(key, dim=0, stable=True).indices[:capacity]
     return torch.zeros_like(routing_map).scatter(0, order, True)
 
@@ -244,6 +238,7 @@ def topk_softmax_with_capacity(
     expert_bias: torch.Tensor | None = None,
     norm_topk_prob: bool | None = None,
     group_score: str = "topk",
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k routing with optional capacity (Megatron-Core's function of the same name).
 
@@ -264,7 +259,9 @@ def topk_softmax_with_capacity(
             softmax never: without ``use_pre_softmax`` the top-k softmax already sums to 1).
             False with ``"softmax"`` needs ``use_pre_softmax=True``.
         group_score: ``"topk"`` (Megatron) or ``"top2"`` (DeepSeek-V3), see
-            :func:`_group_limited_topk`.
+            :func:`mtp.ops.moe_router`.
+        backend: of :func:`mtp.ops.moe_router` (``"auto"``: the fused kernel on CUDA, aten
+            ops elsewhere; ``"triton"``; ``"reference"``).
 
     Returns:
         ``(probs [T, E] in logits' dtype (0 off the routing), routing_map [T, E] bool,
@@ -276,130 +273,32 @@ def topk_softmax_with_capacity(
         num_experts, topk, score_function, capacity_factor, drop_policy, num_groups, group_topk,
         norm_topk_prob=norm_topk_prob, group_score=group_score, pre_softmax=use_pre_softmax,
     )
-    math_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64
-    bias = None if expert_bias is None else expert_bias.to(math_dtype)
-    renorm = bool(norm_topk_prob)
-    if score_function == "softmax":
-        if use_pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=math_dtype)
-            select = scores if bias is None else scores + bias
-            _, top_indices = _topk(select, topk, num_groups, group_topk, group_score)
-            probs = torch.gather(scores, 1, top_indices)
-        else:
-            select = logits if bias is None else logits.to(math_dtype) + bias
-            _, top_indices = _topk(select, topk, num_groups, group_topk, group_score)
-            probs = torch.softmax(torch.gather(logits, 1, top_indices), dim=-1, dtype=math_dtype)
-            renorm = False  # already sums to 1
-    else:
-        scores = torch.sigmoid(logits.to(math_dtype))
-        select = scores if bias is None else scores + bias
-        _, top_indices = _topk(select, topk, num_groups, group_topk, group_score)
-        probs = torch.gather(scores, 1, top_indices)
-        renorm = topk > 1 if norm_topk_prob is None else renorm
-    if renorm:
-        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
-    if scaling_factor:
-        probs = probs * scaling_factor
-    probs = probs.to(logits.dtype)
-    routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    routing_probs, routing_map = moe_router(
+        logits, topk, score_function=score_function, pre_softmax=use_pre_softmax,
+        norm_topk_prob=norm_topk_prob, num_groups=num_groups, group_topk=group_topk,
+        group_score=group_score, scaling_factor=scaling_factor, expert_bias=expert_bias,
+        backend=backend,
+    )[:2]  # fmt: skip
     tokens_per_expert = routing_map.sum(dim=0)
     if capacity_factor is None:
         return routing_probs, routing_map, tokens_per_expert
-    capacity = min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
-    keep = _capacity_mask(routing_probs, routing_map, capacity, drop_policy)
-    final_map = keep if pad_to_capacity else routing_map & keep
+    final_map = drop_to_capacity(routing_probs, routing_map, topk, capacity_factor, drop_policy,
+                                 pad_to_capacity)  # fmt: skip
     return routing_probs * final_map, final_map, tokens_per_expert
 
 
-def compute_routing_scores_for_aux_loss(
-    logits: torch.Tensor, topk: int, score_function: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores over all experts (fp32 softmax, or sigmoid normalised per token) and the
-    ``[T, E]`` map of their (unbiased) top-k, as Megatron-Core feeds the load-balancing loss.
-
-    Returns ``(routing_map, scores)`` (Megatron's order)."""
-    if score_function == "softmax":
-        math_dtype = torch.promote_types(logits.dtype, torch.float32)
-        scores = torch.softmax(logits, dim=-1, dtype=math_dtype)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    else:
-        raise ValueError(
-            f"score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}"
-        )
-    top_indices = torch.topk(scores, k=topk, dim=1).indices
-    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_indices, True)
-    return routing_map, scores
-
-
-# --------------------------------------------------------------------------------------------
-# The module
-# --------------------------------------------------------------------------------------------
-
-
-def check_routing_config(
-    num_experts: int,
+def drop_to_capacity(
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
     topk: int,
-    score_function: str = "softmax",
-    capacity_factor: float | None = None,
+    capacity_factor: float,
     drop_policy: str = "probs",
-    num_groups: int | None = None,
-    group_topk: int | None = None,
-    *,
-    norm_topk_prob: bool | None = None,
-    group_score: str = "topk",
-    pre_softmax: bool = False,
-    scaling_factor: float | None = None,
-) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the bad routing argument."""
-    check_int("num_experts", num_experts, 1)
-    check_int("topk", topk, 1)
-    if topk > num_experts:
-        raise ValueError(f"topk={topk} must be <= num_experts={num_experts}")
-    if score_function not in _SCORE_FUNCTIONS:
-        raise ValueError(
-            f"score_function must be one of {_SCORE_FUNCTIONS}, got {score_function!r}"
-        )
-    if drop_policy not in _DROP_POLICIES:
-        raise ValueError(f"drop_policy must be one of {_DROP_POLICIES}, got {drop_policy!r}")
-    check_positive("capacity_factor", capacity_factor)
-    if norm_topk_prob not in (None, True, False):
-        raise TypeError(f"norm_topk_prob must be None, True or False, got {norm_topk_prob!r}")
-    if norm_topk_prob is False and score_function == "softmax" and not pre_softmax:
-        raise ValueError(
-            "norm_topk_prob=False with score_function='softmax' needs pre_softmax=True (the "
-            "softmax of the top-k logits always sums to 1; Qwen2-MoE's norm_topk_prob=False is "
-            "pre_softmax=True, norm_topk_prob=False)"
-        )
-    if group_score not in _GROUP_SCORES:
-        raise ValueError(f"group_score must be one of {_GROUP_SCORES}, got {group_score!r}")
-    check_positive("scaling_factor", scaling_factor)
-    if (num_groups is None) != (group_topk is None):
-        raise ValueError("num_groups and group_topk must be given together (group-limited routing)")
-    if num_groups is not None:
-        check_int("num_groups", num_groups, 1)
-        check_int("group_topk", group_topk, 1)
-        if num_experts % num_groups:
-            raise ValueError(
-                f"num_experts={num_experts} must be divisible by num_groups={num_groups}"
-            )
-        per_group = num_experts // num_groups
-        if group_score == "top2":
-            if group_topk > num_groups or topk > group_topk * per_group:
-                raise ValueError(
-                    f"group_topk={group_topk} must be <= num_groups={num_groups} and the "
-                    f"group_topk chosen groups must hold topk={topk} experts"
-                )
-        elif (
-            group_topk > num_groups
-            or topk % group_topk
-            or topk // group_topk > per_group
-        ):
-            raise ValueError(
-                f"group_topk={group_topk} must divide topk={topk}, be <= num_groups={num_groups}, "
-                "and topk // group_topk must fit in one group"
-            )
-
-
+    pad_to_capacity: bool = False,
+) -> torch.Tensor:
+    """The ``[T, E]`` map after capacity dropping (aten ops after the router's kernel):
+    ``min(get_capacity(T * topk, E, capacity_factor), T)`` tokens per expert at most, chosen by
+    ``drop_policy``; ``pad_to_capacity``: exactly that many (unrouted ones included)."""
+    num_tokens, num_experts = routing_map.shape
+    capacity = min(get_capacity(num_tokens * topk, num_experts, capacity_factor), num_tokens)
+    keep = _capacity_mask(probs, routing_map, capacity, drop_policy)
+    return keep if pad_to_capacity else routing_map & keep

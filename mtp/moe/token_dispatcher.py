@@ -10,8 +10,10 @@ Steps (``P`` expert-parallel ranks, ``L = E / P`` local experts, ``Q`` expert-te
 ranks):
 
 1. :func:`~mtp.moe.preprocess.local_preprocess` (counts, row map, permuted probs), copied into
-   the :class:`~mtp.moe.MoEWorkspace`; dropless ``P > 1``: a device all-to-all of the
-   per-expert counts, which also carries each rank's token count, hidden size and dtypes.
+   the :class:`~mtp.moe.MoEWorkspace` while a CUDA graph is captured (eager calls keep the
+   fresh tensors: the copies would only cost launches); dropless ``P > 1``: a device
+   all-to-all of the per-expert counts, which also carries each rank's token count, hidden
+   size and dtypes.
 2. Permute: gather the token rows in expert-major order.
 3. ``P > 1``: ``all_to_all_single`` of the rows and of their probabilities, then reorder the
    received rows from source-major to expert-major.
@@ -56,6 +58,7 @@ from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported
     gather_rows,
     gather_v,
     permute_backend,
+    permute_rows,
     rank_meta,
     reduce_scatter_v,
 )
@@ -75,7 +78,7 @@ from mtp.ops.moe_permute import TokenMap, unpermute
 from mtp.parallel.agree import group_ranks
 from mtp.parallel.errors import RankMismatchError
 from mtp.parallel.groups import group_description
-from mtp.utils import data_checks_enabled, is_fake
+from mtp.utils import data_checks_enabled, is_capturing, is_fake
 
 __all__ = [
     "AllToAllDispatchMetadata",
@@ -196,8 +199,9 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllDispatchMetadata]:
         """The rank-local, graph-safe first half of :meth:`dispatch` (Megatron-Core's
-        ``dispatch_preprocess``): :func:`~mtp.moe.preprocess.local_preprocess` into the
-        workspace and the permutation of the rows; no communication, no host sync.
+        ``dispatch_preprocess``): :func:`~mtp.moe.preprocess.local_preprocess` (copied into the
+        workspace while a CUDA graph is captured) and the permutation of the rows; no
+        communication, no host sync.
 
         Returns ``(permuted_tokens [N, H], permuted_probs [N], metadata)`` (``N`` = ``T *
         topk``, or ``E * C`` with a capacity), differentiable in ``hidden_states`` and
@@ -215,9 +219,10 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         ws = self._workspace_for(hidden_states, probs)
         check_routing(routing_map, probs, ws, validate=False)
         res, token_map = local_preprocess_with_map(routing_map, probs, ws)
-        store_preprocess(res, ws)  # fixed-address copies; ``res`` keeps the autograd link
+        if is_capturing():  # a graph replays into the workspace's fixed addresses
+            store_preprocess(res, ws)  # ``res`` keeps the autograd link
         meta = self._metadata(ws, res, *hidden_states.shape, hidden_states.device, token_map)
-        permuted = gather_rows(hidden_states, res.row_id_map, meta.backend)
+        permuted = permute_rows(hidden_states, res.row_id_map, meta.backend, token_map)
         return permuted, res.permuted_probs, meta
 
     def _metadata(self, ws, res, num_tokens, hidden, device, token_map):
@@ -273,8 +278,10 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
                 "token_dispatch() takes the metadata dispatch_preprocess() returned, got "
                 f"{type(metadata).__name__}"
             )
-        res = dataclasses.replace(metadata.preprocess, permuted_probs=permuted_probs)
-        meta = dataclasses.replace(metadata, preprocess=res)
+        meta = metadata
+        if permuted_probs is not metadata.preprocess.permuted_probs:  # probs changed in between
+            res = dataclasses.replace(metadata.preprocess, permuted_probs=permuted_probs)
+            meta = dataclasses.replace(metadata, preprocess=res)
         if meta.workspace.capacity is not None:
             self._check_static(permuted_tokens, permuted_probs, meta.num_tokens)
             return self._dispatch_static(permuted_tokens, meta)
@@ -331,7 +338,8 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         ep_rows = etp_rows = None
         if ep > 1:
             recv_counts, ep_rows = exchange_counts(res.tokens_per_expert, ep, self.ep_group, row)
-            res = finish_ep_preprocess(res, recv_counts, ws)
+            # on a copy: the caller's metadata (dispatch_preprocess's) stays as it was
+            res = finish_ep_preprocess(dataclasses.replace(res), recv_counts, ws)
             store_preprocess(res, ws, _EP_FIELDS)
             meta = dataclasses.replace(meta, preprocess=res)
             local_counts = res.local_tokens_per_expert

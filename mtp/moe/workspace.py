@@ -2,8 +2,10 @@
 
 Every buffer :func:`mtp.moe.preprocess` and :class:`mtp.moe.AllToAllTokenDispatcher` write is
 allocated once, at its worst-case size for the token count the workspace was built for, and
-rewritten in place on every call, so ``data_ptr()`` never changes: a CUDA graph captured over
-the preprocess (or the whole layer) keeps reading and writing the same memory at replay.
+rewritten in place, so ``data_ptr()`` never changes: a CUDA graph captured over the preprocess
+(or the whole layer) keeps reading and writing the same memory at replay. The dispatcher
+writes them only while a graph is captured (:func:`mtp.utils.is_capturing`); an eager dispatch
+keeps its fresh preprocess tensors (in its metadata) and skips the copies.
 
 Shapes (``T`` tokens on this rank, ``E`` experts, ``k`` = topk, ``P`` = ep_size, ``L = E / P``
 local experts, ``H`` hidden size; ``N`` permuted rows on this rank: ``T * k`` dropless,

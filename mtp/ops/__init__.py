@@ -15,11 +15,13 @@ same name. Each op's path, API and autograd -> config -> kernel:
   data check; its PyTorch reference in ``.reference``) -> ``vector_width``/``num_programs`` ->
   :mod:`mtp.kernels.cross_entropy` (row helpers in ``cross_entropy_rows``).
 - ``linear_cross_entropy``: :mod:`.linear_cross_entropy` (``.checks``: arguments and backend;
-  ``.maths``: the per-chunk GEMMs) -> the same launch config ->
+  ``.call``: a call's setup, chunks and collectives; ``.bodies``: the chunked forward and
+  backward; ``.maths``: the per-chunk PyTorch maths and GEMMs) -> the same launch config ->
   :mod:`mtp.kernels.linear_cross_entropy` and ``linear_cross_entropy_gemm``.
-- ``permute``, ``unpermute``: :mod:`.moe_permute` (``.checks``, ``.row_map``, ``.token_map``,
-  ``.row_ops``, ``.reference``) -> ``map_config``/``block_config`` ->
-  :mod:`mtp.kernels.moe_row_map` and :mod:`mtp.kernels.moe_permute`.
+- ``permute``, ``unpermute``: :mod:`.moe_permute` (``.paths``: eager and general paths;
+  ``.checks``, ``.row_map``, ``.token_map``, ``.invert``, ``.rows``, ``.row_ops``,
+  ``.reference``) -> ``map_config``/``block_config`` -> :mod:`mtp.kernels.moe_row_map`,
+  :mod:`mtp.kernels.moe_token_major` and :mod:`mtp.kernels.moe_permute`.
 - ``grouped_gemm``: :mod:`.grouped_gemm` (``.checks``, ``.eager_path``, ``.ops``: custom ops
   and autograd, ``.backends``, ``.plans``: the triton backend's launch plans, ``.fp8``: FP8
   operands' custom ops and autograd, ``.cutlass``) -> ``.config.make_config`` ->
@@ -29,6 +31,9 @@ same name. Each op's path, API and autograd -> config -> kernel:
 - ``quantize`` (FP8 e4m3 with block scales, the grouped GEMM's FP8 operands): :mod:`.quantize`
   (``.tensor``: ``Fp8Tensor``, ``Fp8Recipe``; ``.cache``: ``Fp8WeightCache``; ``.reference``: the PyTorch definition; ``.ops``:
   the custom op, its bodies and plans) -> ``tile_shape`` -> :mod:`mtp.kernels.quantize`.
+- ``moe_router``: :mod:`.moe_router` (``.checks``, ``.reference``: the aten path) ->
+  ``tile_config``/``rows_per_program`` -> :mod:`mtp.kernels.moe_router` (row helpers in
+  ``moe_router_rows``).
 """
 
 from .bias_act import bias_gelu, bias_swiglu  # noqa: E402,F401
@@ -42,3 +47,4 @@ from .grouped_gemm import (  # noqa: E402,F401
     grouped_gemm_reference,
 )
 from .grouped_mlp import grouped_mlp  # noqa: E402,F401
+from .moe_router import moe_router  # noqa: E402,F401

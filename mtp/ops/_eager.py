@@ -22,13 +22,14 @@ _is_compiling = torch.compiler.is_compiling
 def eager(*tensors: torch.Tensor | None) -> bool:
     """True when the call may bypass the custom op: not compiling or tracing (Dynamo, a
     dispatch or torch-function mode such as FakeTensorMode or ``make_fx``, a functorch
-    transform) and every tensor a plain ``torch.Tensor`` (no subclass: DTensor, FakeTensor)."""
+    transform) and every tensor a plain ``torch.Tensor`` with data (no subclass such as DTensor
+    or FakeTensor, no meta tensor: those take the custom op and its fake)."""
     if _is_compiling() or _len_torch_dispatch_stack() or _is_torch_function_mode_enabled():
         return False
     if peek_interpreter_stack() is not None:
         return False
     for t in tensors:
-        if t is not None and type(t) not in _PLAIN:
+        if t is not None and (type(t) not in _PLAIN or t.is_meta):
             return False
     return True
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from mtp.dtypes import KERNEL_FLOATS
 from mtp.kernels.bias_act import bias_act_backward, bias_act_forward
 from mtp.ops._backend import resolve_backend
-from mtp.ops._eager import CheckedKeys, eager, needs_grad
+from mtp.ops._eager import CheckedKeys, autograd_apply, eager, needs_grad
 from mtp.utils import check_tensor, empty
 
 __all__ = [
@@ -268,6 +268,9 @@ def _check_approximate(approximate: str) -> None:
 _CHECKED = CheckedKeys()
 
 
+_BIAS_ACT_APPLY = autograd_apply(_BiasAct)  # the eager path's (C) apply
+
+
 def _call(op: str, act: str, x, bias, backend: str, custom_op, *op_args):
     """Check the arguments (once per key on the eager path), then run eagerly, or through
     ``custom_op`` when compiling or tracing."""
@@ -282,7 +285,7 @@ def _call(op: str, act: str, x, bias, backend: str, custom_op, *op_args):
         _CHECKED.add(key)
     backend = resolve_backend(op, backend, x.device, _BACKENDS)
     if needs_grad(x, bias):
-        return _BiasAct.apply(x, bias, act, backend)
+        return _BIAS_ACT_APPLY(x, bias, act, backend)
     return _forward(x, bias, act, backend)
 
 

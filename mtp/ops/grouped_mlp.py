@@ -10,10 +10,20 @@ bias sums), nothing else on ``[M, F]`` tensors:
 
 * forward: fc1 is :func:`mtp.ops.grouped_gemm` with its bias, activation and probability
   epilogue (``mtp::grouped_gemm_out`` stores the pre-activation ``h`` for the backward and
-  ``y = act(h) * p``), then fc2 with its bias;
+  ``y = act(h) * p``), then fc2 with its bias. Autograd keeps ``x`` and ``h`` (and the rows'
+  probabilities), not ``y``;
 * backward: fc2's data gradient with the activation's backward and ``dL/dp`` in its epilogue
-  (``mtp::grouped_gemm_dact`` writes ``dh`` directly: ``dL/dy`` is never stored), the two weight
-  gradients, fc1's data gradient and the per-expert bias sums.
+  (``mtp::grouped_gemm_dact`` writes ``dh`` directly, ``dL/dy`` is never stored, and rewrites
+  ``y = act(h) * p`` for fc2's weight gradient), the two weight gradients, fc1's data gradient
+  and the per-expert bias sums.
+
+Row gather (``gather_index=``, ``token_map=``; the MoE dispatch's gather fused into fc1): ``x``
+holds source rows (the tokens) and row ``r`` of the expert-major order is ``x[gather_index[r]]``
+(``-1``: an empty row), with probability ``probs[gather_index[r], e]`` of a ``[S, E]``
+``probs``. fc1 reads its rows through the index (no permuted copy of ``x`` is written; fc1 and
+fc1's weight gradient take the pointer kernels); fc1's data gradient is the per-source-row sum
+of its rows' gradients, in one launch with the probabilities' ``[S, E]`` gradient
+(:mod:`mtp.kernels.moe_token_major`'s combine over ``token_map``: fixed order, no atomics).
 
 The chain is what a single ``grouped_gemm`` call cannot do (its backward would store ``dL/dy``
 and run the activation's derivative as a separate pass). ``backend="reference"`` is two
@@ -41,10 +51,12 @@ from mtp.ops.grouped_gemm.checks import (
     FLOAT_DTYPES,
     check_arguments,
     check_backend,
+    check_gather,
     check_main_grad,
 )
 from mtp.ops.grouped_gemm.ops import bias_grad, dact, forward, weight_grad
-from mtp.utils import check_tensor, validation_mode
+from mtp.ops.moe_permute.token_map import TokenMap, permute_grads
+from mtp.utils import check_tensor, empty, validation_mode
 
 __all__ = ["grouped_mlp", "clamped_swiglu", "GROUPED_MLP_ACTIVATIONS"]
 
@@ -53,26 +65,33 @@ GROUPED_MLP_ACTIVATIONS = ACTIVATIONS
 _BACKENDS = ("triton", "reference")
 
 
-def _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing):
-    """``(out, h, y)``: fc1 with its epilogue (``h`` the pre-activation, ``y = act(h) * p``),
-    then fc2 with its bias."""
+def _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing, gather=None):
+    """``(out, h, p)``: fc1 with its epilogue (``h`` the pre-activation, ``y = act(h) * p``),
+    then fc2 with its bias; ``p`` the rows' probabilities (``probs``, or with ``gather`` the
+    fp32 ``[M]`` fc1 wrote)."""
     act, limit, alpha = act
-    y, h = forward(x, w1, counts, None, b1, probs, False, "triton", act, limit, alpha, routing)
+    p = probs
+    if gather is not None and probs is not None:
+        p = empty((gather.shape[0],), dtype=torch.float32, device=x.device)
+    y, h = forward(x, w1, counts, None, b1, probs, False, "triton", act, limit, alpha, routing,
+                   gather, None if gather is None else p)  # fmt: skip
     out, _ = forward(y, w2, counts, None, b2, None, False, "triton", None, limit, alpha, routing)
-    return out, h, y
+    return out, h, p
 
 
 class _FusedGroupedMLP(torch.autograd.Function):
-    """Both GEMMs and the fused backward: ``apply(x, w1, w2, probs, b1, b2, counts, call)``
-    with ``call = ((activation, limit, alpha), accumulate, routing)``; ``routing`` (the eager
-    path's, else None: the custom ops) is shared by all of their launches."""
+    """Both GEMMs and the fused backward: ``apply(x, w1, w2, probs, b1, b2, counts, gather,
+    token_rows, token_experts, token_count, call)`` with ``call = ((activation, limit, alpha),
+    accumulate, routing)``; ``routing`` (the eager path's, else None: the custom ops) is shared
+    by all of their launches; ``gather`` and the token map are None without a row gather."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, probs, b1, b2, counts, call):
+    def forward(ctx, x, w1, w2, probs, b1, b2, counts, gather, rows, experts, count, call):
         act, accumulate, routing = call
-        out, h, y = _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing)
-        ctx.save_for_backward(x, w1, w2, counts, probs, h, y)
+        out, h, p = _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing, gather)
+        ctx.save_for_backward(x, w1, w2, counts, p, h, gather, rows, experts, count)
         ctx.call = call
+        ctx.probs_width = 1 if probs is None or probs.dim() == 1 else probs.shape[1]
         ctx.dtypes = (None if probs is None else probs.dtype, None if b1 is None else b1.dtype,
                       None if b2 is None else b2.dtype)  # fmt: skip
         return out
@@ -80,7 +99,7 @@ class _FusedGroupedMLP(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        x, w1, w2, counts, probs, h, y = ctx.saved_tensors
+        x, w1, w2, counts, p, h, gather, rows, experts, count = ctx.saved_tensors
         act, accumulate, routing = ctx.call
         need = ctx.needs_input_grad
         p_dtype, b1_dtype, b2_dtype = ctx.dtypes
@@ -90,20 +109,26 @@ class _FusedGroupedMLP(torch.autograd.Function):
         dx = dw1 = dw2 = dp = db1 = db2 = None
         if need[5]:
             db2 = bias_grad(dout, counts, "triton", routing).to(b2_dtype)
+        if not any(need[:5]):
+            return dx, dw1, dw2, dp, db1, db2, *(None,) * 6
+        dh, dprobs, y = dact(dout, w2, counts, h, p, *act, routing, recompute=need[2])
         if need[2]:
             dw2 = weight_grad(w2, y, dout, counts, "triton", accumulate, routing)
-        if need[0] or need[1] or need[3] or need[4]:
-            dh, dprobs = dact(dout, w2, counts, h, probs, *act, routing)
-            if need[3]:
-                dp = dprobs.to(p_dtype)
-            if need[4]:
-                db1 = bias_grad(dh, counts, "triton", routing).to(b1_dtype)
-            if need[1]:
-                dw1 = weight_grad(w1, x, dh, counts, "triton", accumulate, routing)
-            if need[0]:
-                dx, _ = forward(dh, w1, counts, None, None, None, True, "triton", None,
-                                *act[1:], routing)  # fmt: skip
-        return dx, dw1, dw2, dp, db1, db2, None, None
+        if need[4]:
+            db1 = bias_grad(dh, counts, "triton", routing).to(b1_dtype)
+        if need[1]:
+            dw1 = weight_grad(w1, x, dh, counts, "triton", accumulate, routing, gather)
+        dx_rows = None
+        if need[0]:
+            dx_rows, _ = forward(dh, w1, counts, None, None, None, True, "triton", None,
+                                 *act[1:], routing)  # fmt: skip
+        if gather is None:
+            dx, dp = dx_rows, (dprobs.to(p_dtype) if need[3] else None)
+        elif need[0] or need[3]:  # per source row: its rows' sums, and the [S, E] probs grad
+            meta = (x.shape[1], ctx.probs_width, x.dtype, p_dtype or x.dtype)
+            dx, dp = permute_grads((rows, experts, count), meta, need[0], need[3], dx_rows,
+                                   dprobs)  # fmt: skip
+        return dx, dw1, dw2, dp, db1, db2, *(None,) * 6
 
 
 _APPLY = autograd_apply(_FusedGroupedMLP)
@@ -121,7 +146,8 @@ def _check_activation(weight1, activation) -> None:
         )
 
 
-def _check(x, weight1, weight2, probs, bias2, activation: str) -> None:
+def _check(x, weight1, weight2, probs, bias2, activation: str, gather=None,
+           token_map=None) -> None:  # fmt: skip
     gated = activation in ("swiglu", "clamped_swiglu")
     E, H, F = weight1.shape[0], x.shape[1], weight1.shape[2] // (2 if gated else 1)
     check_tensor("weight2", weight2, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -132,7 +158,11 @@ def _check(x, weight1, weight2, probs, bias2, activation: str) -> None:
         check_tensor("bias2", bias2, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
         if tuple(bias2.shape) != (E, H):
             raise ValueError(f"bias2 must be [{E}, {H}], got {tuple(bias2.shape)}")
-    if probs is not None:
+    if gather is not None:
+        check_gather(x, weight1, gather, token_map, probs)
+    elif token_map is not None:
+        raise ValueError("token_map goes with gather_index (the map of its rows); pass both")
+    elif probs is not None:
         check_tensor("probs", probs, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
         if probs.shape[0] != x.shape[0]:
             raise ValueError(f"probs must be [{x.shape[0]}] (one per row of x), got "
@@ -154,18 +184,23 @@ def grouped_mlp(
     gradient_accumulation_fusion: bool = False,
     backend: str = "auto",
     validate: bool | str = True,
+    gather_index: torch.Tensor | None = None,
+    token_map: TokenMap | None = None,
 ) -> torch.Tensor:
     """The experts' MLP with fused epilogues (see the module doc).
 
     Args:
-        x: ``[M, H]`` float32/float16/bfloat16, rows grouped by expert.
+        x: ``[M, H]`` float32/float16/bfloat16, rows grouped by expert (with ``gather_index``:
+            ``[S, H]`` source rows, any order).
         weight1: ``[E, H, W]`` in ``x``'s dtype; ``W = 2F`` for ``"swiglu"`` (columns
             ``[0, F)`` are the gate, through SiLU, ``[F, 2F)`` the up projection: Megatron's
             ``chunk(2, -1)`` layout), ``W = F`` for ``"gelu"`` (erf) / ``"gelu_tanh"``.
         weight2: ``[E, F, H]`` in ``x``'s dtype.
         tokens_per_expert: ``[E]`` int32/int64 on ``x``'s device.
         probs: ``[M]`` routing probabilities (any float dtype) multiplying ``act(h)`` before
-            fc2, or None. Its gradient is ``sum_f dL/dy * act(h)`` (fp32, fixed order).
+            fc2, or None. Its gradient is ``sum_f dL/dy * act(h)`` (fp32, fixed order). With
+            ``gather_index``: ``[S, E]``, row ``r`` of expert ``e`` weighs
+            ``probs[gather_index[r], e]`` (the router's probabilities, not permuted).
         bias1, bias2: ``[E, W]`` and ``[E, H]`` per-expert biases, or None.
         activation: ``"swiglu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"clamped_swiglu"`` (GPT-OSS:
             ``W = 2F`` interleaved, gate in column ``2j``, up in ``2j + 1``, see
@@ -178,6 +213,12 @@ def grouped_mlp(
             ``"triton"`` (fused) or ``"reference"`` (unfused, loop GEMMs).
         validate: the counts' data check, as :func:`mtp.ops.grouped_gemm`'s (on the device by
             default, ``"sync"`` for typed errors, False off).
+        gather_index: ``[M]`` int32/int64, the source row of each grouped row (``-1``: an empty
+            row, zeros in and a probability of 0), e.g. the ``row_id_map`` of
+            :func:`mtp.ops.moe_permute.moe_permute_row_map`; fc1 reads ``x`` through it.
+        token_map: with ``gather_index``, its :class:`~mtp.ops.moe_permute.TokenMap` (built
+            with it; not checked against it): the backward sums each source row's gradients
+            and writes the probabilities' gradient with it.
 
     Returns:
         ``[M, H]`` in ``x``'s dtype; rows past ``sum(tokens_per_expert)`` are zero.
@@ -185,25 +226,41 @@ def grouped_mlp(
     """
     args = (x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activation,
             float(activation_limit), float(activation_alpha), bool(gradient_accumulation_fusion),
-            backend, validate)  # fmt: skip
-    if eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2):
+            backend, validate, gather_index, token_map)  # fmt: skip
+    if eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, gather_index):
         return _eager(*args)
     name = resolve_backend("grouped_mlp", backend, x.device, _BACKENDS)
     _check_activation(weight1, activation)
+    rows = gather_index.shape[0] if isinstance(gather_index, torch.Tensor) else None
     _, counts = prepare_call(x, weight1, tokens_per_expert, False, None, name, validate, bias1,
-                             activation)  # fmt: skip
-    _check(x, weight1, weight2, probs, bias2, activation)
-    return _run(name, *args[:3], counts, *args[4:11], None)
+                             activation, rows)  # fmt: skip
+    _check(x, weight1, weight2, probs, bias2, activation, gather_index, token_map)
+    return _run(name, *args[:3], counts, *args[4:11], None, gather_index, token_map)
+
+
+def _gathered_reference(x, probs, gather, counts):
+    """The rows and probabilities a row gather reads, materialised (the reference backend)."""
+    keep = (gather >= 0).unsqueeze(1)
+    rows = torch.where(keep, x.index_select(0, gather.clamp(min=0).long()), 0)
+    if probs is None:
+        return rows, None
+    ends = torch.cumsum(counts.to(gather.device), 0)
+    r = torch.arange(gather.shape[0], device=gather.device)
+    expert = torch.searchsorted(ends, r, right=True).clamp(max=probs.shape[1] - 1)
+    p = probs[gather.clamp(min=0).long(), expert]
+    return rows, torch.where(keep.squeeze(1), p, 0)
 
 
 def _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, limit, alpha,
-         accumulate, routing):  # fmt: skip
+         accumulate, routing, gather=None, token_map=None):  # fmt: skip
     """The call on checked arguments (``routing``: the eager path's, else None)."""
     if accumulate:
         for w in (weight1, weight2):
             if w.requires_grad:
                 check_main_grad(w)
     if name == "reference":
+        if gather is not None:
+            x, probs = _gathered_reference(x, probs, gather, counts)
         kw = dict(backend="reference", validate=False, gradient_accumulation_fusion=accumulate)
         y = grouped_gemm(x, weight1, counts, bias=bias1, activation=activation, probs=probs,
                          activation_limit=limit, activation_alpha=alpha, **kw)  # fmt: skip
@@ -212,16 +269,20 @@ def _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, lim
     bias1 = None if bias1 is None else bias1.contiguous()
     bias2 = None if bias2 is None else bias2.contiguous()
     act = (activation, limit, alpha)
+    tm = (None, None, None) if token_map is None else (
+        token_map.rows, token_map.experts, token_map.count)
     if routing is None:
-        return _FusedGroupedMLP.apply(x, weight1, weight2, probs, bias1, bias2, counts,
-                                      (act, accumulate, None))  # fmt: skip
+        return _FusedGroupedMLP.apply(x, weight1, weight2, probs, bias1, bias2, counts, gather,
+                                      *tm, (act, accumulate, None))  # fmt: skip
     if not needs_grad(x, weight1, weight2, probs, bias1, bias2):
-        return _fused_forward(x, weight1, weight2, counts, probs, bias1, bias2, act, routing)[0]
-    return _APPLY(x, weight1, weight2, probs, bias1, bias2, counts, (act, accumulate, routing))
+        return _fused_forward(x, weight1, weight2, counts, probs, bias1, bias2, act, routing,
+                              gather)[0]  # fmt: skip
+    return _APPLY(x, weight1, weight2, probs, bias1, bias2, counts, gather, *tm,
+                  (act, accumulate, routing))
 
 
 def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activation, limit, alpha,
-           accumulate, backend, validate):  # fmt: skip
+           accumulate, backend, validate, gather, token_map):  # fmt: skip
     """:func:`grouped_mlp` on the eager path: the free checks once per key, the routing
     metadata of the counts derived once for both GEMMs and the backward (its status word is the
     counts' device-side check), no custom op."""
@@ -232,17 +293,28 @@ def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activati
            weight1.dtype, weight1.device, weight2.shape, weight2.dtype, weight2.device, t.shape,
            t.dtype, t.device, probs is None or (probs.shape, probs.dtype, probs.device),
            bias1 is None or (bias1.shape, bias1.dtype, bias1.device),
-           bias2 is None or (bias2.shape, bias2.dtype, bias2.device))  # fmt: skip
+           bias2 is None or (bias2.shape, bias2.dtype, bias2.device),
+           gather is None or (gather.shape, gather.dtype, gather.device, token_map.__class__,
+                              _map_key(token_map)))  # fmt: skip
     impl = GROUPED_GEMM_BACKENDS[name]
     if not _eager_gemm.seen(key):
         _check_activation(weight1, activation)
         check_arguments(x, weight1, t, False, None, bias1, activation)
         check_backend(name, impl, x, weight1, t)
-        _check(x, weight1, weight2, probs, bias2, activation)
+        _check(x, weight1, weight2, probs, bias2, activation, gather, token_map)
         _eager_gemm.remember(key)
-    counts, routing = _eager_gemm.counts_and_routing(t, x, weight1.shape[0], impl, mode)
+    rows = None if gather is None else gather.shape[0]
+    counts, routing = _eager_gemm.counts_and_routing(t, x, weight1.shape[0], impl, mode, rows)
     out = _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, limit, alpha,
-               accumulate, routing)  # fmt: skip
+               accumulate, routing, gather, token_map)  # fmt: skip
     if routing.head is None:
         routing.validate()
     return out
+
+
+def _map_key(token_map) -> tuple | None:
+    """The shapes, dtypes and devices of a token map's tensors (None when it is not one)."""
+    if not isinstance(token_map, TokenMap):
+        return None
+    return tuple((t.shape, t.dtype, t.device, t.stride())
+                 for t in (token_map.rows, token_map.experts, token_map.count))

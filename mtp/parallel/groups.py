@@ -16,12 +16,10 @@ import torch.distributed as dist
 __all__ = ["group_description", "group_from_mesh", "group_name", "resolve_group_name"]
 
 
-def _device_mesh_type():
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch without DeviceMesh
-        return None
-    return DeviceMesh
+try:
+    from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
+except ImportError:  # pragma: no cover - torch without DeviceMesh
+    _DeviceMesh = None
 
 
 def group_from_mesh(group, what: str = "group"):
@@ -31,8 +29,9 @@ def group_from_mesh(group, what: str = "group"):
         ValueError: a DeviceMesh with more than one dimension (name the dimension:
             ``mesh["tp"]``).
     """
-    mesh_type = _device_mesh_type()
-    if mesh_type is None or not isinstance(group, mesh_type):
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if _DeviceMesh is None or not isinstance(group, _DeviceMesh):
         return group
     if group.ndim != 1:
         names = getattr(group, "mesh_dim_names", None)

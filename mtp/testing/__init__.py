@@ -26,7 +26,12 @@ from mtp.testing.aot import (
     compile_for_targets,
     ptxas_info,
 )
-from mtp.testing.counters import CollectiveCall, count_collectives, count_host_syncs
+from mtp.testing.counters import (
+    CollectiveCall,
+    count_collectives,
+    count_host_syncs,
+    saved_activation_bytes,
+)
 from mtp.testing.distributed import RankFailedError, free_port, run_distributed
 from mtp.testing.graph_safety import GraphSafetyError, assert_graph_safe
 from mtp.testing.numerics import (
@@ -61,4 +66,5 @@ __all__ = [
     "CollectiveCall",
     "count_collectives",
     "count_host_syncs",
+    "saved_activation_bytes",
 ]

@@ -1,6 +1,7 @@
 """What a block of code costs besides its arithmetic: :func:`count_host_syncs` (how often it makes
-the host wait for the device) and :func:`count_collectives` (every ``torch.distributed`` call
-and the bytes this rank contributes). Bytes moved by Triton programs are counted in
+the host wait for the device), :func:`count_collectives` (every ``torch.distributed`` call
+and the bytes this rank contributes) and :func:`saved_activation_bytes` (what autograd keeps
+for the backward). Bytes moved by Triton programs are counted in
 :mod:`mtp.testing.traffic`.
 """
 
@@ -19,6 +20,7 @@ __all__ = [
     "CollectiveCall",
     "count_collectives",
     "count_host_syncs",
+    "saved_activation_bytes",
 ]
 
 # aten ops that make the host wait for the device (or produce a data-dependent shape).
@@ -237,3 +239,21 @@ def count_collectives() -> Iterator[_CollectiveLog]:
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+def saved_activation_bytes(fn, *args, skip=()) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while ``fn(*args)`` runs
+    (each storage once, however many views of it are saved), those of the tensors in ``skip``
+    (e.g. the parameters) left out."""
+    skipped = {t.untyped_storage().data_ptr() for t in skip}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skipped:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())

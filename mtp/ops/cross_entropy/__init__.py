@@ -36,7 +36,7 @@ from torch.autograd.graph import increment_version
 from mtp.kernels import cross_entropy as kernels
 from mtp.kernels.cross_entropy import META_ROWS
 from mtp.ops._backend import resolve_backend
-from mtp.ops._eager import CheckedKeys, eager
+from mtp.ops._eager import CheckedKeys, autograd_apply, eager
 from mtp.ops.cross_entropy.checks import (
     REDUCTIONS,
     TargetOutOfRangeError,
@@ -48,7 +48,14 @@ from mtp.ops.cross_entropy.reference import reference_forward
 from mtp.parallel.collective_check import check_collective
 from mtp.parallel.errors import RankMismatchError
 from mtp.parallel.groups import group_from_mesh, group_name, resolve_group_name
-from mtp.utils import data_checks_enabled, empty, poison_, poison_enabled, validation_mode
+from mtp.utils import (
+    capturing_on,
+    data_checks_enabled,
+    empty,
+    poison_,
+    poison_enabled,
+    validation_mode,
+)
 
 __all__ = [
     "vocab_parallel_cross_entropy",
@@ -117,9 +124,13 @@ def _forward(
     vocab_size, group_name, world_size, reduction, check, backend,
 ):  # fmt: skip
     """Loss and info; the gradient goes into ``grad`` when given."""
-    backend = resolve_backend("vocab_parallel_cross_entropy", backend, logits.device, _BACKENDS)
+    if backend != "triton" and backend != "reference":  # the public function resolved it
+        backend = resolve_backend("vocab_parallel_cross_entropy", backend, logits.device,
+                                  _BACKENDS)  # fmt: skip
     rank = vocab_start // logits.shape[-1] if group_name else 0
-    target1 = target.reshape(-1).contiguous()
+    target1 = target
+    if target.dim() != 1 or not target.is_contiguous():
+        target1 = target.reshape(-1).contiguous()
     if backend == "reference":
         loss, g, info = reference_forward(
             logits, target1, label_smoothing, ignore_index, z_loss_weight, vocab_start,
@@ -259,8 +270,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, args, inplace, backend):
-        direct = eager(logits, target)
+    def forward(ctx, logits, target, options):
+        args, inplace, backend, direct = options
         if inplace:
             if direct:  # the custom op's mutation, version bump included
                 loss, info = _forward(logits, target, logits, *args, backend)
@@ -283,7 +294,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dloss, _dinfo):
         (grad,) = ctx.saved_tensors
         if dloss is None:
-            return None, None, None, None, None
+            return None, None, None
         # A second backward through the same graph (retain_graph=True) fails in autograd's
         # version check of ``grad``: it was scaled in place by the first one.
         if eager(grad, dloss):  # as the custom op: in place, version bumped
@@ -291,7 +302,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
             increment_version(grad)
         else:
             torch.ops.mtp.vocab_parallel_cross_entropy_scale_(grad, dloss, ctx.backend)
-        return grad, None, None, None, None
+        return grad, None, None
+
+
+_APPLY = autograd_apply(_CrossEntropyFunction)  # the eager path's (C) apply
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,21 +408,23 @@ def vocab_parallel_cross_entropy(
         )
     if backend == "triton":
         logits, _ = _kernel_view(logits)  # a copy only if the rows need more than two strides
-    validation_mode(validate)  # a bad value raises here, naming the argument
-    check = data_checks_enabled(validate, target)
+    mode = validation_mode(validate)  # a bad value raises here, naming the argument
+    if mode == "off":
+        check = False
+    else:  # the eager path knows nothing traces: only a graph capture turns the check off
+        check = not capturing_on(logits) if direct else data_checks_enabled(mode, target)
     args = (
         float(label_smoothing), int(ignore_index), float(z_loss_weight), rank * v_local,
         vocab_size, group_name, world, reduction, check,
     )  # fmt: skip
     if compute_grad:
-        loss, info = _CrossEntropyFunction.apply(
-            logits, target, args, bool(inplace_backward), backend
-        )
+        apply = _APPLY if direct else _CrossEntropyFunction.apply
+        loss, info = apply(logits, target, (args, bool(inplace_backward), backend, direct))
     else:
         op = _ce if direct else torch.ops.mtp.vocab_parallel_cross_entropy
         loss, _, info = op(logits, target, *args[:-1], False, check, backend)
     if check:
-        check_info(info, target, ignore_index, vocab_size, world, validate)
+        check_info(info, target, ignore_index, vocab_size, world, mode)
     return loss
 
 

@@ -76,21 +76,24 @@ __all__ = [
 
 
 def prepare_call(x, w, tokens_per_expert, trans_b, out, backend, validate, bias=None,
-                 activation=None):  # fmt: skip
+                 activation=None, rows=None):  # fmt: skip
     """Check the arguments of :func:`grouped_gemm` and resolve them: ``(backend name, counts)``
-    with the counts where the backend reads them (the loop backends' one host copy)."""
+    with the counts where the backend reads them (the loop backends' one host copy); ``rows``:
+    the grouped rows the counts cover (default ``x``'s)."""
     validation_mode(validate)  # a bad value raises here, naming the argument
     if isinstance(tokens_per_expert, (list, tuple)):
         tokens_per_expert = torch.tensor(tokens_per_expert, dtype=torch.int64)
     check_arguments(x, w, tokens_per_expert, trans_b, out, bias, activation)
     name = resolve_backend("grouped_gemm", backend, x.device, tuple(GROUPED_GEMM_BACKENDS))
+    if backend == "auto" and name == "triton" and bias is None and activation is None:
+        name = _eager_path.tuned_backend(x, w, trans_b) or name  # the sweep's fastest, if any
     impl = GROUPED_GEMM_BACKENDS[name]
     check_backend(name, impl, x, w, tokens_per_expert)
     # Loop backends read the sizes on the host: copy them once here (their only sync); the
     # validation and the backward read that copy. Single-launch backends read them on the device.
     tokens_per_expert = tokens_per_expert.contiguous()  # [E] ints: a no-op or a tiny copy
     counts = tokens_per_expert if impl.device_counts else tokens_per_expert.to("cpu")
-    check_count_values(counts, x.shape[0], validate)
+    check_count_values(counts, x.shape[0] if rows is None else rows, validate)
     return name, (counts.to(x.device) if impl.device_counts else counts)
 
 

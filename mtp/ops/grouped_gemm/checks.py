@@ -16,12 +16,13 @@ __all__ = [
     "check_count_values",
     "check_fp8_arguments",
     "check_fp8_device",
-    "fp8_data",
+    "check_gather",
     "check_inputs",
     "check_main_grad",
     "check_out_memory",
     "check_probs",
     "count_message",
+    "fp8_data",
     "n_of",
 ]
 
@@ -207,6 +208,35 @@ def check_main_grad(w: torch.Tensor) -> None:
             f"w.main_grad must be a floating tensor of w's shape {tuple(w.shape)} on "
             f"{w.device}, got {main.dtype} {tuple(main.shape)} on {main.device}"
         )
+
+
+def check_gather(x, weight1, gather_index, token_map, probs) -> None:
+    """:func:`mtp.ops.grouped_mlp`'s row gather: ``gather_index`` ``[M]`` int32/int64 on ``x``'s
+    device, ``token_map`` the :class:`~mtp.ops.moe_permute.TokenMap` of its source rows (``x``'s
+    ``S`` rows), ``probs`` None or ``[S, E]`` (``E = weight1.shape[0]``)."""
+    from mtp.ops.moe_permute.token_map import TokenMap
+
+    check_tensor("gather_index", gather_index, ndim=1, dtypes=COUNT_DTYPES, device=x.device)
+    if not isinstance(token_map, TokenMap):
+        raise TypeError("gather_index needs token_map=, the TokenMap of its rows (the one "
+                        "moe_permute_row_map(..., token_map=True) built with the index), got "
+                        f"{type(token_map).__name__}")  # fmt: skip
+    S = x.shape[0]
+    for name in ("rows", "experts", "count"):
+        t = getattr(token_map, name)
+        check_tensor(f"token_map.{name}", t, ndim=1 if name == "count" else 2,
+                     dtypes=(torch.int32,), device=x.device)  # fmt: skip
+        if t.shape[0] != S:
+            raise ValueError(f"token_map.{name} must have x's {S} rows (one per source row), "
+                             f"got {tuple(t.shape)}")  # fmt: skip
+    if token_map.rows.shape != token_map.experts.shape:
+        raise ValueError(f"token_map.rows and .experts must have one shape, got "
+                         f"{tuple(token_map.rows.shape)} and {tuple(token_map.experts.shape)}")
+    if probs is not None:
+        check_tensor("probs", probs, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+        if tuple(probs.shape) != (S, weight1.shape[0]):
+            raise ValueError(f"with gather_index, probs must be [{S}, {weight1.shape[0]}] (each "
+                             f"source row's probability per expert), got {tuple(probs.shape)}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ a choice and its reason side by side). The launchers in
 :mod:`mtp.kernels.grouped_gemm_details.launch` decide nothing: they run the config.
 
 TMA kernels run only where the operands allow (16-bit, TMA-aligned, an epilogue with a TMA
-kernel). Among those launches, the kernel family comes from :func:`override` (``kernel="tma"`` or
+kernel, ``a`` rows read in order: a GEMM that gathers its rows through a row index takes the
+pointer kernels, ``make_config(..., gather=True)``). Among those launches, the kernel family comes from :func:`override` (``kernel="tma"`` or
 ``"pointer"``), else ``MTP_TRITON_TMA=1/0`` (read by :func:`_tma_setting` only), both of which
 act under the interpreter too (descriptors run there), else the default: TMA on sm_90+.
 """
@@ -34,12 +35,16 @@ from mtp.kernels.grouped_gemm_details.launch import tma_aligned
 __all__ = [
     "FORWARD_TABLE",
     "GroupedGemmConfig",
+    "TUNED",
+    "TUNED_BACKENDS",
     "WGRAD_TABLE",
     "choice_state",
     "device_arch",
     "fit_block",
     "make_config",
+    "measured_backend",
     "override",
+    "shape_class",
     "supports_warp_specialize",
     "tma_aligned",
 ]
@@ -124,6 +129,17 @@ WGRAD_TABLE: dict[int, GroupedGemmConfig] = {
     10: _tma(128, 128, 64, 8, 3, flatten=False,
              reason="sm_100a weight gradient: warp-specialised, 8 warps"),
 }
+# Configs measured by the tuning sweep (tools/gpu_sweep.py on a lent GPU), written by
+# tools/sweep_pick.py from the sweep's JSONL: (arch, dtype, gemm, epilogue, shape class) ->
+# {"config": GroupedGemmConfig fields but programs, "source": the sweep file, "commit": its
+# bundle's commit, "ms": the measured median, "default_ms": today's rule's}. make_config takes an
+# entry before its rules; none yet (no sweep has run on a GPU).
+TUNED: dict[tuple[int, str, str, str, str], dict] = {}
+# The fastest measured backend of forward + data gradient + weight gradient per shape class,
+# from the same sweeps: (arch, dtype, shape class) -> {"backend": "triton" | "cutlass" |
+# "torch", "source", "commit", "ms": {backend: ms}}. backend="auto" follows an entry when the call
+# fuses no epilogue; none yet.
+TUNED_BACKENDS: dict[tuple[int, str, str], dict] = {}
 _MAX_SPLIT = 16
 _MIN_ROWS_PER_SPLIT = 256
 _SHARED_MEMORY_PER_SM = 228 * 1024  # H100 / H200 / B200
@@ -217,6 +233,38 @@ def regime(M: int, E: int) -> str:
     """Group-size regime from the host-known sizes: average rows per expert ``M / E``."""
     avg = M / max(E, 1)
     return "small" if avg < 128 else ("medium" if avg < 1024 else "large")
+
+
+def shape_class(M: int, N: int, K: int, E: int) -> str:
+    """The key of the measured tables: the experts and the GEMM's K and N exactly (a model's
+    layer), the rows per expert by :func:`regime` (they vary with the batch)."""
+    return f"E{E} K{K} N{N} {regime(M, E)}"
+
+
+def measured_backend(arch: int, dtype: torch.dtype, M: int, N: int, K: int, E: int) -> str | None:
+    """The backend :data:`TUNED_BACKENDS` measured fastest for this shape class, or None."""
+    if not TUNED_BACKENDS:
+        return None
+    entry = TUNED_BACKENDS.get((arch, str(dtype).replace("torch.", ""), shape_class(M, N, K, E)))
+    return None if entry is None else entry["backend"]
+
+
+@functools.lru_cache(maxsize=1024)
+def _tuned(arch, dtype, M, N, K, E, gemm, epilogue, use_tma, tma_forced, sms):
+    entry = TUNED.get((arch, str(dtype).replace("torch.", ""), gemm, epilogue,
+                       shape_class(M, N, K, E)))  # fmt: skip
+    if entry is None:
+        return None
+    fields = dict(entry["config"])
+    if (fields["kernel"] == "tma" and not use_tma) or (fields["kernel"] == "pointer"
+                                                       and tma_forced):  # fmt: skip
+        return None  # the operands (or an override) rule the measured kernel family out
+    cfg = GroupedGemmConfig(**fields, reason=f"measured: {entry['source']} at {entry['commit']}")
+    if cfg.kernel == "tma":
+        return dataclasses.replace(cfg, persistent=True, programs=sms or _INTERPRETER_PROGRAMS)
+    gated = 2 if epilogue in ("swiglu", "clamped_swiglu") else 1
+    stage = (cfg.block_m + gated * cfg.block_n) * cfg.block_k
+    return dataclasses.replace(cfg, programs=_resident(sms, cfg, dtype.itemsize, stage))
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,6 +411,8 @@ def make_config(
     tma_ok: bool = False,
     sms: int = 0,
     recipe: str | None = None,
+    gather: bool = False,
+    recompute: bool = False,
 ) -> GroupedGemmConfig:
     """The config of one grouped GEMM launch.
 
@@ -380,16 +430,41 @@ def make_config(
         sms: SMs of the device (0 under the interpreter): persistent grids and the split.
         recipe: ``"blockwise"`` or ``"mxfp8"`` for FP8 operands (the FP8 pointer kernels),
             None otherwise.
+        gather: ``a``'s rows are read through a row index (the MoE dispatch's gather fused
+            into the GEMM): the pointer kernels, which load any rows (a TMA descriptor reads a
+            box of consecutive rows; Blackwell's row-gather TMA is not exposed by Triton 3.6).
+        recompute: the activation's data gradient also rewrites the forward's ``act(h) * p``
+            (what the next weight gradient reads, so that the forward need not keep it).
     """
     forced = _forced()
     want = {"tma": True, "pointer": False}.get(forced.get("kernel"), _tma_setting())
     # TMA only where the operands allow it; forced (override, MTP_TRITON_TMA=1) under the
     # interpreter too (descriptors run there); by default on sm_90+ only.
-    use_tma = tma_ok and (arch >= 9 if want is None else want)
+    use_tma = tma_ok and not gather and (arch >= 9 if want is None else want)
     extra = tuple(sorted((k, v) for k, v in forced.items() if k != "kernel"))
-    if recipe is not None:  # the FP8 kernels: pointer loads
-        use_tma = False
-    return _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra, recipe)
+    if recipe is not None:  # the FP8 kernels: pointer loads, their own rules (no TUNED entry)
+        return _choose(arch, dtype, M, N, K, E, gemm, activation, bias, False, sms, extra, recipe)
+    cfg = None
+    if TUNED and arch:  # a measured config for this shape class first
+        epilogue = activation or ("bias" if bias else "none")
+        cfg = _tuned(arch, dtype, M, N, K, E, gemm, epilogue, use_tma, want is True, sms)
+        if cfg is not None and extra:
+            cfg = dataclasses.replace(cfg, **dict(extra))
+    if cfg is None:
+        cfg = _choose(arch, dtype, M, N, K, E, gemm, activation, bias, use_tma, sms, extra)
+    if recompute and cfg.kernel == "pointer" and cfg.block_m == 128 and cfg.block_n > 32:
+        # the pointer epilogue's extra pass over the tile spilled at 64 columns (sm_90a)
+        cfg = dataclasses.replace(cfg, block_n=32, reason=cfg.reason + "; the data gradient "
+                                  "rewrites fc1's output: 32 columns")  # fmt: skip
+    if recompute and cfg.kernel == "tma" and cfg.block_m == 128 and cfg.num_stages > 3:
+        # the TMA epilogue's rewrite spilled 4 B at 255 registers with 4 stages (sm_90a,
+        # triton 3.6, the GPU machines'); 3 stages: none
+        cfg = dataclasses.replace(cfg, num_stages=3, reason=cfg.reason + "; the data gradient "
+                                  "rewrites fc1's output: 3 stages")  # fmt: skip
+    if gather:
+        cfg = dataclasses.replace(cfg, reason=cfg.reason + "; a rows gathered through a row "
+                                  "index: pointer loads (TMA reads consecutive rows)")
+    return cfg
 
 
 @functools.lru_cache(maxsize=4096)

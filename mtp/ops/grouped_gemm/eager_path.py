@@ -32,11 +32,13 @@ from mtp.ops.grouped_gemm.checks import (
     check_out_memory,
     check_probs,
     count_message,
+    n_of,
 )
+from mtp.ops.grouped_gemm.config import TUNED_BACKENDS, device_arch, measured_backend
 from mtp.ops.grouped_gemm.ops import GroupedGemmFunction, forward
 from mtp.utils import capturing_on, validation_mode
 
-__all__ = ["backend_name", "call", "counts_and_routing", "remember", "seen"]
+__all__ = ["backend_name", "call", "counts_and_routing", "remember", "seen", "tuned_backend"]
 
 _CHECKED = CheckedKeys()
 _NAMES = tuple(GROUPED_GEMM_BACKENDS)
@@ -74,16 +76,33 @@ def backend_name(op: str, backend, device: torch.device, names: tuple) -> str:
     return hit[1]
 
 
-def counts_and_routing(tokens_per_expert, x, E: int, impl, mode: str):
+def tuned_backend(x, w, trans_b) -> str | None:
+    """The backend the tuning sweep measured fastest at this shape class (config.TUNED_BACKENDS),
+    when it can run these inputs here; None otherwise."""
+    if not TUNED_BACKENDS or w.dim() != 3:
+        return None
+    arch, _ = device_arch(x.device)
+    name = measured_backend(arch, x.dtype, x.shape[0], n_of(w, trans_b), x.shape[1], w.shape[0])
+    check = GROUPED_GEMM_BACKENDS[name].check if name in GROUPED_GEMM_BACKENDS else None
+    try:
+        if name is not None and check is not None:
+            check(x, w)
+    except (TypeError, ValueError):
+        return None
+    return name
+
+
+def counts_and_routing(tokens_per_expert, x, E: int, impl, mode: str, M: int | None = None):
     """``(counts, routing)``: the counts where backend ``impl`` reads them, and the call's
-    :class:`Routing` (its status word asserted on the device for ``validate`` mode ``"device"``
-    on the ``triton`` backend; the other modes and backends check here)."""
+    :class:`Routing` for ``M`` rows (default ``x``'s; its status word asserted on the device for
+    ``validate`` mode ``"device"`` on the ``triton`` backend; the other modes and backends check
+    here)."""
     counts = tokens_per_expert.contiguous()
     if not impl.device_counts:
         counts = counts.to("cpu")  # the loop backends' one host copy
     elif counts.device != x.device:
         counts = counts.to(x.device)
-    M = x.shape[0]
+    M = x.shape[0] if M is None else M
     check = None
     if mode != "off" and E and not capturing_on(counts):
         if mode == "device" and impl is _TRITON:
@@ -98,6 +117,9 @@ def call(x, w, tokens_per_expert, trans_b, backend, out, validate, bias, activat
     """:func:`mtp.ops.grouped_gemm` on the eager path (same arguments, resolved defaults)."""
     mode = settings.current().validate if validate is True else validation_mode(validate)
     name = backend_name("grouped_gemm", backend, x.device, _NAMES)
+    if TUNED_BACKENDS and backend == "auto" and name == "triton" and bias is None \
+            and activation is None:
+        name = tuned_backend(x, w, trans_b) or name  # the sweep's fastest, if any
     t = tokens_per_expert
     key = (name, x.shape, x.dtype, x.device, w.shape, w.dtype, w.device, t.shape, t.dtype,
            t.device, trans_b, trans_b.__class__, activation,

@@ -21,6 +21,7 @@ from mtp.ops.grouped_gemm.backends import (
     expert_bias_sums,
     triton_dgrad_act,
     triton_forward_act,
+    triton_wgrad,
 )
 from mtp.ops.grouped_gemm.checks import ACTIVATIONS, GATED
 from mtp.utils import empty
@@ -52,8 +53,13 @@ def activation_width(n: int, activation: str | None) -> int:
 
 
 def run_out(x, w, counts, out, trans_b, backend, bias, h, probs, activation, limit, alpha,
-            routing=None) -> None:  # fmt: skip
+            routing=None, gather=None, row_probs=None) -> None:  # fmt: skip
     """The body of ``mtp::grouped_gemm_out`` (``routing``: the eager path's)."""
+    if gather is not None:  # the triton backend's gathered fc1 (grouped_mlp checks it)
+        triton_forward_act(x, w, counts, trans_b, h, out, activation,
+                           None if bias is None else bias.contiguous(), probs, limit, alpha,
+                           routing, gather, row_probs)  # fmt: skip
+        return
     impl = GROUPED_GEMM_BACKENDS[backend]
     if activation == "none":
         if impl.fused_epilogues:
@@ -75,7 +81,7 @@ def run_out(x, w, counts, out, trans_b, backend, bias, h, probs, activation, lim
     out.copy_(activation_reference(h, activation, probs, limit, alpha))
 
 
-@torch.library.custom_op("mtp::grouped_gemm_out", mutates_args=("out", "h"))
+@torch.library.custom_op("mtp::grouped_gemm_out", mutates_args=("out", "h", "row_probs"))
 def _forward_op(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -89,24 +95,32 @@ def _forward_op(
     activation: str,
     limit: float,
     alpha: float,
+    gather: torch.Tensor | None,
+    row_probs: torch.Tensor | None,
 ) -> None:
     """``out = x @ w[e] (+ bias[e])`` per expert; with an ``activation``: ``h`` gets that
-    pre-activation and ``out = act(h) * probs``. Zeros past ``sum(tokens_per_expert)``.
+    pre-activation and ``out = act(h) * probs``. Zeros past ``sum(tokens_per_expert)``. With
+    ``gather`` (``[M]``, triton, an activation) row ``r`` reads ``x[gather[r]]`` and the
+    probability ``probs[gather[r] (, e)]``, which ``row_probs`` receives.
 
     No argument has a default: torch 2.11's in-place kernel of a custom op finds a mutated
     argument by its position in a list whose trailing defaults were dropped (``h`` at 7 was
     out of range whenever ``h, probs, ...`` were all defaults: IndexError on the H200)."""
     run_out(x, w, tokens_per_expert, out, trans_b, backend, bias, h, probs, activation, limit,
-            alpha)
+            alpha, None, gather, row_probs)
 
 
 @_forward_op.register_fake
-def _(x, w, tokens_per_expert, out, trans_b, backend, bias, h, probs, activation, limit, alpha):
+def _(x, w, tokens_per_expert, out, trans_b, backend, bias, h, probs, activation, limit, alpha,
+      gather, row_probs):
     return None
 
 
-def run_wgrad(a, b, counts, out, backend, accumulate=False, routing=None) -> None:
+def run_wgrad(a, b, counts, out, backend, accumulate=False, routing=None, gather=None) -> None:
     """The body of ``mtp::grouped_gemm_wgrad`` (``routing``: the eager path's)."""
+    if gather is not None:
+        triton_wgrad(a, b, counts, out, accumulate, routing, gather)
+        return
     impl = GROUPED_GEMM_BACKENDS[backend]
     if impl.fused_epilogues:
         impl.wgrad(a, b, counts, out, accumulate, routing)
@@ -124,24 +138,29 @@ def _wgrad_op(
     out: torch.Tensor,
     backend: str,
     accumulate: bool = False,
+    gather: torch.Tensor | None = None,
 ) -> None:
     """``out[e] = a_e^T b_e`` (``[E, P, Q]`` for ``a [M, P]``, ``b [M, Q]``); ``accumulate``:
-    ``out[e] += ...`` (in the epilogue, fp32, where the backend fuses it)."""
-    run_wgrad(a, b, tokens_per_expert, out, backend, accumulate)
+    ``out[e] += ...`` (in the epilogue, fp32, where the backend fuses it); ``gather`` (``[M]``,
+    triton): row ``r`` of ``a`` is ``a[gather[r]]``."""
+    run_wgrad(a, b, tokens_per_expert, out, backend, accumulate, None, gather)
 
 
 @_wgrad_op.register_fake
-def _(a, b, tokens_per_expert, out, backend, accumulate=False):
+def _(a, b, tokens_per_expert, out, backend, accumulate=False, gather=None):
     return None
 
 
-def run_dact(dy, w, counts, h, probs, activation, limit, alpha, routing=None):
+def run_dact(dy, w, counts, h, probs, activation, limit, alpha, routing=None, recompute=False):
     """The body of ``mtp::grouped_gemm_dact`` (``routing``: the eager path's)."""
     dh = empty(h.shape, dtype=h.dtype, device=h.device)
-    part = triton_dgrad_act(dy, w, counts, h, dh, activation, probs, limit, alpha, routing)
+    F = w.shape[1]
+    y = empty((h.shape[0], F if recompute else 0), dtype=h.dtype, device=h.device)
+    part = triton_dgrad_act(dy, w, counts, h, dh, activation, probs, limit, alpha, routing,
+                            y if recompute else None)  # fmt: skip
     if part is None:
-        return dh, dy.new_empty((0,), dtype=torch.float32)
-    return dh, part.sum(0)  # fixed order over the column tiles: deterministic
+        return dh, dy.new_empty((0,), dtype=torch.float32), y
+    return dh, part.sum(0), y  # fixed order over the column tiles: deterministic
 
 
 @torch.library.custom_op("mtp::grouped_gemm_dact", mutates_args=())
@@ -154,16 +173,20 @@ def _dact_op(
     activation: str,
     limit: float,
     alpha: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dh, dprobs)``: ``dh = (dy @ w[e]^T) * probs * act'(h)`` (``w [E, F, K]``: the weight of
-    the GEMM after the activation) and ``dL/dprobs`` (fp32; empty without ``probs``)."""
-    return run_dact(dy, w, counts, h, probs, activation, limit, alpha)
+    recompute: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dh, dprobs, y)``: ``dh = (dy @ w[e]^T) * probs * act'(h)`` (``w [E, F, K]``: the weight
+    of the GEMM after the activation), ``dL/dprobs`` (fp32; empty without ``probs``) and, with
+    ``recompute``, ``y = act(h) * probs`` (``[M, F]``, the forward's output again, bit-equal;
+    ``[M, 0]`` without)."""
+    return run_dact(dy, w, counts, h, probs, activation, limit, alpha, None, recompute)
 
 
 @_dact_op.register_fake
-def _(dy, w, counts, h, probs, activation, limit, alpha):
-    n = 0 if probs is None else dy.shape[0]
-    return h.new_empty(h.shape), dy.new_empty((n,), dtype=torch.float32)
+def _(dy, w, counts, h, probs, activation, limit, alpha, recompute=False):
+    M, F = dy.shape[0], w.shape[1]
+    return (h.new_empty(h.shape), dy.new_empty((0 if probs is None else M,), dtype=torch.float32),
+            h.new_empty((M, F if recompute else 0)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,27 +194,30 @@ def _(dy, w, counts, h, probs, activation, limit, alpha):
 # --------------------------------------------------------------------------------------------
 
 
-def forward(x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha, routing=None):
-    """``(y, h)``: the forward into ``out`` (or a new buffer); ``h`` the pre-activation."""
+def forward(x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha, routing=None,
+            gather=None, row_probs=None):  # fmt: skip
+    """``(y, h)``: the forward into ``out`` (or a new buffer); ``h`` the pre-activation. With
+    ``gather`` (``[M]``) the rows are ``x[gather]`` (see ``mtp::grouped_gemm_out``)."""
     n = w.shape[1] if trans_b else w.shape[2]
-    M = x.shape[0]
+    M = x.shape[0] if gather is None else gather.shape[0]
     y = out if out is not None else empty((M, n // 2 if act in GATED else n), dtype=x.dtype,
                                           device=x.device)  # fmt: skip
     h = None if act is None else empty((M, n), dtype=x.dtype, device=x.device)
     if routing is None:
         torch.ops.mtp.grouped_gemm_out(x, w, counts, y, trans_b, backend, bias, h, probs,
-                                       act or "none", limit, alpha)  # fmt: skip
+                                       act or "none", limit, alpha, gather, row_probs)  # fmt: skip
     else:
         run_out(x, w, counts, y, trans_b, backend, bias, h, probs, act or "none", limit, alpha,
-                routing)  # fmt: skip
+                routing, gather, row_probs)  # fmt: skip
     return y, h
 
 
-def dact(dy, w, counts, h, probs, act, limit, alpha, routing=None):
-    """``(dh, dprobs)`` of ``mtp::grouped_gemm_dact`` (``routing``: the eager path's)."""
+def dact(dy, w, counts, h, probs, act, limit, alpha, routing=None, recompute=False):
+    """``(dh, dprobs, y)`` of ``mtp::grouped_gemm_dact`` (``routing``: the eager path's)."""
     if routing is None:
-        return torch.ops.mtp.grouped_gemm_dact(dy, w, counts, h, probs, act, limit, alpha)
-    return run_dact(dy, w, counts, h, probs, act, limit, alpha, routing)
+        return torch.ops.mtp.grouped_gemm_dact(dy, w, counts, h, probs, act, limit, alpha,
+                                               recompute)  # fmt: skip
+    return run_dact(dy, w, counts, h, probs, act, limit, alpha, routing, recompute)
 
 
 def bias_grad(dy: torch.Tensor, counts: torch.Tensor, backend: str, routing=None) -> torch.Tensor:
@@ -207,23 +233,24 @@ def bias_grad(dy: torch.Tensor, counts: torch.Tensor, backend: str, routing=None
     return out.view(E, N)
 
 
-def _wgrad(a, b, counts, out, backend, accumulate, routing) -> None:
+def _wgrad(a, b, counts, out, backend, accumulate, routing, gather=None) -> None:
     if routing is None:
-        torch.ops.mtp.grouped_gemm_wgrad(a, b, counts, out, backend, accumulate)
+        torch.ops.mtp.grouped_gemm_wgrad(a, b, counts, out, backend, accumulate, gather)
     else:
-        run_wgrad(a, b, counts, out, backend, accumulate, routing)
+        run_wgrad(a, b, counts, out, backend, accumulate, routing, gather)
 
 
 def weight_grad(w, a, b, counts, backend: str, accumulate: bool,
-                routing=None) -> torch.Tensor | None:  # fmt: skip
-    """``dW[e] = a_e^T b_e``. With ``accumulate``: added to ``w.main_grad`` instead, and the
-    gradient autograd returns is a placeholder when ``w`` has Megatron's
-    ``grad_added_to_main_grad`` flag (set here; the data-parallel hook drops it), else None."""
+                routing=None, gather=None) -> torch.Tensor | None:  # fmt: skip
+    """``dW[e] = a_e^T b_e`` (``gather``: row ``r`` of ``a`` is ``a[gather[r]]``). With
+    ``accumulate``: added to ``w.main_grad`` instead, and the gradient autograd returns is a
+    placeholder when ``w`` has Megatron's ``grad_added_to_main_grad`` flag (set here; the
+    data-parallel hook drops it), else None."""
     if not accumulate:
         dw = empty((counts.shape[0], a.shape[1], b.shape[1]), dtype=a.dtype, device=a.device)
-        _wgrad(a, b, counts, dw, backend, False, routing)
+        _wgrad(a, b, counts, dw, backend, False, routing, gather)
         return dw
-    _wgrad(a, b, counts, w.main_grad, backend, True, routing)
+    _wgrad(a, b, counts, w.main_grad, backend, True, routing, gather)
     if hasattr(w, "grad_added_to_main_grad"):  # a DDP hook waits for a gradient
         w.grad_added_to_main_grad = True
         return torch.empty_like(w)  # never read: the hook sees the flag and drops it

@@ -63,62 +63,81 @@ def triton_forward(x, w, counts, trans_b, out, bias=None, routing=None):
     return out
 
 
-def triton_wgrad(a, b, counts, out, accumulate=False, routing=None):
-    """``out[e] (+)= a_e^T b_e`` (``accumulate``: added in fp32 in the epilogue)."""
+def triton_wgrad(a, b, counts, out, accumulate=False, routing=None, gather=None):
+    """``out[e] (+)= a_e^T b_e`` (``accumulate``: added in fp32 in the epilogue); ``gather``:
+    row ``r`` of ``a`` is ``a[gather[r]]``."""
     if out is None:
         out = empty((counts.shape[0], a.shape[1], b.shape[1]), dtype=a.dtype, device=a.device)
-    (M, P), Q, E = a.shape, b.shape[1], out.shape[0]
-    key = ("wgrad", M, P, Q, E, a.stride(), b.stride(), out.stride(), a.dtype, b.dtype,
-           out.dtype, counts.dtype, aligned(a, b, out, counts), a.device, accumulate,
-           choice_state(), a.dtype is _F32 and _tf32())  # fmt: skip
+    P, (M, Q), E = a.shape[1], b.shape, out.shape[0]
+    g = gather
+    key = ("wgrad", a.shape, P, Q, E, a.stride(), b.stride(), out.stride(), a.dtype, b.dtype,
+           out.dtype, counts.dtype, aligned(a, b, out, counts, g), a.device, accumulate,
+           choice_state(), a.dtype is _F32 and _tf32(), M,
+           None if g is None else g.dtype)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         tma_ok = tma_aligned(a, 1) and tma_aligned(b, 1) and out.stride(2) == 1
-        config = _config(a, M, Q, P, E, gemm="wgrad", tma_ok=tma_ok)
+        config = _config(a, M, Q, P, E, gemm="wgrad", tma_ok=tma_ok, gather=g is not None)
         plan = _PLANS.add(key, _launch.wgrad_plan(a, b, counts, out, config,
-                                                  accumulate=accumulate))  # fmt: skip
-    plan(a, b, counts, out, routing or Routing(counts, M, E))
+                                                  accumulate=accumulate, gather=g))  # fmt: skip
+    plan(a, b, counts, out, routing or Routing(counts, M, E), g)
     return out
 
 
+def _probs_strides(probs, gather) -> tuple[int, int]:
+    """``(stride per row, stride per expert)`` of the probabilities: ``[M]`` per row, or with a
+    row gather ``[S]`` per source row or ``[S, E]`` per source row and expert."""
+    if probs is None or probs.dim() == 1:
+        return (1 if probs is None else probs.stride(0)), 0
+    return probs.stride(0), probs.stride(1)
+
+
 def triton_forward_act(x, w, counts, trans_b, h, y, act, bias, probs, limit, alpha,
-                       routing=None) -> None:  # fmt: skip
-    """``h = x @ w[e] + bias[e]`` and ``y = act(h) * probs`` in one launch (TMA: two)."""
-    (M, K), E, F = x.shape, w.shape[0], y.shape[1]
+                       routing=None, gather=None, row_probs=None) -> None:  # fmt: skip
+    """``h = x @ w[e] + bias[e]`` and ``y = act(h) * probs`` in one launch (TMA: two); with
+    ``gather``, row ``r`` reads ``x[gather[r]]`` and the probability of that source row (and
+    expert), which ``row_probs`` (fp32 ``[M]``) receives."""
+    K, E, (M, F) = x.shape[1], w.shape[0], y.shape
     clamped = act == "clamped_swiglu"
-    key = ("act", trans_b, M, F, K, E, x.stride(), w.stride(), h.stride(), y.stride(), x.dtype,
-           h.dtype, y.dtype, counts.dtype, None if bias is None else bias.dtype,
-           None if probs is None else probs.dtype, aligned(x, w, h, y, bias, probs, counts),
+    g, rp = gather, row_probs
+    strides = _probs_strides(probs, g)
+    key = ("act", trans_b, x.shape, F, K, E, x.stride(), w.stride(), h.stride(), y.stride(),
+           x.dtype, h.dtype, y.dtype, counts.dtype, None if bias is None else bias.dtype,
+           None if probs is None else probs.dtype, aligned(x, w, h, y, bias, probs, counts, g, rp),
            x.device, act, (limit, alpha) if clamped else None, choice_state(),
-           x.dtype is _F32 and _tf32())  # fmt: skip
+           x.dtype is _F32 and _tf32(), M, None if g is None else g.dtype, rp is None,
+           strides)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         b = w.transpose(1, 2) if trans_b else w
         tma_ok = K > 0 and not clamped and tma_aligned(x, 1) and tma_aligned(b, 2)
-        config = _config(x, M, F, K, E, activation=act, bias=bias is not None, tma_ok=tma_ok)
+        config = _config(x, M, F, K, E, activation=act, bias=bias is not None, tma_ok=tma_ok,
+                         gather=g is not None)  # fmt: skip
         plan = _PLANS.add(key, _launch.forward_act_plan(
-            x, b, counts, h, y, config, act, bias=bias, probs=probs, limit=limit, alpha=alpha))
-    plan((x, w, h, y, h if bias is None else bias, h if probs is None else probs), counts,
+            x, b, counts, h, y, config, act, bias=bias, probs=probs, limit=limit, alpha=alpha,
+            gather=g, row_probs=rp, probs_strides=strides))
+    plan(_launch.act_tensors(x, w, h, y, bias, probs, g, rp), counts,
          routing or Routing(counts, M, E))
 
 
-def triton_dgrad_act(dy, w, counts, h, dh, act, probs, limit, alpha, routing=None):
+def triton_dgrad_act(dy, w, counts, h, dh, act, probs, limit, alpha, routing=None, y=None):
     """``dh = (dy @ w[e]^T) * probs * act'(h)`` (``w [E, F, K]``, the weight of the GEMM after
-    the activation) and the fp32 partials of ``dL/dprobs`` (None without ``probs``)."""
+    the activation) and the fp32 partials of ``dL/dprobs`` (None without ``probs``); ``y``
+    (``[M, F]``) receives ``act(h) * probs`` again."""
     (M, K), E, F = dy.shape, w.shape[0], w.shape[1]
     clamped = act == "clamped_swiglu"
     key = ("dact", M, F, K, E, dy.stride(), w.stride(), h.stride(), dh.stride(), dy.dtype,
            h.dtype, dh.dtype, counts.dtype, None if probs is None else probs.dtype,
-           aligned(dy, w, h, dh, probs, counts), dy.device, act,
+           aligned(dy, w, h, dh, probs, counts, y), dy.device, act,
            (limit, alpha) if clamped else None, choice_state(),
-           dy.dtype is _F32 and _tf32())  # fmt: skip
+           dy.dtype is _F32 and _tf32(), None if y is None else (y.stride(), y.dtype))  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         b = w.transpose(1, 2)
         tma_ok = K > 0 and not clamped and tma_aligned(dy, 1) and tma_aligned(b, 1)
-        config = _config(dy, M, F, K, E, activation=act, tma_ok=tma_ok)
+        config = _config(dy, M, F, K, E, activation=act, tma_ok=tma_ok, recompute=y is not None)
         plan = _PLANS.add(key, (_launch.dgrad_act_plan(
-            dy, b, counts, h, dh, config, act, probs=probs, limit=limit, alpha=alpha),
+            dy, b, counts, h, dh, config, act, probs=probs, limit=limit, alpha=alpha, y=y),
             _launch.part_rows(config, F)))  # fmt: skip
     gemm, rows = plan
     part = None
@@ -126,7 +145,7 @@ def triton_dgrad_act(dy, w, counts, h, dh, act, probs, limit, alpha, routing=Non
         part = torch.empty((rows, M), dtype=torch.float32, device=dy.device)
         if M == 0 or F == 0:
             return part.zero_()
-    gemm((dy, w, h, dh if probs is None else probs, dh, dh if part is None else part), counts,
+    gemm(_launch.dact_tensors(dy, w, h, dh, probs, part, y), counts,
          routing or Routing(counts, M, E))
     return part
 

@@ -3,298 +3,282 @@
 ``linear_cross_entropy(hidden, weight, target, group=...)`` equals
 ``F.cross_entropy(F.linear(hidden, full_weight, full_bias).float(), target, ...)`` where
 ``full_weight`` is the concatenation of every tensor-parallel rank's vocab shard, but it only
-ever holds the logits of ``chunk_size`` tokens at a time (``[chunk, V/tp]``), never ``[N, V/tp]``.
+ever holds the logits of one chunk of rows at a time (``[chunk, V/tp]``), never ``[N, V/tp]``.
 
-Algorithm (per call, ``tp`` = size of ``group``):
+Algorithm (per call, ``tp`` = size of ``group``), token chunk by token chunk:
 
-* **Forward**, token chunk by token chunk: the logits shard of the chunk (one GEMM), reduced at
-  once to three fp32 values per row (max, sum of ``exp(x - max)``, the smoothed target term),
-  which the ranks exchange in one small ``all_gather`` (``12 * rows`` bytes per rank per chunk);
-  the per-row loss and ``(max, log-sum)`` (8 bytes per row, saved for the backward) follow. With
-  ``sequence_parallel`` each rank holds ``[N/tp, H]`` hidden rows and the chunk's rows are
-  all-gathered first. One extra all-gather of a few integers per call carries every rank's
-  vocab shard size (uneven shards are supported), row count and a checksum of the targets, so
-  ranks that disagree fail with :class:`~mtp.parallel.errors.RankMismatchError`-style messages
-  instead of hanging.
-* **Backward**: the logits of each chunk are recomputed (one GEMM), turned into
-  ``dloss * (softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V)`` and multiplied out:
-  ``d_hidden`` rows (fp32, written once per row) and ``d_weight += g^T h`` (fp32 accumulation,
-  ``torch.addmm(..., out_dtype=float32)`` on CUDA). ``d_hidden`` is then summed over the group
-  once per call (all-reduce, or reduce-scatter with ``sequence_parallel``).
+* the logits shard of the chunk (one cuBLAS GEMM into a chunk buffer reused by every chunk);
+* the loss maths: at tp = 1 one Triton launch reads each row once for its statistics and
+  writes the row's loss; at tp > 1 a launch reduces each row to ``(max, sum exp(x - max),
+  smoothed target term)``, the ranks exchange these 12 bytes per row in one ``all_gather``
+  and a second launch writes the loss. With sequence parallelism the chunk's hidden rows are
+  all-gathered first.
+* **With a reduced loss** (``reduction="mean"`` or ``"sum"``: the upstream gradient is one
+  scalar) that needs gradients, the same launch also overwrites the chunk's logits with the
+  gradient of its rows' loss, and the chunk's two gradient GEMMs follow at once:
+  ``d_hidden`` rows ``= g @ W`` and ``d_weight (+)= g^T h`` (fp32 results; the first chunk
+  writes ``d_weight``, the others add to it). ``d_hidden`` is summed over the group once, at
+  the end of the forward. The backward only scales the saved fp32 gradients by the upstream
+  gradient (``1 / valid rows`` for the mean) into the parameters' dtypes: **3 GEMMs in all**,
+  the logits never recomputed.
+* **With** ``reduction="none"`` the upstream gradient differs per row, which ``d_weight`` cannot
+  absorb after the fact: the forward keeps ``(max, sum)`` per row (8 bytes) and the backward
+  recomputes each chunk's logits (4 GEMMs in all), as the unfused pair would need its logits.
+* Without gradients (``torch.no_grad``, or no input requiring one) only the loss is computed
+  (1 GEMM).
 
-Peak extra memory: ``O(chunk_size * V/tp)`` for the logits and their fp32 temporaries, plus the
-fp32 ``d_hidden`` ``[N, H]`` and ``d_weight`` ``[V/tp, H]`` accumulators of the backward; it
-does not grow with ``N`` beyond those gradient-sized buffers. No host synchronisation (the
-chunking is fixed by the shapes; checks run on the device), deterministic (no atomics).
+Memory beyond the inputs and the loss: the chunk buffer (``chunk x V/tp`` in the input dtype;
+the default chunk keeps it at most 1/8 of the logits) and ``O(rows)`` statistics; with
+gradients of a reduced loss also the fp32 ``d_weight`` ``[V/tp, H]`` and ``d_hidden``
+``[N, H]`` (they are the backward's result, computed early), and nothing else saved for the
+backward. No host synchronisation (the chunking is fixed by the shapes; the target check is a
+status word the kernels write, read by one device-side assert), deterministic (no atomics on
+floats).
 
-Backends (the GEMMs are cuBLAS / CPU ``torch.mm`` / ``addmm`` in both):
+Backends (the GEMMs are cuBLAS / CPU ``torch.mm`` / ``addmm`` in all):
 
-* ``"triton"`` (default on CUDA for fp32 / fp16 / bf16): the per-chunk loss maths are two
-  Triton kernels (:mod:`mtp.kernels.linear_cross_entropy`): the forward reads the chunk's
-  logits once for the row statistics, the backward reads them once and overwrites them with the
-  gradient (in the input dtype, the operand of the two backward GEMMs). On CPU it runs under
-  the Triton interpreter (``TRITON_INTERPRET=1``).
-* ``"fused"`` (opt-in): as ``"triton"``, except that the forward computes each chunk's logits
-  in a Triton GEMM whose epilogue folds them into the row statistics
-  (:mod:`mtp.kernels.linear_cross_entropy_gemm`): the forward writes no logits at all.
+* ``"triton"`` (default on CUDA for fp32 / fp16 / bf16): the loss maths are Triton kernels
+  (:mod:`mtp.kernels.linear_cross_entropy`). On CPU they run under the Triton interpreter
+  (``TRITON_INTERPRET=1``).
+* ``"fused"`` (opt-in): as ``"triton"``, except that a forward without gradients computes each
+  chunk's statistics in a Triton GEMM whose epilogue folds the logits into them
+  (:mod:`mtp.kernels.linear_cross_entropy_gemm`): no logits are written at all.
 * ``"torch"``, also named ``"reference"`` as in every op (default on CPU and for fp64): the same
   maths as fp32 PyTorch ops, several passes over each chunk.
 
-``MTP_BACKEND=triton`` / ``fused`` / ``torch`` (``reference`` is an alias of ``torch``) steers
-``"auto"``.
-
-The argument checks and the backend choice are in :mod:`mtp.ops.linear_cross_entropy.checks`,
-the per-chunk PyTorch maths (the ``"torch"`` backend's, and the GEMMs every backend runs) in
-:mod:`mtp.ops.linear_cross_entropy.maths`; this module holds the chunking, the collectives and
-the autograd function.
+The custom ops ``mtp::linear_cross_entropy`` (the chunked forward) and
+``mtp::linear_cross_entropy_backward`` (the recomputing backward) are what ``torch.compile``
+and tracers see; an eager call runs their bodies (:mod:`.bodies`) directly. The argument checks
+and the backend choice are in :mod:`.checks`, the call's setup, chunks and collectives in
+:mod:`.call`, the PyTorch maths and the GEMMs in :mod:`.maths`.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 
-from mtp.kernels import linear_cross_entropy as lce_kernels
-from mtp.kernels import linear_cross_entropy_gemm as lce_gemm
+from mtp.ops._eager import CheckedKeys, autograd_apply, eager, needs_grad
+from mtp.ops.linear_cross_entropy import bodies
+from mtp.ops.linear_cross_entropy.bodies import NEED_BIAS, NEED_HIDDEN, NEED_WEIGHT
 from mtp.ops.linear_cross_entropy.checks import (
     BACKENDS,
     REDUCTIONS,
-    TRITON_BACKENDS,
     check_args,
-    check_targets,
     resolve_backend,
 )
-from mtp.ops.linear_cross_entropy.maths import (
-    accumulation_dtype,
-    add_weight_grad,
-    chunk_grad,
-    chunk_logits,
-    chunk_stats,
-    combine,
-    merge_stats,
-    mm_fp32,
-)
-from mtp.parallel.agree import agreement
-from mtp.utils import check_values
+from mtp.ops.linear_cross_entropy.maths import accumulation_dtype, scaled
+from mtp.parallel.groups import group_name
+from mtp.utils import validation_mode
 
 __all__ = ["linear_cross_entropy", "default_chunk_size", "REDUCTIONS", "BACKENDS"]
 
-_CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk in the default chunk size
+#: The default chunk's logits are at most 1/``CHUNK_FRACTION`` of the logits ...
+CHUNK_FRACTION = 8
+#: ... at least this many rows (the fp32 ``d_weight`` GEMM-add reads and writes ``V x H x 8``
+#: bytes per chunk for ``2 x chunk x V x H`` FLOPs: ``chunk / 4`` FLOP per byte, against a
+#: balance of ~170-300 on H100 / H200) ...
+MIN_CHUNK_ROWS = 1024
+#: ... and at most this many bytes of logits (in the input dtype), whatever the row count.
+MAX_CHUNK_BYTES = 1 << 30
 
 
-def default_chunk_size(rows: int, vocab_local: int) -> int:
-    """Rows per chunk when ``chunk_size=None``: a power of two with fp32 chunk logits of at most
-    1 GiB (at least 64 rows, at most ``rows``); a function of the shapes only (graph-safe)."""
-    budget = max(64, _CHUNK_BYTES // (4 * max(vocab_local, 1)))
-    chunk = 1 << (budget.bit_length() - 1)
+def default_chunk_size(rows: int, vocab_local: int, itemsize: int = 2) -> int:
+    """Rows per chunk when ``chunk_size=None``: ``rows / 8`` rounded down to a multiple of 128
+    (the chunk's logits at most 1/8 of the logits), at least 1024 rows, at most 1 GiB of logits
+    of ``itemsize`` bytes and at most ``rows``; a function of the shapes only (graph-safe)."""
+    chunk = max(MIN_CHUNK_ROWS, rows // CHUNK_FRACTION // 128 * 128)
+    chunk = min(chunk, max(128, MAX_CHUNK_BYTES // max(1, vocab_local * itemsize) // 128 * 128))
     return max(1, min(rows, chunk))
 
 
 # --------------------------------------------------------------------------------------------
-# Communication
+# Custom ops (what torch.compile and tracers see)
 # --------------------------------------------------------------------------------------------
 
 
-def _all_gather(t: torch.Tensor, group, world: int) -> torch.Tensor:
-    """``[world, *t.shape]`` (every rank takes part, with zero rows too); ``t`` at least 1-D."""
-    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, t.contiguous(), group=group)
-    return out.view(world, *t.shape)
-
-
-def _reduce_scatter(out: torch.Tensor, t: torch.Tensor, group) -> None:
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, t, group=group)
-
-
-def _exchange_meta(spec, meta: torch.Tensor, group, world: int, validate) -> torch.Tensor:
-    """All-gather this rank's agreement row ``meta`` (``spec``'s fields: vocab shard size, row
-    count, hidden size, dtype, target checksum, chunk size) and check that every rank agrees on
-    everything but the vocab shard size; returns the gathered ``[world, 6]``."""
-    gathered = _all_gather(meta, group, world)
-    spec.check_device(
-        gathered, group, validate=validate, skip=("vocab shard size",), tensors=(meta,),
-        hint="every tensor-parallel rank must pass the same target and the same number of "
-        "rows; with uneven vocab shards pass chunk_size explicitly",
+@torch.library.custom_op("mtp::linear_cross_entropy", mutates_args=())
+def _forward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    z_loss_weight: float,
+    chunk_size: int,
+    group_name: str,
+    world_size: int,
+    sequence_parallel: bool,
+    validate: str,
+    backend: str,
+    need: int,
+    keep_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    outs = bodies.forward(
+        hidden, weight, bias, target, label_smoothing, ignore_index, z_loss_weight, chunk_size,
+        group_name, world_size, sequence_parallel, validate, backend, need, keep_stats,
     )  # fmt: skip
-    check_values(
-        (gathered[:, 0] > 0).all(),
-        "linear_cross_entropy: weight has 0 rows (an empty vocab shard) on some rank",
-        validate=validate,
-        tensors=(meta,),
-    )
-    return gathered
+    return tuple(hidden.new_empty(0) if t is None else t for t in outs)
 
 
-def _target_checksum(target: torch.Tensor) -> torch.Tensor:
-    t = target.reshape(-1).long()
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=t.device)
-    weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.int64) % 1000003
-    return ((t % 1000003) * weights).sum() % 1000000007
+def _grad_shapes(hidden, weight, need: int):
+    h = hidden.shape[-1]
+    rows = hidden.numel() // h if h else 0
+    return ((rows, h) if need & NEED_HIDDEN else (0,), weight.shape if need & NEED_WEIGHT else (0,),
+            (weight.shape[0],) if need & NEED_BIAS else (0,))  # fmt: skip
+
+
+@_forward_op.register_fake
+def _(hidden, weight, bias, target, eps, ii, z, chunk, group, world, sp, validate, backend,
+      need, keep_stats):  # fmt: skip
+    acc = accumulation_dtype(hidden.dtype)
+    rows = target.numel()
+    grads = [hidden.new_empty(s, dtype=acc) for s in _grad_shapes(hidden, weight, need)]
+    return (hidden.new_empty((rows,), dtype=acc),
+            hidden.new_empty((rows, 2) if keep_stats else (0,), dtype=acc),
+            hidden.new_empty((2 if world > 1 else 0,), dtype=torch.int64), *grads)  # fmt: skip
+
+
+@torch.library.custom_op("mtp::linear_cross_entropy_backward", mutates_args=())
+def _backward_op(
+    dloss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    rowstat: torch.Tensor,
+    vinfo: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    z_loss_weight: float,
+    chunk_size: int,
+    group_name: str,
+    world_size: int,
+    sequence_parallel: bool,
+    backend: str,
+    need: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    outs = bodies.backward(
+        dloss, hidden, weight, bias, target, rowstat, vinfo, label_smoothing, ignore_index,
+        z_loss_weight, chunk_size, group_name, world_size, sequence_parallel, backend, need,
+    )  # fmt: skip
+    return tuple(hidden.new_empty(0) if t is None else t for t in outs)
+
+
+@_backward_op.register_fake
+def _(dloss, hidden, weight, bias, target, rowstat, vinfo, *args):
+    acc = accumulation_dtype(hidden.dtype)
+    return tuple(hidden.new_empty(s, dtype=acc) for s in _grad_shapes(hidden, weight, args[-1]))
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd function
+# Autograd
 # --------------------------------------------------------------------------------------------
 
 
-class _Setup:
-    """Everything about one call that is not a tensor to differentiate."""
+def _need(needs_input_grad) -> int:
+    h, w, b = needs_input_grad[:3]
+    return (NEED_HIDDEN if h else 0) | (NEED_WEIGHT if w else 0) | (NEED_BIAS if b else 0)
 
-    def __init__(self, hidden, weight, target, group, eps, ignore_index, z, chunk, sp, validate,
-                 backend):
-        self.group = group
-        self.world = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
-        self.eps, self.ignore_index, self.z, self.sp = eps, ignore_index, z, sp and self.world > 1
-        self.hidden_size = hidden.shape[-1]
-        self.local_rows = hidden.numel() // max(self.hidden_size, 1)
-        self.rows = target.numel()
-        self.v_local = weight.shape[0]
-        self.chunk = chunk
-        t = target.reshape(-1).long()
-        self.valid = t != ignore_index
-        if self.world > 1:
-            spec = agreement("linear_cross_entropy", {
-                "vocab shard size": self.v_local, "row count": self.rows,
-                "hidden size": self.hidden_size, "dtype": hidden.dtype, "target checksum": 0,
-                "chunk_size": chunk,
-            })  # fmt: skip
-            # fills, no host-to-device copy; the checksum is copied in on the device
-            meta = spec.tensor(t.device, fill=True, values={"target checksum": _target_checksum(t)})
-            sizes = _exchange_meta(spec, meta, group, self.world, validate)[:, 0]
-            start = sizes[: self.rank].sum()
-            vocab = sizes.sum()
+
+class _Reduced(torch.autograd.Function):
+    """``reduction="mean"`` / ``"sum"`` with gradients: the forward computes them (of the summed
+    loss), the backward scales them by the upstream gradient (and ``1 / valid rows``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, args, mean, direct):
+        run = bodies.forward if direct else _forward_op
+        need = _need(ctx.needs_input_grad)
+        loss, _, _, dh, dw, db = run(hidden, weight, bias, target, *args, need, False)
+        loss = loss.sum()
+        inv = None
+        if mean:
+            valid = (target != args[1]).sum()
+            loss = loss / valid
+            inv = valid.clamp_min(1).reciprocal()  # all rows ignored: NaN loss, zero gradients
+        ctx.save_for_backward(dh, dw, db, inv)
+        ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dh, dw, db, inv = ctx.saved_tensors
+        scale = dloss if inv is None else dloss * inv
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grads = (
+            scaled(dh, scale, ctx.dtype).view(ctx.hidden_shape) if need_h else None,
+            scaled(dw, scale, ctx.dtype) if need_w else None,
+            scaled(db, scale, ctx.dtype) if need_b else None,
+        )  # fmt: skip
+        if ctx.dtype != dh.dtype and not torch.compiler.is_compiling() and type(dh) is torch.Tensor:
+            # fp32 accumulators are scaled in place (their version bumped); the others are
+            # marked so too: a second backward through the graph fails autograd's check alike
+            for t, need in zip((dh, dw, db), (need_h, need_w, need_b)):
+                if need:
+                    increment_version(t)
+        return (*grads, None, None, None, None)
+
+
+class _Recompute(torch.autograd.Function):
+    """``reduction="none"``: the forward keeps ``(max, sum)`` per row, the backward recomputes
+    each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, args, direct):
+        run = bodies.forward if direct else _forward_op
+        loss, rowstat, vinfo, *_ = run(hidden, weight, bias, target, *args, 0, True)
+        ctx.save_for_backward(hidden, weight, bias, target, rowstat, vinfo)
+        ctx.args = args
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        hidden, weight, bias, target, rowstat, vinfo = ctx.saved_tensors
+        need = _need(ctx.needs_input_grad)
+        eps, ii, z, chunk, gname, world, sp, _validate, backend = ctx.args
+        if eager(dloss, hidden):
+            dh, dw, db = bodies.backward(dloss, hidden, weight, bias, target, rowstat, vinfo, eps,
+                                         ii, z, chunk, gname, world, sp, backend, need)
         else:
-            start = torch.zeros((), dtype=torch.int64, device=t.device)
-            vocab = torch.full((), self.v_local, dtype=torch.int64, device=t.device)
-        check_targets(t, self.valid, vocab, ignore_index, validate,
-                      self.v_local if self.world == 1 else None)  # fmt: skip
-        local = t - start
-        self.owns = (local >= 0) & (local < self.v_local)
-        self.local_t = local.clamp(0, self.v_local - 1)
-        self.coef_target = 1.0 - eps
-        self.coef_uniform = eps / vocab.to(accumulation_dtype(hidden.dtype))
-        # the kernels' view: local id or -1, coefficients on the device
-        if backend in TRITON_BACKENDS:
-            self.local_k = torch.where(self.owns, local, torch.full_like(local, -1))
-            self.coefs = torch.stack(
-                [torch.ones_like(self.coef_uniform) * self.coef_target, self.coef_uniform]
-            ).float()
-        self.backend = backend
-
-    def forward_stats(self, h: torch.Tensor, weight, bias, rows) -> torch.Tensor:
-        """:meth:`stats` of the chunk ``h @ weight^T (+ bias)``; ``"fused"``: in the GEMM."""
-        if self.backend == "fused":
-            return merge_stats(lce_gemm.gemm_stats(h, weight, bias, self.local_k[rows],
-                                                   self.coefs, self.eps > 0.0))  # fmt: skip
-        return self.stats(chunk_logits(h, weight, bias), rows)
-
-    def stats(self, x: torch.Tensor, rows) -> torch.Tensor:
-        """``[rows, 3]`` ``(max, sum exp(x - max), target term)`` of a chunk's logits ``x``."""
-        if self.backend in TRITON_BACKENDS:
-            return lce_kernels.chunk_stats(x, self.local_k[rows], self.coefs, self.eps > 0.0)
-        return chunk_stats(x, self.local_t[rows], self.owns[rows], self.coef_target,
-                           self.coef_uniform)  # fmt: skip
-
-    def grad(self, x: torch.Tensor, rows, rowstat: torch.Tensor, dloss: torch.Tensor):
-        """``dloss * d loss / d x`` of a chunk (Triton: written over ``x``, in its dtype)."""
-        if self.backend in TRITON_BACKENDS:
-            scale = torch.where(self.valid[rows], dloss.float(), torch.zeros_like(rowstat[:, 0]))
-            return lce_kernels.chunk_grad_(x, self.local_k[rows], self.coefs, rowstat, scale,
-                                           self.z)  # fmt: skip
-        return chunk_grad(
-            x, rowstat, self.local_t[rows], self.owns[rows], dloss, self.valid[rows],
-            self.coef_target, self.coef_uniform, self.z,
+            dh, dw, db = _backward_op(dloss, hidden, weight, bias, target, rowstat, vinfo, eps,
+                                      ii, z, chunk, gname, world, sp, backend, need)
+        return (
+            dh.to(hidden.dtype).view(hidden.shape) if need & NEED_HIDDEN else None,
+            dw.to(weight.dtype) if need & NEED_WEIGHT else None,
+            db.to(bias.dtype) if need & NEED_BIAS else None,
+            None, None, None,
         )  # fmt: skip
 
-    def chunks(self):
-        """``(local_slice, global_index)`` per chunk: the local hidden rows it reads and the
-        global rows (of ``target``) whose loss it computes."""
-        if not self.sp:
-            for a in range(0, self.rows, self.chunk):
-                b = min(a + self.chunk, self.rows)
-                yield slice(a, b), slice(a, b)
-            return
-        step = max(1, self.chunk // self.world)
-        for a in range(0, self.local_rows, step):
-            b = min(a + step, self.local_rows)
-            idx = torch.arange(a, b, device=self.valid.device)
-            rows = (torch.arange(self.world, device=idx.device)[:, None] * self.local_rows + idx)
-            yield slice(a, b), rows.reshape(-1)
 
-    def rows_of(self, h2d: torch.Tensor, local: slice) -> torch.Tensor:
-        part = h2d[local]
-        if not self.sp:
-            return part
-        return _all_gather(part, self.group, self.world).reshape(-1, part.shape[-1])
-
-
-class _LinearCrossEntropyFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, setup: _Setup):
-        h2d = hidden.reshape(-1, setup.hidden_size)
-        acc = accumulation_dtype(hidden.dtype)
-        loss = torch.empty(setup.rows, dtype=acc, device=hidden.device)
-        rowstat = torch.empty((setup.rows, 2), dtype=acc, device=hidden.device)
-        for local, rows in setup.chunks():
-            stats = setup.forward_stats(setup.rows_of(h2d, local), weight, bias, rows)
-            if setup.world > 1:
-                gathered = _all_gather(stats, setup.group, setup.world)
-            else:
-                gathered = stats[None]
-            loss[rows], rowstat[rows] = combine(gathered, setup.valid[rows], setup.z)
-        ctx.setup = setup
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(hidden, weight, bias, rowstat)
-        ctx.mark_non_differentiable(rowstat)
-        return loss, rowstat
-
-    @staticmethod
-    def backward(ctx, dloss, _drowstat):
-        hidden, weight, bias, rowstat = ctx.saved_tensors
-        s: _Setup = ctx.setup
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        h2d = hidden.reshape(-1, s.hidden_size)
-        acc = accumulation_dtype(hidden.dtype)
-        dh = torch.empty((s.rows, s.hidden_size), dtype=acc, device=hidden.device) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
-        dloss = dloss.reshape(-1)
-        for local, rows in s.chunks():
-            hc = s.rows_of(h2d, local)
-            g = s.grad(chunk_logits(hc, weight, bias), rows, rowstat[rows], dloss[rows])
-            if need_b:
-                db += g.sum(0, dtype=acc)
-            g = g.to(weight.dtype)
-            if need_h:
-                dh[rows] = mm_fp32(g, weight)
-            if need_w:
-                add_weight_grad(dw, g, hc)
-        grad_hidden = _reduce_hidden_grad(dh, s) if need_h else None
-        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype).view(hidden.shape)
-        grad_weight = None if dw is None else dw.to(weight.dtype)
-        grad_bias = db.to(bias.dtype) if (need_b and bias is not None) else None
-        return grad_hidden, grad_weight, grad_bias, None
-
-
-def _reduce_hidden_grad(dh: torch.Tensor, s: _Setup) -> torch.Tensor:
-    """Sum the ranks' partial ``d_hidden`` (one collective per call)."""
-    if s.world == 1:
-        return dh
-    if not s.sp:
-        dist.all_reduce(dh, group=s.group)
-        return dh
-    out = torch.empty((s.local_rows, s.hidden_size), dtype=dh.dtype, device=dh.device)
-    _reduce_scatter(out, dh, s.group)
-    return out
+_REDUCED = autograd_apply(_Reduced)
+_RECOMPUTE = autograd_apply(_Recompute)
 
 
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
+
+_CHECKED = CheckedKeys()
+
+
+def _group_info(group) -> tuple[str, int]:
+    """``(group name, world size)``: ``("", 1)`` without a group or for a group of one."""
+    if group is None:
+        return "", 1
+    world = dist.get_world_size(group)
+    return (group_name(group), world) if world > 1 else ("", 1)
+
+
+def _reduce(loss: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int):
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / (target != ignore_index).sum()
+    return loss.view(target.shape)
 
 
 def linear_cross_entropy(
@@ -336,8 +320,10 @@ def linear_cross_entropy(
         reduction: ``"mean"`` (the default, as ``F.cross_entropy``'s; over non-ignored rows;
             NaN when all are ignored, as PyTorch), ``"sum"`` or ``"none"`` (per-row fp32 loss
             of ``target``'s shape; :func:`mtp.ops.vocab_parallel_cross_entropy`'s default).
+            With ``"mean"`` / ``"sum"`` the gradients are computed in the forward (the
+            backward only scales them); ``"none"`` recomputes the logits in the backward.
         chunk_size: rows whose logits are live at once (sequence parallel: gathered rows);
-            default :func:`default_chunk_size`.
+            default :func:`default_chunk_size` (at most 1/8 of the logits at 8k+ rows).
         sequence_parallel: ``hidden`` is sequence-sharded; its rows are all-gathered chunk by
             chunk and ``d_hidden`` is reduce-scattered.
         validate: data checks (targets in range, ranks agree) on the device by default;
@@ -345,10 +331,10 @@ def linear_cross_entropy(
             the vocab size and a bad id, ``RankMismatchError``); False skips them.
         backend: ``"auto"`` (``"triton"`` on CUDA for fp32 / fp16 / bf16, else ``"torch"``;
             ``MTP_BACKEND`` overrides), ``"triton"`` (Triton loss kernels per chunk; CPU needs
-            ``TRITON_INTERPRET=1``), ``"fused"`` (as ``"triton"``, but the forward's logits GEMM
-            is a Triton kernel with the row statistics in its epilogue: no logits are written;
-            opt-in until GPU timings exist) or ``"reference"`` / ``"torch"`` (the same backend:
-            fp32 PyTorch maths per chunk, fp64 for fp64 inputs).
+            ``TRITON_INTERPRET=1``), ``"fused"`` (as ``"triton"``, but a forward without
+            gradients takes the statistics from a Triton GEMM's epilogue: no logits are
+            written; opt-in until GPU timings exist) or ``"reference"`` / ``"torch"`` (the same
+            backend: fp32 PyTorch maths per chunk, fp64 for fp64 inputs).
 
     Returns:
         fp32 loss: a scalar, or ``target``'s shape for ``reduction="none"``; identical on every
@@ -357,23 +343,34 @@ def linear_cross_entropy(
 
     Communication per call: one all-gather of 6 int64 (agreement metadata), per chunk one
     all-gather of ``12 * rows`` bytes forward (plus the chunk's hidden rows with sequence
-    parallel, forward and backward), one all-reduce (reduce-scatter) of ``d_hidden`` backward.
+    parallel), one all-reduce (reduce-scatter) of ``d_hidden``: at the end of the forward for a
+    reduced loss, in the backward (which gathers the hidden rows again) for ``"none"``.
     """
-    check_args(
-        hidden, weight, target, bias, group, sequence_parallel, label_smoothing, ignore_index,
-        z_loss_weight, reduction, chunk_size,
-    )  # fmt: skip
-    world = 1 if group is None else dist.get_world_size(group)
-    rows = target.numel()
-    chunk = chunk_size or default_chunk_size(rows, weight.shape[0])
-    setup = _Setup(
-        hidden, weight, target, group, float(label_smoothing), int(ignore_index),
-        float(z_loss_weight), chunk, sequence_parallel and world > 1, validate,
+    direct = eager(hidden, weight, target, bias)
+    key = (hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype,
+           None if bias is None else (bias.shape, bias.dtype), target.shape, target.dtype,
+           target.device, group, sequence_parallel, label_smoothing, ignore_index,
+           z_loss_weight, reduction, chunk_size) if direct else None  # fmt: skip
+    if key is None or key not in _CHECKED:
+        check_args(
+            hidden, weight, target, bias, group, sequence_parallel, label_smoothing,
+            ignore_index, z_loss_weight, reduction, chunk_size,
+        )  # fmt: skip
+        if key is not None:
+            _CHECKED.add(key)
+    gname, world = _group_info(group)
+    args = (
+        float(label_smoothing), int(ignore_index), float(z_loss_weight),
+        chunk_size or default_chunk_size(target.numel(), weight.shape[0], hidden.itemsize),
+        gname, world, sequence_parallel and world > 1, validation_mode(validate),
         resolve_backend(backend, hidden),
     )  # fmt: skip
-    loss, _ = _LinearCrossEntropyFn.apply(hidden, weight, bias, setup)
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "mean":
-        return loss.sum() / setup.valid.sum()
-    return loss.view(target.shape)
+    if needs_grad(hidden, weight, bias):
+        if reduction == "none":
+            apply = _RECOMPUTE if direct else _Recompute.apply
+            return apply(hidden, weight, bias, target, args, direct).view(target.shape)
+        apply = _REDUCED if direct else _Reduced.apply
+        return apply(hidden, weight, bias, target, args, reduction == "mean", direct)
+    run = bodies.forward if direct else _forward_op
+    return _reduce(run(hidden, weight, bias, target, *args, 0, False)[0], target, reduction,
+                   int(ignore_index))  # fmt: skip

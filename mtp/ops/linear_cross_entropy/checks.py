@@ -4,6 +4,8 @@ sync) and the choice of its backend."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -18,6 +20,7 @@ __all__ = [
     "REDUCTIONS",
     "TRITON_BACKENDS",
     "check_args",
+    "check_status",
     "check_targets",
     "resolve_backend",
 ]
@@ -98,25 +101,39 @@ def check_args(hidden, weight, target, bias, group, sp, eps, ignore_index, z, re
         raise TypeError(f"sequence_parallel must be a bool, got {sp!r}")
 
 
-def check_targets(t, valid, vocab, ignore_index: int, validate, local_vocab: int | None) -> None:
-    """Every id of ``t`` (flat int64) in ``[0, vocab)`` or ``ignore_index`` (``valid``:
-    ``t != ignore_index``; ``vocab``: the global vocab size, 0-d on ``t``'s device;
-    ``local_vocab``: the same as an int when known without a sync, one rank). On the device by
-    default; ``validate="sync"``: :class:`TargetOutOfRangeError` naming the vocab size and a
-    bad id."""
-    in_range = ~valid | ((t >= 0) & (t < vocab))
+def check_targets(t, vocab, ignore_index: int, validate, local_vocab: int | None) -> None:
+    """Every id of ``t`` (flat) in ``[0, vocab)`` or ``ignore_index`` (``vocab``: the global
+    vocab size, an int or 0-d on ``t``'s device; ``local_vocab``: the same as an int when known
+    without a sync, one rank). On the device by default; ``validate="sync"``:
+    :class:`TargetOutOfRangeError` naming the vocab size and a bad id."""
+    in_range = (t == ignore_index) | ((t >= 0) & (t < vocab))
     if validation_mode(validate) == "sync":
         if data_checks_enabled(validate, t) and not bool(in_range.all()):
             raise TargetOutOfRangeError(_out_of_range(t[~in_range], int(vocab), ignore_index))
         return
+    check_values(in_range.all(), _device_message(ignore_index, local_vocab), validate=validate,
+                 tensors=(t,))  # fmt: skip
+
+
+def check_status(status, t, vocab, ignore_index: int, validate, local_vocab: int | None) -> None:
+    """The target check of the Triton backends: ``status`` (int32 0-d) holds the number of
+    valid targets the kernels found outside ``[0, vocab)``. ``validate``: ``"device"`` (one
+    ``_assert_async``, no host sync) or ``"sync"`` (a host sync, then :func:`check_targets`'
+    typed error when it is not 0); the caller has decided that the check runs."""
+    if validate == "sync":
+        if int(status):
+            check_targets(t, vocab, ignore_index, validate, local_vocab)
+        return
+    torch._assert_async(status == 0, _device_message(ignore_index, local_vocab))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_message(ignore_index: int, local_vocab: int | None) -> str:
     size = "vocab_size" if local_vocab is None else str(local_vocab)
-    check_values(
-        in_range.all(),
+    return (
         f"linear_cross_entropy: target holds ids outside [0, {size}) that are not "
         f"ignore_index={ignore_index} (the vocab size is the global vocab: the sum of the "
-        "ranks' weight rows)",
-        validate=validate,
-        tensors=(t,),
+        "ranks' weight rows)"
     )
 
 

@@ -3,8 +3,9 @@
 The ``"torch"`` backend's row statistics (:func:`chunk_stats`) and gradient
 (:func:`chunk_grad`), and what every backend shares: the logits GEMM of a chunk
 (:func:`chunk_logits`), the merge of statistics computed over column shares (:func:`merge_stats`,
-:func:`combine`) and the backward GEMMs with an fp32 result (:func:`add_weight_grad`,
-:func:`mm_fp32`). Accumulation in fp32, or fp64 for fp64 inputs.
+:func:`combine`), the gradient GEMMs with an fp32 result (:func:`mm_into`,
+:func:`add_weight_grad`) and the backward's scaling of the gradients (:func:`scaled`).
+Accumulation in fp32, or fp64 for fp64 inputs.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ __all__ = [
     "chunk_stats",
     "combine",
     "merge_stats",
-    "mm_fp32",
+    "mm_into",
+    "scaled",
 ]
 
 
@@ -28,9 +30,13 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``[rows, V/tp]`` logits in the input dtype; the bias is added in the GEMM's epilogue."""
-    return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+def chunk_logits(out: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``out = h @ weight_t (+ bias)``: the ``[rows, V/tp]`` logits in the input dtype, written
+    into the chunk buffer ``out``; the bias is added in the GEMM's epilogue."""
+    if bias is None:
+        return torch.mm(h, weight_t, out=out)
+    return torch.addmm(bias, h, weight_t, out=out)
 
 
 def chunk_stats(x, local_t, owns, coef_target, coef_uniform) -> torch.Tensor:
@@ -64,10 +70,11 @@ def combine(gathered, valid, z_loss_weight):
     return torch.where(valid, loss, torch.zeros_like(loss)), torch.stack([m, s], dim=-1)
 
 
-def chunk_grad(x, rowstat, local_t, owns, dloss, valid, coef_target, coef_uniform, z):
-    """``dloss * d loss / d logits`` of a chunk, fp32 ``[rows, V/tp]``; the softmax as PyTorch
-    computes it, ``exp(x - m) * (1 / s)`` (not ``exp(x - lse)``, whose rounded ``lse`` costs
-    precision at large logits)."""
+def chunk_grad(x, rowstat, local_t, owns, scale, coef_target, coef_uniform, z):
+    """``scale[row] * d loss / d logits`` of a chunk, fp32 ``[rows, V/tp]`` (``scale``: the
+    rows' upstream gradient, 0 for ignored rows); the softmax as PyTorch computes it,
+    ``exp(x - m) * (1 / s)`` (not ``exp(x - lse)``, whose rounded ``lse`` costs precision at
+    large logits)."""
     m, s = rowstat.unbind(-1)
     lse = m + torch.log(s)
     m_ref = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
@@ -75,32 +82,56 @@ def chunk_grad(x, rowstat, local_t, owns, dloss, valid, coef_target, coef_unifor
     g = p * (1.0 + 2.0 * z * lse)[:, None] - coef_uniform
     hit = torch.where(owns, -coef_target, torch.zeros_like(lse))
     g.scatter_add_(1, local_t[:, None], hit[:, None].to(g.dtype))
-    scale = torch.where(valid, dloss.to(lse.dtype), torch.zeros_like(lse))
-    return g * scale[:, None]
+    return g * scale.to(g.dtype)[:, None]
 
 
 _HALF = (torch.float16, torch.bfloat16)
-_FUSED_ADDMM: list[bool] = []  # whether addmm(out_dtype=float32, out=C) works here (CUDA)
+#: whether cuBLAS's fp32-output GEMMs on half inputs work here (``out_dtype=float32``, CUDA):
+#: ``"mm"`` / ``"addmm"`` -> bool, learnt at the first call
+_FUSED: dict[str, bool] = {}
+
+
+def _fused(op: str, out: torch.Tensor, a: torch.Tensor) -> bool:
+    return out.is_cuda and a.dtype in _HALF and out.dtype == torch.float32 and _FUSED.get(op, True)
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b``, ``out`` in ``a``'s dtype or its accumulation dtype (fp32 accumulation;
+    on CUDA the half-precision GEMM writes fp32 itself)."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+        return
+    if _fused("mm", out, a):
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            _FUSED["mm"] = True
+            return
+        except (RuntimeError, TypeError):
+            _FUSED["mm"] = False
+    torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
 def add_weight_grad(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
     """``dw += g^T h`` with fp32 accumulation (``dw`` fp32; ``g``, ``h`` in the input dtype)."""
-    if dw.is_cuda and g.dtype in _HALF and _FUSED_ADDMM != [False]:
+    if _fused("addmm", dw, g):
         try:  # cuBLAS: half inputs, fp32 C read and written in the epilogue
             torch.addmm(dw, g.t(), h, out_dtype=torch.float32, out=dw)
-            _FUSED_ADDMM[:] = [True]
+            _FUSED["addmm"] = True
             return
         except (RuntimeError, TypeError):
-            _FUSED_ADDMM[:] = [False]
-    if dw.is_cuda and g.dtype in _HALF:
+            _FUSED["addmm"] = False
+    if dw.dtype == g.dtype:
+        dw.addmm_(g.t(), h)
+    elif dw.is_cuda and g.dtype in _HALF:
         dw.add_(torch.mm(g.t(), h, out_dtype=torch.float32))
     else:
         dw.addmm_(g.t().to(dw.dtype), h.to(dw.dtype))
 
 
-def mm_fp32(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``g @ weight`` with an fp32 result (``d_hidden`` rows)."""
-    if g.is_cuda and g.dtype in _HALF:
-        return torch.mm(g, weight, out_dtype=torch.float32)
-    acc = accumulation_dtype(g.dtype)
-    return torch.mm(g.to(acc), weight.to(acc))
+def scaled(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``acc * scale`` in ``dtype``, rounded once: in place when ``acc`` has that dtype (its
+    version is bumped: a second backward through the same graph fails autograd's check)."""
+    if acc.dtype == dtype:
+        return acc.mul_(scale)
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    return torch.mul(acc, scale, out=out)

@@ -38,12 +38,19 @@ and reads each token row once, writing it to its rows; the token-major map built
 a :class:`~mtp.ops.moe_permute.token_map.TokenMap` (``permute(..., return_token_map=True)``),
 and with it (``unpermute(..., token_map=...)``) :func:`unpermute` and both backwards run in one
 launch each, eagerly and compiled alike. Without one (Megatron's ``sorted_indices``, a three-output
-``permute``), ``row_id_map`` is inverted on the device with a sort (logged once) and handled by
-the row kernels of :mod:`mtp.kernels.moe_permute`.
+``permute``), ``row_id_map`` is inverted on the device first, in one launch, rows in ascending
+order (:mod:`mtp.ops.moe_permute.invert`; logged once), when ``probs`` or a routing bounds the
+rows of a token; with neither, with a sort, for the row kernels of :mod:`mtp.kernels.moe_permute`.
+
+An eager call (not compiling or tracing, plain tensors) skips the custom-op layer: its argument
+checks run once per key of shapes, dtypes, devices, alignment and options, and the op bodies
+run with their cached launches (:mod:`mtp.ops.moe_permute.paths`); the custom ops and fakes are
+what ``torch.compile`` and tracers see, with bit-identical results.
 
 This module holds the two entry points; the pieces behind them, all importable from here too:
 the row map on its own (:func:`moe_permute_row_map`, :class:`RowMap`, :func:`select_probs`) in
-:mod:`mtp.ops.moe_permute.row_map`, the references (:func:`permute_reference`,
+:mod:`mtp.ops.moe_permute.row_map` and the rows of a permutation whose token map is known
+(:func:`scatter_rows`) in :mod:`mtp.ops.moe_permute.rows`, the references (:func:`permute_reference`,
 :func:`unpermute_reference`) in :mod:`mtp.ops.moe_permute.reference`, the argument and data
 checks in :mod:`mtp.ops.moe_permute.checks`, the fused custom ops and :class:`TokenMap` in
 :mod:`mtp.ops.moe_permute.token_map` and the row-kernel custom ops in
@@ -57,29 +64,22 @@ from collections.abc import Sequence
 
 import torch
 
-from mtp.dtypes import FLOATS as _FLOAT_DTYPES
-from mtp.dtypes import INDEX_DTYPES as _INDEX_DTYPES
+from mtp import settings
+from mtp.kernels._launch import Plans, aligned
 from mtp.ops.moe_permute import row_ops  # noqa: F401 - registers mtp::moe_gather_rows & co.
-from mtp.ops._backend import resolve_backend
-from mtp.ops.moe_permute.checks import (
-    check_permute_data,
-    check_row_map,
-    check_token_map,
-    count_message,
-    indices_message,
-    resolve_routing,
-    resolve_sizes,
-    routing_from_indices,
+from mtp.ops._eager import eager
+from mtp.ops.moe_permute.paths import (
+    permute_args_plan,
+    permute_eager,
+    permute_general,
+    unpermute_args_plan,
+    unpermute_eager,
+    unpermute_general,
 )
-from mtp.ops.moe_permute.reference import (
-    combine_reference,
-    permute_reference,
-    unpermute_reference,
-)
-from mtp.ops.moe_permute.row_map import PERMUTE_BACKENDS as _BACKENDS
-from mtp.ops.moe_permute.row_map import RowMap, moe_permute_row_map, row_pairs, select_probs
-from mtp.ops.moe_permute.token_map import TokenMap, say_once
-from mtp.utils import check_tensor, check_values, data_checks_enabled, validation_mode
+from mtp.ops.moe_permute.reference import permute_reference, unpermute_reference
+from mtp.ops.moe_permute.row_map import RowMap, moe_permute_row_map, select_probs
+from mtp.ops.moe_permute.rows import scatter_rows
+from mtp.ops.moe_permute.token_map import TokenMap
 
 __all__ = [
     "RowMap",
@@ -89,6 +89,7 @@ __all__ = [
     "permute_reference",
     "unpermute_reference",
     "moe_permute_row_map",
+    "scatter_rows",
     "select_probs",
 ]
 
@@ -162,46 +163,41 @@ def permute(
           reference backend), for ``unpermute(..., token_map=...)``.
 
     Triton backend: the row map is built on the device in two launches (count per expert, then
-    scan and place; no sort) and each token row is read once and written to its ``k`` rows:
-    three launches (four with the device-side check), no host sync. Gradients flow to
+    scan and place; no sort; one for a small routing, which each place program counts itself)
+    and each token row is read once and written to its ``k`` rows: three launches (two), no
+    host sync; the device-side check reads the status word the place launch writes. Gradients flow to
     ``tokens`` (a per-token fp32 sum of the row gradients, no atomics) and to ``probs``, in one
     launch. The whole path is graph-safe (static shapes, no host sync) once ``num_out_tokens``
     (or ``capacity``) is given.
     """
-    check_tensor("tokens", tokens, ndim=2, dtypes=_FLOAT_DTYPES)
-    routing_map, indices, topk, num_experts = resolve_routing(
-        tokens.shape, tokens.device, routing_map, indices, probs, num_experts
-    )
-    n, capacity = resolve_sizes(
-        tokens.shape[0], num_experts, routing_map, topk, num_out_tokens, drop_and_pad,
-        capacity, validate,
-    )
-    choice = resolve_backend("permute", backend, tokens.device, _BACKENDS)
-    mode = validation_mode(validate)
-    if choice == "reference" or mode == "sync":
-        check_permute_data(mode, routing_map, indices, num_experts, n, drop_and_pad)
-    if choice == "reference":
-        if routing_map is None:
-            routing_map = routing_from_indices(indices, num_experts)
-        out = permute_reference(tokens, routing_map, probs, n, drop_and_pad, capacity)
-        return (*out, None) if return_token_map else out
     routing = routing_map if routing_map is not None else indices
-    checking = mode == "device" and data_checks_enabled(True, routing)
-    # Rows that may hold no token are zeroed by the scatter launch's extra programs.
-    zero_empty = drop_and_pad or not (checking or mode == "sync")
-    permuted, pprobs, row_id_map, rows, experts, count, ok = torch.ops.mtp.moe_permute(
-        tokens, routing, probs, n, num_experts, -1 if capacity is None else capacity, zero_empty
-    )
-    if checking and (indices is not None or not drop_and_pad):
-        what = [indices_message(num_experts)] if indices is not None else []
-        if not drop_and_pad and indices is None:
-            what.append(count_message(n, "routing_map"))
-        check_values(ok, "permute: " + "; ".join(what) + " (validate='sync' reports the values)",
-                     validate=mode, tensors=(routing,))
-    out = (permuted, (pprobs if probs is not None else None), row_id_map)
-    if return_token_map:
-        return (*out, TokenMap(rows, experts, count, num_experts, drop_and_pad))
-    return out
+    if eager(tokens, routing, probs) and routing is not None:
+        # the kernels take contiguous tensors: the plan is for these (aligned) copies or views
+        tokens, routing = tokens.contiguous(), routing.contiguous()
+        probs = None if probs is None else probs.contiguous()
+        s = settings.current()
+        try:
+            key = (tokens.shape, tokens.dtype, tokens.device, routing.shape, routing.dtype,
+                   routing.device, routing_map is None,
+                   None if probs is None else (probs.shape, probs.dtype, probs.device),
+                   aligned(tokens, routing, probs), num_out_tokens, drop_and_pad, capacity,
+                   num_experts, backend, validate, s.backend, s.validate)  # fmt: skip
+            plan = _PLANS.get(key)
+        except TypeError:  # an unhashable argument: the checks below name it
+            key = plan = None
+        if plan is None and key is not None and (
+            num_out_tokens is not None or routing_map is None or drop_and_pad
+        ):  # the checks and sizes depend on the key only (not on the routing's values)
+            plan = _PLANS.add(key, permute_args_plan(
+                tokens, routing_map, probs, num_out_tokens, drop_and_pad, capacity, indices,
+                num_experts, backend, validate))  # fmt: skip
+        if plan:
+            return permute_eager(tokens, routing, probs, drop_and_pad, return_token_map, *plan)
+    return permute_general(tokens, routing_map, probs, num_out_tokens, drop_and_pad, capacity,
+                           indices, num_experts, backend, validate, return_token_map)
+
+
+_PLANS = Plans(4096)  # eager calls: argument key -> checks done, sizes, launches
 
 
 def unpermute(
@@ -250,69 +246,35 @@ def unpermute(
     describing ``row_id_map``; not checked against it): one launch forward (each token loads all
     its row numbers and weights, then its rows) and one backward (each token reads its output
     gradient once and writes its rows' gradients and its probs gradient), eagerly and under
-    ``torch.compile``. Without it ``row_id_map`` is inverted on the device first (a sort; said
-    once in the log).
+    ``torch.compile``. Without it ``row_id_map`` is inverted on the device first: one launch
+    (two for dropless rows with ``probs``, which need the experts' row counts), which also counts
+    what the default device check reports (token numbers out of range, rows not routed to their
+    expert, more rows for a token than ``routing_map``'s width or ``indices``' ``k``); said once
+    in the log. With neither ``probs`` nor a routing, nothing bounds a token's rows: a sort.
     """
-    check_tensor("permuted", permuted, ndim=2, dtypes=_FLOAT_DTYPES)
-    device = permuted.device
-    check_tensor("row_id_map", row_id_map, ndim=1, dtypes=_INDEX_DTYPES, device=device)
-    num_rows, hidden = permuted.shape
-    if row_id_map.shape[0] != num_rows:
-        raise ValueError(
-            f"row_id_map must have one entry per permuted row ({num_rows}), got "
-            f"{row_id_map.shape[0]}"
-        )
-    shape = tuple(restore_shape)
-    if len(shape) != 2 or any(isinstance(s, bool) or not isinstance(s, int) for s in shape):
-        raise ValueError(f"restore_shape must be (T, H) ints, got {restore_shape!r}")
-    if shape[1] != hidden:
-        raise ValueError(f"restore_shape {shape} must end in permuted's hidden size {hidden}")
-    num_tokens = shape[0]
-    experts = None
-    if probs is not None:
-        check_tensor("probs", probs, ndim=2, dtypes=_FLOAT_DTYPES, device=device)
-        if probs.shape[0] != num_tokens:
-            raise ValueError(
-                f"probs must be [T, E] with T={num_tokens} (restore_shape), got "
-                f"{tuple(probs.shape)}"
-            )
-        experts = probs.shape[1]
-        if routing_map is not None or indices is not None:
-            routing_map, indices, _, _ = resolve_routing(
-                shape, device, routing_map, indices, probs, experts
-            )
-        elif not drop_and_pad:
-            raise ValueError(
-                "unpermute with probs needs routing_map= (or indices=) to know each row's "
-                "expert (not needed with drop_and_pad)"
-            )
-        if drop_and_pad and (experts == 0 or num_rows % experts):
-            raise ValueError(
-                f"drop_and_pad: permuted has {num_rows} rows, not a multiple of E={experts}"
-            )
-    choice = resolve_backend("unpermute", backend, device, _BACKENDS)
-    if token_map is not None:
-        check_token_map(token_map, num_tokens, experts, drop_and_pad)
-    if choice == "triton":
-        if token_map is not None:
-            tm = token_map
-            return torch.ops.mtp.moe_unpermute(
-                permuted, tm.rows, tm.experts, tm.count, row_id_map, probs
-            )
-        say_once(
-            "mtp.ops.unpermute: no token_map given, so row_id_map is inverted on the device "
-            "with a sort (one launch more than the fused path); pass the TokenMap of "
-            "permute(..., return_token_map=True) as token_map="
-        )
-    pair = None
-    if probs is not None:
-        mode = validation_mode(validate)
-        if indices is not None:
-            check_permute_data(mode, None, indices, experts, indices.numel(), True)
-            routing_map = routing_from_indices(indices, experts)
-        pair = row_pairs(row_id_map, num_tokens, experts, routing_map, drop_and_pad)
-    check_row_map(validate, row_id_map, num_tokens, pair, routing_map)
-    weight = None if pair is None else select_probs(probs, pair)
-    if choice == "reference":
-        return combine_reference(permuted, row_id_map, weight, num_tokens)
-    return torch.ops.mtp.moe_combine_rows(permuted, row_id_map, weight, num_tokens)
+    if eager(permuted, row_id_map, probs, routing_map, indices) and (
+        token_map is None or type(token_map) is TokenMap
+    ):
+        s = settings.current()
+        try:
+            key = ("unpermute", permuted.shape, permuted.dtype, permuted.device,
+                   row_id_map.shape, row_id_map.dtype, row_id_map.device, restore_shape,
+                   None if probs is None else (probs.shape, probs.dtype, probs.device),
+                   None if routing_map is None else
+                   (routing_map.shape, routing_map.dtype, routing_map.device),
+                   None if indices is None else (indices.shape, indices.dtype, indices.device),
+                   drop_and_pad, backend, validate, s.backend, s.validate,
+                   None if token_map is None else (token_map.count.shape[0],
+                                                   token_map.num_experts, token_map.drop_and_pad))
+            plan = _PLANS.get(key)
+            if plan is None:
+                plan = _PLANS.add(key, unpermute_args_plan(
+                    permuted, row_id_map, restore_shape, probs, routing_map, drop_and_pad,
+                    indices, backend, validate, token_map))  # fmt: skip
+        except TypeError:  # an unhashable argument: the general path's checks name it
+            plan = ()
+        if plan:
+            return unpermute_eager(permuted, row_id_map, probs, routing_map, indices,
+                                   token_map, *plan)  # fmt: skip
+    return unpermute_general(permuted, row_id_map, restore_shape, probs, routing_map,
+                             drop_and_pad, indices, backend, validate, token_map)

@@ -275,3 +275,96 @@ def check_row_map(
                      "row_id_map does not match routing_map: some rows hold a token that "
                      "routing_map does not send to that row's expert",
                      validate=mode, tensors=(row_id_map, routing_map))
+
+
+def check_unpermute_args(
+    permuted: torch.Tensor,
+    row_id_map: torch.Tensor,
+    restore_shape: Sequence[int],
+    probs: torch.Tensor | None,
+    routing_map: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    drop_and_pad: bool,
+) -> tuple[int, int | None, torch.Tensor | None, torch.Tensor | None]:
+    """Shape, dtype and device checks of :func:`mtp.ops.unpermute` (free); returns ``(T, E or
+    None, routing_map, indices)``, the routings checked (without ``probs`` only their shapes:
+    they bound the rows a token may have)."""
+    check_tensor("permuted", permuted, ndim=2, dtypes=_FLOAT_DTYPES)
+    device = permuted.device
+    check_tensor("row_id_map", row_id_map, ndim=1, dtypes=_INDEX_DTYPES, device=device)
+    num_rows, hidden = permuted.shape
+    if row_id_map.shape[0] != num_rows:
+        raise ValueError(
+            f"row_id_map must have one entry per permuted row ({num_rows}), got "
+            f"{row_id_map.shape[0]}"
+        )
+    shape = tuple(restore_shape)
+    if len(shape) != 2 or any(isinstance(s, bool) or not isinstance(s, int) for s in shape):
+        raise ValueError(f"restore_shape must be (T, H) ints, got {restore_shape!r}")
+    if shape[1] != hidden:
+        raise ValueError(f"restore_shape {shape} must end in permuted's hidden size {hidden}")
+    num_tokens = shape[0]
+    if probs is None:
+        for name, routing, dtypes in (("routing_map", routing_map, (torch.bool,)),
+                                      ("indices", indices, _INDEX_DTYPES)):
+            if routing is not None:
+                check_tensor(name, routing, ndim=2, dtypes=dtypes, device=device)
+                if routing.shape[0] != num_tokens:
+                    raise ValueError(
+                        f"{name} must have T={num_tokens} rows (restore_shape), got "
+                        f"{tuple(routing.shape)}"
+                    )
+        return num_tokens, None, routing_map, indices
+    check_tensor("probs", probs, ndim=2, dtypes=_FLOAT_DTYPES, device=device)
+    if probs.shape[0] != num_tokens:
+        raise ValueError(
+            f"probs must be [T, E] with T={num_tokens} (restore_shape), got {tuple(probs.shape)}"
+        )
+    experts = probs.shape[1]
+    if routing_map is not None or indices is not None:
+        routing_map, indices, _, _ = resolve_routing(
+            shape, device, routing_map, indices, probs, experts
+        )
+    elif not drop_and_pad:
+        raise ValueError(
+            "unpermute with probs needs routing_map= (or indices=) to know each row's "
+            "expert (not needed with drop_and_pad)"
+        )
+    if drop_and_pad and (experts == 0 or num_rows % experts):
+        raise ValueError(
+            f"drop_and_pad: permuted has {num_rows} rows, not a multiple of E={experts}"
+        )
+    return num_tokens, experts, routing_map, indices
+
+
+def inversion(
+    num_rows: int,
+    num_tokens: int,
+    experts: int | None,
+    routing_map: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    drop_and_pad: bool,
+) -> tuple[int, int, int, int, bool, str] | None:
+    """How a Triton unpermute without a token map inverts its row map (see
+    :mod:`mtp.ops.moe_permute.invert`): ``(routing (0: none, 1: routing_map, 2: indices), E,
+    W, capacity (-1: dropless), experts needed, message of the device check)``, or None when
+    nothing bounds the rows of a token (no probs and no routing: the sort path)."""
+    route = 1 if routing_map is not None else (2 if indices is not None else 0)
+    width = (routing_map.shape[1] if route == 1 else indices.shape[1]) if route else experts
+    if width is None:
+        return None
+    what = [f"row_id_map must hold token numbers in [0, {num_tokens}) or -1, at most {width} "
+            "per token"]
+    if experts is None:
+        return 0, width, width, -1, False, _device_message(what)
+    capacity = num_rows // experts if drop_and_pad else -1
+    if route:
+        what.append("row_id_map does not match routing_map (or indices) where a row holds a "
+                    "token not routed to that row's expert")
+    if route == 2:
+        what.append(indices_message(experts))
+    return route, experts, width, capacity, True, _device_message(what)
+
+
+def _device_message(what: list[str]) -> str:
+    return "unpermute: " + "; ".join(what) + " (validate='sync' reports the values)"

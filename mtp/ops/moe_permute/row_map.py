@@ -2,7 +2,9 @@
 pieces: :func:`moe_permute_row_map` (on the device, static shapes, no host sync; the Triton
 backend also builds the :class:`~mtp.ops.moe_permute.token_map.TokenMap`, returned in a
 :class:`RowMap`), the flat ``(token, expert)`` pair of each row of a given ``row_id_map``
-(:func:`row_pairs`, what :func:`mtp.ops.unpermute` weights rows by) and :func:`select_probs`.
+(:func:`row_pairs`, what :func:`mtp.ops.unpermute` weights rows by) and :func:`select_probs`;
+the custom op ``mtp::moe_row_map`` (two launches of :mod:`mtp.kernels.moe_row_map`, no checks),
+called directly on the eager path.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import dataclasses
 
 import torch
 
+from mtp import settings
+from mtp.kernels import moe_row_map as _map_kernels
 from mtp.ops._backend import resolve_backend
-from mtp.ops.moe_permute.token_map import TokenMap
+from mtp.ops._eager import eager
+from mtp.ops.moe_permute.token_map import TokenMap, poisoned_empty
 
 __all__ = ["PERMUTE_BACKENDS", "RowMap", "moe_permute_row_map", "row_pairs", "select_probs"]
 
@@ -22,11 +27,14 @@ PERMUTE_BACKENDS = ("triton", "reference")
 @dataclasses.dataclass(frozen=True, eq=False)
 class RowMap:
     """:func:`moe_permute_row_map` with ``token_map=True``: ``row_id_map`` and ``pair`` (int64
-    ``[N]``) and the :class:`TokenMap` built with them (None on the reference backend)."""
+    ``[N]``; None with ``pair=False``), the :class:`TokenMap` built with them (None on the
+    reference backend) and ``tokens_per_expert`` (int64 ``[E]``: the rows of each expert,
+    counted by the same launch on the Triton backend)."""
 
     row_id_map: torch.Tensor
-    pair: torch.Tensor
+    pair: torch.Tensor | None
     token_map: TokenMap | None
+    tokens_per_expert: torch.Tensor | None = None
 
 
 def moe_permute_row_map(
@@ -37,6 +45,8 @@ def moe_permute_row_map(
     *,
     backend: str = "auto",
     token_map: bool = False,
+    width: int | None = None,
+    pair: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor] | RowMap:
     """The row map of :func:`~mtp.ops.permute`, computed on the device without a host sync.
 
@@ -50,7 +60,11 @@ def moe_permute_row_map(
             lets :func:`~mtp.ops.unpermute` run in one launch), ``"reference"`` (cumulative sums and
             ``searchsorted``) or ``"auto"``.
         token_map: return a :class:`RowMap` (with the :class:`TokenMap`, None on the
-            reference backend) instead of the pair.
+            reference backend, and ``tokens_per_expert``) instead of the pair.
+        width: the token map's slots per token (default ``E``): the most experts a token routes
+            to (a narrower map keeps a token's first ``width`` rows). The MoE dispatch passes
+            ``topk``.
+        pair: with ``token_map=True``, False skips the pair (``RowMap.pair`` is None).
 
     Returns:
         ``(row_id_map, pair)``, both int64 ``[N]``: the token of each row (``-1``: no token) and
@@ -59,15 +73,75 @@ def moe_permute_row_map(
     """
     if resolve_backend("permute", backend, routing_map.device, PERMUTE_BACKENDS) == "triton":
         cap = capacity if drop_and_pad else None
-        row_id_map, pair, rows, experts_, count = torch.ops.mtp.moe_row_map(
-            routing_map, num_out_tokens, -1 if cap is None else cap
-        )
+        want_pair = pair or not token_map
+        args = (routing_map, num_out_tokens, -1 if cap is None else cap,
+                -1 if width is None else width, want_pair)  # fmt: skip
+        if eager(routing_map) and routing_map.device.type != "meta":
+            row_id_map, pairs, rows, experts_, count, tpe = row_map_impl(*args)
+        else:
+            row_id_map, pairs, rows, experts_, count, tpe = torch.ops.mtp.moe_row_map(*args)
         if not token_map:
-            return row_id_map, pair
+            return row_id_map, pairs
         tm = TokenMap(rows, experts_, count, routing_map.shape[1], drop_and_pad)
-        return RowMap(row_id_map, pair, tm)
-    row_id_map, pair = _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity)
-    return RowMap(row_id_map, pair, None) if token_map else (row_id_map, pair)
+        return RowMap(row_id_map, pairs if want_pair else None, tm, tpe)
+    row_id_map, pairs = _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity)
+    if not token_map:
+        return row_id_map, pairs
+    return RowMap(row_id_map, pairs, None, _reference_counts(routing_map, drop_and_pad, capacity))
+
+
+def _reference_counts(routing_map, drop_and_pad, capacity):
+    if drop_and_pad:
+        return torch.full((routing_map.shape[1],), capacity, dtype=torch.int64,
+                          device=routing_map.device)  # fmt: skip
+    return routing_map.sum(dim=0, dtype=torch.int64)
+
+
+@torch.library.custom_op("mtp::moe_row_map", mutates_args=())
+def _row_map_op(
+    routing_map: torch.Tensor, num_out_tokens: int, capacity: int, width: int = -1,
+    pair: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(row_id_map, pair ([0] without it), token_rows, token_experts, token_count,
+    tokens_per_expert)`` of a ``[T, E]`` bool routing map (``capacity < 0``: dropless; ``width
+    < 0``: ``E`` slots per token); two launches, no checks."""
+    return row_map_impl(routing_map, num_out_tokens, capacity, width, pair)
+
+
+def row_map_impl(routing_map, num_out_tokens, capacity, width=-1, pair=True):
+    """The body of ``mtp::moe_row_map``."""
+    device, (num_tokens, num_experts), n = routing_map.device, routing_map.shape, num_out_tokens
+    slots = num_experts if width < 0 else min(width, num_experts)
+    new = poisoned_empty if settings.current().poison_outputs else torch.empty
+    row_id_map = new(n, dtype=torch.int64, device=device)
+    pairs = new(n if pair else 0, dtype=torch.int64, device=device)
+    rows = new(num_tokens, slots, dtype=torch.int32, device=device)
+    experts = new(num_tokens, slots, dtype=torch.int32, device=device)
+    count = new(num_tokens, dtype=torch.int32, device=device)
+    ok = new((), dtype=torch.bool, device=device)
+    tpe = new(num_experts, dtype=torch.int64, device=device)
+    _map_kernels.build_row_map(
+        routing_map.contiguous(), num_experts, n, capacity=capacity if capacity >= 0 else None,
+        probs=None, row_id_map=row_id_map, pair=pairs if pair else None, permuted_probs=None,
+        token_rows=rows, token_experts=experts, token_count=count, status=ok,
+        tokens_per_expert=tpe,
+    )  # fmt: skip
+    return row_id_map, pairs, rows, experts, count, tpe
+
+
+@_row_map_op.register_fake
+def _(routing_map, num_out_tokens, capacity, width=-1, pair=True):
+    (num_tokens, num_experts), n = routing_map.shape, num_out_tokens
+    slots = num_experts if width < 0 else min(width, num_experts)
+    i64, i32 = dict(dtype=torch.int64), dict(dtype=torch.int32)
+    return (
+        routing_map.new_empty((n,), **i64),
+        routing_map.new_empty((n if pair else 0,), **i64),
+        routing_map.new_empty((num_tokens, slots), **i32),
+        routing_map.new_empty((num_tokens, slots), **i32),
+        routing_map.new_empty((num_tokens,), **i32),
+        routing_map.new_empty((num_experts,), **i64),
+    )
 
 
 def _reference_row_map(routing_map, num_out_tokens, drop_and_pad, capacity):
