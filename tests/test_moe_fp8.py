@@ -227,6 +227,24 @@ def test_moe_layer_and_config():
     assert 0 < err < 0.1, err
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_moe_layer_fp8_takes_the_materialised_dispatch(recipe, monkeypatch):
+    """The gathered fc1 (:mod:`mtp.moe.gathered`) is BF16 only: a Triton FP8 layer dispatches
+    a permuted copy and runs the FP8 GEMMs on it; without the recipe it gathers again."""
+    from mtp.moe.gathered import gathers
+
+    torch.manual_seed(3)
+    layer = MoELayer(H, F_, 4, 2, activation="swiglu", backend="triton", fp8_recipe=recipe)
+    x = torch.randn(2, 6, H, requires_grad=True)
+    assert not gathers(layer, x.view(-1, H))
+    monkeypatch.setattr(GroupedMLP, "forward_gathered",
+                        lambda *a, **k: pytest.fail("FP8 experts took the gathered fc1"))
+    layer(x).square().mean().backward()
+    assert torch.isfinite(x.grad).all()
+    layer.set_fp8_recipe(None)
+    assert gathers(layer, x.view(-1, H))
+
+
 def test_errors():
     with pytest.raises(ValueError, match="fp8_recipe must be one of"):
         _experts("fp4")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from mtp import settings
-from mtp.ops._eager import eager
+from mtp.ops._eager import autograd_apply, eager
 from mtp.ops.grouped_gemm import eager_path as _eager_path
 from mtp.ops.grouped_gemm.backends import GROUPED_GEMM_BACKENDS, _host_sizes, _reference_forward
 from mtp.ops.grouped_gemm.checks import (
@@ -310,6 +310,9 @@ class GroupedGemmFp8Function(torch.autograd.Function):
 _BACKENDS = ("triton", "reference")
 
 
+_APPLY = autograd_apply(GroupedGemmFp8Function)  # the eager path's (C) apply
+
+
 def _recipe_of(x, w, fp8_recipe) -> Fp8Recipe:
     given = [t.recipe for t in (x, w) if isinstance(t, Fp8Tensor)]
     recipe = as_recipe(fp8_recipe) or Fp8Recipe(given[0])
@@ -369,8 +372,8 @@ def fp8_call(x, w, tokens_per_expert, trans_b, backend, out, validate, fp8_recip
     call = (trans_b, name, recipe, bool(accumulate), routing, None if x is xt else x,
             None if w is wt else w, dtype, cache)  # fmt: skip
     if torch.is_grad_enabled() and (x_grad or w_grad):
-        y = GroupedGemmFp8Function.apply(x if x is xt else None, w if w is wt else None, out,
-                                         counts, call)  # fmt: skip
+        apply = _APPLY if direct else GroupedGemmFp8Function.apply  # eager: autograd's C apply
+        y = apply(x if x is xt else None, w if w is wt else None, out, counts, call)
     else:
         y = _forward_only(x, w, counts, out, call, direct)
     if routing is not None and routing.head is None:
