@@ -19,6 +19,12 @@ A candidate is a dict: the config's fields (GEMMs) or the constants (the others)
 (shared memory of the pipeline stages, accumulator registers per thread, a warp-specialised
 loop over 128-row tiles with 4 warps on sm_90a, which left half of each tile unwritten on an
 H200 under triton 3.6); the dry run's sm_90a compile drops the rest (spills, shared memory).
+
+Not swept yet: the FP8 grouped GEMM kernels (``make_config(recipe=...)``,
+:mod:`mtp.kernels.grouped_gemm_details.fp8`). They need quantised operands and scales in
+:mod:`tools.sweep_run` (``launch.fp8_forward_plan`` / ``fp8_wgrad_plan``), a check at the
+recipes' tolerance, meta-tensor compiles in :mod:`tools.sweep_compile`, a ``TUNED`` key with the
+recipe (``make_config`` takes no ``TUNED`` entry for FP8 today) and a share of the lease.
 """
 
 from __future__ import annotations
