@@ -37,7 +37,7 @@ from mtp.kernels.grouped_gemm_details.epilogue import (
     fwd_zero,
     row_probs,
 )
-from mtp.kernels.grouped_gemm_details.tiles import map_tile, routing_map, tail_tile, wgrad_tile
+from mtp.kernels.grouped_gemm_details.tiles import map_tile, tail_tile, wgrad_tile
 
 __all__ = [
     "grouped_gemm_act_tma_kernel",
@@ -57,7 +57,7 @@ def grouped_gemm_tma_kernel(
     GROUP_M: tl.constexpr, TRANS_B: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    MAP_OFF: tl.constexpr = -1,
+    MAP_OFF: tl.constexpr,
 ):
     """``c[M, N]``: rows of expert ``e`` get ``a[rows] @ b[e]`` (``+ bias[e]``, a contiguous
     ``[E, N]``, with ``HAS_BIAS``); rows past the routed ones get 0.
@@ -72,9 +72,9 @@ def grouped_gemm_tma_kernel(
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    # The tile map after the routing head: at a constant offset when the launch passes it
+    # The tile map after the routing head, at the launch's constexpr `head_size(E)`
     # (folded into the loads' addresses: no derived pointer kept in a register).
-    map_ptr = map_ptr + MAP_OFF if MAP_OFF >= 0 else routing_map(map_ptr, E)
+    map_ptr = map_ptr + MAP_OFF
     a_desc = tl.make_tensor_descriptor(
         a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -213,15 +213,15 @@ def grouped_gemm_act_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, UPCAST_DOT: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROB: tl.constexpr,
-    MAP_OFF: tl.constexpr = -1,
+    MAP_OFF: tl.constexpr,
 ):
     """fc1 with its epilogue (see :func:`.pointer.grouped_gemm_act_kernel`);
     ``a`` ``[M, K]`` and ``b`` ``[E, K, W]`` with unit last strides."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    # The tile map after the routing head: at a constant offset when the launch passes it
+    # The tile map after the routing head, at the launch's constexpr `head_size(E)`
     # (folded into the loads' addresses: no derived pointer kept in a register).
-    map_ptr = map_ptr + MAP_OFF if MAP_OFF >= 0 else routing_map(map_ptr, E)
+    map_ptr = map_ptr + MAP_OFF
     a_desc = tl.make_tensor_descriptor(
         a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
@@ -268,17 +268,17 @@ def grouped_gemm_dact_tma_kernel(
     stride_gm, stride_be, stride_bn, stride_hm, stride_dm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    ACT: tl.constexpr, HAS_PROB: tl.constexpr, RECOMPUTE: tl.constexpr = False,
-    MAP_OFF: tl.constexpr = -1,
+    ACT: tl.constexpr, HAS_PROB: tl.constexpr, MAP_OFF: tl.constexpr,
+    RECOMPUTE: tl.constexpr = False,
 ):
     """fc2's data gradient with the activation's backward (see
     :func:`.pointer.grouped_gemm_dact_kernel`, ``RECOMPUTE`` included); ``g`` ``[M, K]`` with a
     unit last stride and ``b_ptr`` the ``[E, F, K]`` weight ``w2`` with a unit last stride."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    # The tile map after the routing head: at a constant offset when the launch passes it
+    # The tile map after the routing head, at the launch's constexpr `head_size(E)`
     # (folded into the loads' addresses: no derived pointer kept in a register).
-    map_ptr = map_ptr + MAP_OFF if MAP_OFF >= 0 else routing_map(map_ptr, E)
+    map_ptr = map_ptr + MAP_OFF
     g_desc = tl.make_tensor_descriptor(
         g_ptr, shape=[M, K], strides=[stride_gm, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
