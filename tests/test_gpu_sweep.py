@@ -222,17 +222,22 @@ def test_auto_backend_follows_the_measured_table_without_epilogues():
 
 def test_every_table_entry_compiles_for_hopper_and_blackwell_without_spills():
     """Each TUNED entry (none until a lease measures) and the committed drop list's format."""
-    from sweep_compile import compile_task
+    from sweep_compile import precompile
 
-    for (arch, _, gemm, epilogue, klass), entry in gc.TUNED.items():
+    tasks = []
+    for (arch, dtype, gemm, epilogue, klass), entry in gc.TUNED.items():
         E, K, N = (int(p[1:]) for p in klass.split()[:3])
         fam = {("wgrad", "none"): "gg_wgrad", ("forward", "none"): "gg_fwd"}.get(
             (gemm, epilogue), "gg_act")
+        if dtype.startswith("fp8-"):  # measured in the recipe of its architecture: built there
+            fam = "gg_fp8_wgrad" if gemm == "wgrad" else "gg_fp8_fwd"
         shape = space.Shape("table", E, 256 * E, K, N).as_dict()
-        for cc in (90, 100):
-            res = compile_task(dict(family=fam, shape=shape, cand=entry["config"], cc=cc,
-                                    report=True))  # fmt: skip
-            assert res.get("ok"), (entry, cc, res)
+        tasks += [dict(family=fam, shape=shape, cand=entry["config"], cc=cc, report=True,
+                       id=len(tasks) + i)  # fmt: skip
+                  for i, cc in enumerate((arch * 10,) if dtype.startswith("fp8-") else (90, 100))]
+    # spawned workers: the compiler, not the interpreter the tests run under
+    for res in precompile(tasks, 2):
+        assert res.get("ok"), (tasks[res["id"]], res)
     if gpu_sweep.DROPS.exists():
         drops = json.loads(gpu_sweep.DROPS.read_text())
         assert set(drops) <= {"sm_90", "sm_100"}
@@ -274,3 +279,50 @@ def test_the_timing_loop_writes_one_checked_record_per_candidate(tmp_path):
     assert all(r["baseline"] for r in firsts.values())
     assert sum(r["baseline"] for r in records) == len(firsts) == 2
     assert "sweep: family | shape" in proc.stdout and "gg_fwd | tiny |" in proc.stdout
+
+
+def test_fp8_families_are_swept_and_their_entries_reach_make_config():
+    """The FP8 kernels are candidates of their own families (blockwise on sm_90, MXFP8 with
+    128-row tiles on sm_100); a measured FP8 entry is keyed by its recipe, taken by
+    make_config(recipe=...) only for that recipe, and builds for its architecture without
+    spills."""
+    from sweep_compile import precompile
+
+    s = space.gemm_shape("gg_fp8_fwd", "Qwen3-30B-A3B")
+    for arch in (9, 10):
+        for fam in space.FP8_FAMILIES:
+            cands = space.gemm_candidates(fam, space.gemm_shape(fam, "Qwen3-30B-A3B"), arch, 132)
+            assert cands[0]["baseline"] and len(cands) > 10 and all(
+                c["kernel"] == "pointer" for c in cands)
+            if arch == 10:
+                assert all(c["block_m"] >= 128 for c in cands)
+            if arch == 9:  # a K step never straddles a 128-wide scale block
+                assert all(128 % c["block_k"] == 0 for c in cands)
+    cands = space.gemm_candidates("gg_fp8_fwd", s, 9, 132)
+    rec = dict(stage="gpu", family="gg_fp8_fwd", arch=9, shape=s.as_dict(), status="ok")
+    records = [dict(stage="env", device="NVIDIA H200", commit="abc123"),
+               dict(rec, key=space.cand_key(cands[0]), cand=cands[0], baseline=True, ms=1.0),
+               dict(rec, key=space.cand_key(cands[5]), cand=cands[5], baseline=False, ms=0.7),
+               dict(rec, key="F.grouped_mm-bf16", cand={}, provider="F.grouped_mm-bf16", ms=1.2)]
+    entries = sweep_pick.gemm_entries(records, "bench/results/X/sweep.jsonl", 0.03)
+    key = (9, "fp8-blockwise", "forward", "none", gc.shape_class(s.M, s.N, s.K, s.E))
+    assert list(entries) == [key]
+    assert sweep_pick.backend_entries(records, "x", 0.03) == {}  # FP8 is not a BF16 backend
+    args = (9, torch.bfloat16, s.M, s.N, s.K, s.E)
+    gc.TUNED.update(entries)
+    try:
+        cfg = gc.make_config(*args, sms=132, recipe="blockwise")
+        assert cfg.reason.startswith("measured: bench/results/X/sweep.jsonl")
+        assert space.cand_key(space.as_candidate(cfg)) == space.cand_key(cands[5])
+        assert not gc.make_config(*args, sms=132).reason.startswith("measured")  # BF16: rules
+        assert not gc.make_config(*args, sms=132, recipe="mxfp8").reason.startswith("measured")
+        with gc.override(num_warps=2):
+            assert gc.make_config(*args, sms=132, recipe="blockwise").num_warps == 2
+        # a spawned worker: the compiler, not the interpreter the tests run under
+        (res,) = precompile([dict(family="gg_fp8_fwd", shape=space.Shape(
+            "table", 8, 2048, 256, 128).as_dict(), cand=entries[key]["config"], cc=90,
+            report=True)], 1)  # fmt: skip
+        assert res.get("ok") and res["aot"][0]["registers"] > 0, res
+    finally:
+        gc.TUNED.clear()
+        gc._tuned.cache_clear()

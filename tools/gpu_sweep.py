@@ -40,8 +40,9 @@ import sweep_space as space  # noqa: E402
 
 DROPS = TOOLS / "sweep_dropped.json"
 #: family -> share of the timing phase (a family that ends early leaves its time to the next)
-SHARES = {"gg_fwd": 0.24, "gg_wgrad": 0.17, "gg_dgrad": 0.17, "gg_act": 0.1, "gg_dact": 0.1,
-          "ce": 0.08, "bias_act": 0.07, "permute": 0.07}  # fmt: skip
+SHARES = {"gg_fwd": 0.22, "gg_wgrad": 0.15, "gg_dgrad": 0.15, "gg_act": 0.09, "gg_dact": 0.09,
+          "gg_fp8_fwd": 0.06, "gg_fp8_wgrad": 0.04, "ce": 0.07, "bias_act": 0.07,
+          "permute": 0.06}  # fmt: skip
 COMPILE_SHARE = 0.4  # of the budget, at most, for the parallel pre-compile
 WARMUP_MS, REP_MS = 10, 40
 
@@ -174,7 +175,8 @@ def time_all(tasks: list[dict], deadline: float, sink: Sink, arch: int,
              device: str = "cuda") -> list[dict]:  # fmt: skip
     import torch
 
-    from sweep_run import GemmRun, MemoryRun, memory_cases
+    from sweep_fp8 import gemm_run
+    from sweep_run import MemoryRun, memory_cases
 
     records, now = [], time.monotonic()
     spans, total = {}, sum(SHARES[f] for f in dict.fromkeys(t["family"] for t in tasks))
@@ -198,7 +200,7 @@ def time_all(tasks: list[dict], deadline: float, sink: Sink, arch: int,
             try:
                 if where not in runs:
                     if "shape" in task:
-                        runs[where] = GemmRun(fam, space.Shape(**task["shape"]), device)
+                        runs[where] = gemm_run(fam, space.Shape(**task["shape"]), device, arch)
                     else:
                         size = "quick" if device == "cuda" else "smoke"
                         runs[where] = MemoryRun(fam, memory_cases(fam, size)[task["case"]],
@@ -266,7 +268,8 @@ def run_interp(args, sink: Sink) -> None:
     """Under TRITON_INTERPRET=1: each distinct tile shape once per family, float64 reference."""
     import torch
 
-    from sweep_run import GemmRun, MemoryRun, memory_cases
+    from sweep_fp8 import gemm_run
+    from sweep_run import MemoryRun, memory_cases
 
     seen = set()
     for task in plan(args.families, 9, 132, args.limit, args.cases):
@@ -279,7 +282,7 @@ def run_interp(args, sink: Sink) -> None:
         t0 = time.monotonic()
         try:
             if fam.startswith("gg_"):
-                run = GemmRun(fam, space.tiny_shape(fam), "cpu")
+                run = gemm_run(fam, space.tiny_shape(fam), "cpu")
             else:
                 run = MemoryRun(fam, memory_cases(fam, "smoke")[task["case"] % 2],
                                 torch.device("cpu"))  # fmt: skip

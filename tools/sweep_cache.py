@@ -50,12 +50,12 @@ def _tasks(families: list[str], cc: int, sms: int, limit: int | None,
 def launch_all(tasks: list[dict], cc: int) -> None:
     """The tasks' launches under :func:`sweep_compile.compile_only` (compiled, not run)."""
     from sweep_compile import compile_only
-    from sweep_run import GemmRun
+    from sweep_fp8 import gemm_run
     from sweep_space import Shape
 
     with compile_only(cc):
         for task in tasks:
-            GemmRun(task["family"], Shape(**task["shape"]), "meta").run(task["cand"])
+            gemm_run(task["family"], Shape(**task["shape"]), "meta", cc // 10).run(task["cand"])
 
 
 def capture(families: list[str], cc: int = 90, sms: int = 132, limit: int | None = None,

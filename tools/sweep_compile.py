@@ -107,12 +107,13 @@ def kernels_ok(reports: list[dict]) -> bool:
 def _run_family(task: dict) -> None:
     import torch
 
-    from sweep_run import GemmRun, MemoryRun, memory_cases
+    from sweep_fp8 import gemm_run
+    from sweep_run import MemoryRun, memory_cases
     from sweep_space import Shape
 
     family, cand = task["family"], task["cand"]
     if family.startswith("gg_"):
-        GemmRun(family, Shape(**task["shape"]), "meta").run(cand)
+        gemm_run(family, Shape(**task["shape"]), "meta", task["cc"] // 10).run(cand)
         return
     import mtp.ops._backend as backend_module  # the op layer runs "triton" on CPU tensors here
 

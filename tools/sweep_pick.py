@@ -1,7 +1,8 @@
 """Sweep results -> committed configs: read the JSONL of ``tools/gpu_sweep.py`` (records whose
 check passed only) and print, or with ``--write`` write, the entries of
 
-- ``mtp/ops/grouped_gemm/config.py``'s ``TUNED``: per (arch, dtype, gemm, epilogue, shape class)
+- ``mtp/ops/grouped_gemm/config.py``'s ``TUNED``: per (arch, dtype or ``fp8-<recipe>`` for the
+  FP8 families, gemm, epilogue, shape class)
   the fastest candidate, when it beats today's rule (the run's baseline) by more than
   ``--margin``; families that share a key (the activation's forward and backward use the same
   tiles) are ranked by the sum of their times, over candidates measured in each;
@@ -50,7 +51,8 @@ def gemm_entries(records: list[dict], source: str, margin: float) -> dict:
         gemm, epilogue = space.GEMM_KIND[r["family"]]
         from mtp.ops.grouped_gemm.config import shape_class
 
-        key = (r["arch"], "bfloat16", gemm, epilogue, shape_class(s["M"], s["N"], s["K"], s["E"]))
+        key = (r["arch"], space.table_dtype(r["family"], r["arch"]), gemm, epilogue,
+               shape_class(s["M"], s["N"], s["K"], s["E"]))  # fmt: skip
         fam = by_key.setdefault(key, {}).setdefault(r["family"], {})
         fam[r["key"]] = min(fam.get(r["key"], (math.inf, None)), (r["ms"], r["cand"]))
         if r.get("baseline"):

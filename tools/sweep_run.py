@@ -35,6 +35,15 @@ def counts_for(s: Shape, device) -> torch.Tensor:
         (torch.arange(s.E, device=device) < s.M % s.E).long())
 
 
+def run_config(cand: dict, device):
+    """The candidate's config for ``device`` (under the interpreter: a few persistent
+    programs)."""
+    cfg = to_config(cand)
+    if str(device) == "cpu" and cfg.programs:
+        cfg = dataclasses.replace(cfg, programs=INTERPRETER_PROGRAMS)
+    return cfg
+
+
 def _tensor(shape, device, dtype=torch.bfloat16, scale=1.0) -> torch.Tensor:
     if str(device) == "meta":
         return torch.empty(shape, dtype=dtype, device=device)
@@ -95,10 +104,7 @@ class GemmRun:
         return 2 * self.s.M * self.s.K * self.s.N * gated
 
     def config(self, cand: dict):
-        cfg = to_config(cand)
-        if str(self.device) == "cpu" and cfg.programs:
-            cfg = dataclasses.replace(cfg, programs=INTERPRETER_PROGRAMS)
-        return cfg
+        return run_config(cand, self.device)
 
     def run(self, cand: dict) -> tuple[torch.Tensor, ...]:
         cfg, c = self.config(cand), self.counts

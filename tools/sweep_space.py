@@ -20,11 +20,11 @@ A candidate is a dict: the config's fields (GEMMs) or the constants (the others)
 loop over 128-row tiles with 4 warps on sm_90a, which left half of each tile unwritten on an
 H200 under triton 3.6); the dry run's sm_90a compile drops the rest (spills, shared memory).
 
-Not swept yet: the FP8 grouped GEMM kernels (``make_config(recipe=...)``,
-:mod:`mtp.kernels.grouped_gemm_details.fp8`). They need quantised operands and scales in
-:mod:`tools.sweep_run` (``launch.fp8_forward_plan`` / ``fp8_wgrad_plan``), a check at the
-recipes' tolerance, meta-tensor compiles in :mod:`tools.sweep_compile`, a ``TUNED`` key with the
-recipe (``make_config`` takes no ``TUNED`` entry for FP8 today) and a share of the lease.
+FP8 families (``gg_fp8_fwd``: the forward and data-gradient kernel, ``gg_fp8_wgrad``: the
+ragged-K weight gradient, :mod:`mtp.kernels.grouped_gemm_details.fp8`) at the same shapes, in the
+recipe of the architecture (:func:`fp8_recipe`: blockwise on sm_90, MXFP8 on sm_100), operands
+quantised by :func:`mtp.ops.quantize` and checked against the dequantised operands; their
+entries take the key ``fp8-<recipe>`` in place of the dtype.
 """
 
 from __future__ import annotations
@@ -44,14 +44,16 @@ MODELS = {
     "Mixtral-like": (8, 2, 4096, 14336),
 }
 TOKENS = 4096
-GEMM_FAMILIES = ("gg_fwd", "gg_wgrad", "gg_dgrad", "gg_act", "gg_dact")
+FP8_FAMILIES = ("gg_fp8_fwd", "gg_fp8_wgrad")
+GEMM_FAMILIES = ("gg_fwd", "gg_wgrad", "gg_dgrad", "gg_act", "gg_dact", *FP8_FAMILIES)
 MEMORY_FAMILIES = ("ce", "bias_act", "permute")
 #: in run order: what the issue's targets rest on first
 FAMILIES = GEMM_FAMILIES + MEMORY_FAMILIES
 #: the make_config ``gemm`` and epilogue of each GEMM family (the TUNED table's key parts)
 GEMM_KIND = {"gg_fwd": ("forward", "none"), "gg_dgrad": ("forward", "none"),
              "gg_wgrad": ("wgrad", "none"), "gg_act": ("forward", "swiglu"),
-             "gg_dact": ("forward", "swiglu")}  # fmt: skip
+             "gg_dact": ("forward", "swiglu"), "gg_fp8_fwd": ("forward", "none"),
+             "gg_fp8_wgrad": ("wgrad", "none")}  # fmt: skip
 ACT_MODEL = "Mixtral-like"  # the fused epilogue's case (35 % slower than unfused on the H200)
 SMEM_BUDGET = 200 * 1024  # pipeline stages' bytes; the compile checks the real 227 KiB
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread (of 255)
@@ -94,12 +96,26 @@ def tiny_shape(family: str) -> Shape:
     return Shape("tiny", 4, 96, 80, 40 if family in ("gg_act", "gg_dact") else 72)
 
 
+def fp8_recipe(family: str, arch: int) -> str | None:
+    """The FP8 recipe a family runs on ``arch`` (None: not an FP8 family): the one its users
+    train with there (blockwise on Hopper; MXFP8, the block-scaled MMA, on Blackwell)."""
+    if family not in FP8_FAMILIES:
+        return None
+    return "mxfp8" if arch >= 10 else "blockwise"
+
+
+def table_dtype(family: str, arch: int) -> str:
+    """The dtype part of the family's ``TUNED`` key: ``bfloat16`` or ``fp8-<recipe>``."""
+    recipe = fp8_recipe(family, arch)
+    return "bfloat16" if recipe is None else f"fp8-{recipe}"
+
+
 def default_config(family: str, s: Shape, arch: int, sms: int) -> gc.GroupedGemmConfig:
     """What make_config picks today for the family at shape ``s`` (TMA-aligned bf16)."""
     gemm, epilogue = GEMM_KIND[family]
     act = None if epilogue == "none" else epilogue
     return gc.make_config(arch, torch.bfloat16, s.M, s.N, s.K, s.E, gemm=gemm, activation=act,
-                          tma_ok=True, sms=sms)  # fmt: skip
+                          tma_ok=True, sms=sms, recipe=fp8_recipe(family, arch))  # fmt: skip
 
 
 def as_candidate(cfg: gc.GroupedGemmConfig, **extra) -> dict:
@@ -210,20 +226,57 @@ def _act(arch: int, sms: int, s: Shape) -> list[dict]:
     return out + _pointer_forward(arch, sms, s, gated=True)
 
 
+FP8_TILES = ((128, 64, 128), (64, 64, 128), (128, 128, 128), (64, 128, 128), (128, 64, 64),
+             (128, 128, 64), (256, 64, 128), (64, 64, 64))  # fmt: skip
+FP8_WGRAD_TILES = ((128, 64, 128), (128, 128, 128), (64, 64, 128), (64, 128, 128), (128, 64, 64),
+                   (128, 128, 64))  # fmt: skip
+
+
+def _fp8_fits(bm: int, bn: int, bk: int, warps: int, stages: int, mx: bool) -> bool:
+    """Pipeline stages in shared memory (1-byte operands) and the registers of the fp32
+    accumulator plus, blockwise, the promoted dot of each step (two fp32 tiles)."""
+    tiles = 1 if mx else 2
+    return (stages * (bm + bn) * bk <= SMEM_BUDGET
+            and tiles * bm * bn // (32 * warps) <= MAX_ACC_REGS)  # fmt: skip
+
+
+def _fp8(family: str, arch: int, sms: int, s: Shape) -> list[dict]:
+    """FP8 pointer kernels: tiles, warps, stages and (forward) a persistent grid; ``block_k``
+    divides the 128-wide scale block (blockwise) or is a multiple of 32 (MXFP8, whose
+    block-scaled MMA takes 128-row tiles)."""
+    mx, wgrad = fp8_recipe(family, arch) == "mxfp8", family == "gg_fp8_wgrad"
+    out = []
+    for (bm, bn, bk), stages in itertools.product(FP8_WGRAD_TILES if wgrad else FP8_TILES,
+                                                  (3, 4)):  # fmt: skip
+        bm = gc.fit_block(bm, s.K) if wgrad else bm
+        bn, bk = gc.fit_block(bn, s.N), bk if wgrad else max(32, gc.fit_block(bk, s.K))
+        for warps, persistent in itertools.product((4, 8), (False,) if wgrad else (False, True)):
+            if (mx and bm < 128) or not _fp8_fits(bm, bn, bk, warps, stages, mx):
+                continue
+            per_sm = max(1, 228 * 1024 // (stages * (bm + bn) * bk + 1024))
+            out.append(dict(kernel="pointer", block_m=bm, block_n=bn, block_k=bk,
+                            group_m=8, num_warps=warps, num_stages=stages,
+                            persistent=persistent, programs=sms * per_sm if persistent else 0,
+                            warp_specialize=False, flatten=False, split=1))  # fmt: skip
+    return out
+
+
 def gemm_candidates(family: str, s: Shape, arch: int, sms: int) -> list[dict]:
     """The default (``baseline``) first, then every other candidate once."""
     default = default_config(family, s, arch, sms)
-    if family == "gg_wgrad":
+    if family in FP8_FAMILIES:
+        found = _fp8(family, arch, sms, s)
+    elif family == "gg_wgrad":
         found = _wgrad(arch, sms, s, default)
     elif family in ("gg_act", "gg_dact"):
         found = _act(arch, sms, s)
     else:
         found = _tma_forward(arch, sms, s) + _pointer_forward(arch, sms, s, gated=False)
     base = as_candidate(default, baseline=True)
-    seen = {tuple(base[f] for f in _FIELDS)}
+    seen = {cand_key(base)}  # programs aside: the device's
     out = [base]
     for cand in found:
-        key = tuple(cand[f] for f in _FIELDS)
+        key = cand_key(cand)
         if key not in seen:
             seen.add(key)
             out.append(cand)

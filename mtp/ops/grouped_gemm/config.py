@@ -130,10 +130,10 @@ WGRAD_TABLE: dict[int, GroupedGemmConfig] = {
              reason="sm_100a weight gradient: warp-specialised, 8 warps"),
 }
 # Configs measured by the tuning sweep (tools/gpu_sweep.py on a lent GPU), written by
-# tools/sweep_pick.py from the sweep's JSONL: (arch, dtype, gemm, epilogue, shape class) ->
-# {"config": GroupedGemmConfig fields but programs, "source": the sweep file, "commit": its
-# bundle's commit, "ms": the measured median, "default_ms": today's rule's}. make_config takes an
-# entry before its rules; none yet (no sweep has run on a GPU).
+# tools/sweep_pick.py from the sweep's JSONL: (arch, dtype or "fp8-<recipe>", gemm, epilogue,
+# shape class) -> {"config": GroupedGemmConfig fields but programs, "source": the sweep file,
+# "commit": its bundle's commit, "ms": the measured median, "default_ms": today's rule's}.
+# make_config takes an entry before its rules; none yet (no sweep has run on a GPU).
 TUNED: dict[tuple[int, str, str, str, str], dict] = {}
 # The fastest measured backend of forward + data gradient + weight gradient per shape class,
 # from the same sweeps: (arch, dtype, shape class) -> {"backend": "triton" | "cutlass" |
@@ -251,6 +251,8 @@ def measured_backend(arch: int, dtype: torch.dtype, M: int, N: int, K: int, E: i
 
 @functools.lru_cache(maxsize=1024)
 def _tuned(arch, dtype, M, N, K, E, gemm, epilogue, use_tma, tma_forced, sms):
+    """The :data:`TUNED` entry of the shape class (``dtype``: a torch dtype or the FP8 key
+    ``"fp8-<recipe>"``) as a config for ``sms`` SMs, or None."""
     entry = TUNED.get((arch, str(dtype).replace("torch.", ""), gemm, epilogue,
                        shape_class(M, N, K, E)))  # fmt: skip
     if entry is None:
@@ -264,7 +266,8 @@ def _tuned(arch, dtype, M, N, K, E, gemm, epilogue, use_tma, tma_forced, sms):
         return dataclasses.replace(cfg, persistent=True, programs=sms or _INTERPRETER_PROGRAMS)
     gated = 2 if epilogue in ("swiglu", "clamped_swiglu") else 1
     stage = (cfg.block_m + gated * cfg.block_n) * cfg.block_k
-    return dataclasses.replace(cfg, programs=_resident(sms, cfg, dtype.itemsize, stage))
+    size = 1 if isinstance(dtype, str) else dtype.itemsize  # "fp8-<recipe>": 1-byte operands
+    return dataclasses.replace(cfg, programs=_resident(sms, cfg, size, stage))
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,9 +445,14 @@ def make_config(
     # interpreter too (descriptors run there); by default on sm_90+ only.
     use_tma = tma_ok and not gather and (arch >= 9 if want is None else want)
     extra = tuple(sorted((k, v) for k, v in forced.items() if k != "kernel"))
-    if recipe is not None:  # the FP8 kernels: pointer loads, their own rules (no TUNED entry)
-        return _choose(arch, dtype, M, N, K, E, gemm, activation, bias, False, sms, extra, recipe)
     cfg = None
+    if recipe is not None:  # the FP8 kernels: pointer loads; a measured entry, else their rules
+        if TUNED and arch:
+            cfg = _tuned(arch, f"fp8-{recipe}", M, N, K, E, gemm, "none", False, False, sms)
+        if cfg is None:
+            return _choose(arch, dtype, M, N, K, E, gemm, activation, bias, False, sms, extra,
+                           recipe)  # fmt: skip
+        return dataclasses.replace(cfg, **dict(extra)) if extra else cfg
     if TUNED and arch:  # a measured config for this shape class first
         epilogue = activation or ("bias" if bias else "none")
         cfg = _tuned(arch, dtype, M, N, K, E, gemm, epilogue, use_tma, want is True, sms)
