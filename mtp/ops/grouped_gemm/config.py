@@ -32,22 +32,9 @@ from mtp import settings
 from mtp.kernels._common import gpu_like, interpreting, next_power_of_2
 from mtp.kernels.grouped_gemm_details.launch import tma_aligned
 
-__all__ = [
-    "FORWARD_TABLE",
-    "GroupedGemmConfig",
-    "TUNED",
-    "TUNED_BACKENDS",
-    "WGRAD_TABLE",
-    "choice_state",
-    "device_arch",
-    "fit_block",
-    "make_config",
-    "measured_backend",
-    "override",
-    "shape_class",
-    "supports_warp_specialize",
-    "tma_aligned",
-]
+__all__ = ["FORWARD_TABLE", "GroupedGemmConfig", "TUNED", "TUNED_BACKENDS", "WGRAD_TABLE",
+           "choice_state", "device_arch", "fit_block", "make_config", "measured_backend",
+           "override", "shape_class", "supports_warp_specialize", "tma_aligned"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
