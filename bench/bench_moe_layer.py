@@ -33,7 +33,11 @@ the weights read again, and the input and weight gradients written:
 Structure (CPU, :func:`structure`): aten ops, device ops, Triton launches and host syncs of one
 forward, the device ops of forward+backward and the activation bytes autograd saves per token
 (the input included), by backend and number of experts (kernels recorded, not executed), and
-whether :func:`mtp.testing.assert_graph_safe` accepts the forward.
+whether :func:`mtp.testing.assert_graph_safe` accepts the forward; and :func:`peer_structure`:
+mtp's ``triton`` layer next to each installed peer (:mod:`mtp.bench.moe_peers`: Megatron-Core's
+``MoELayer``, torchtitan's ``MoE``, Liger-Kernel's fused MoE; same weights, checked against the
+same float64 reference, timed on a GPU only) at the same shape in bf16: device ops of a forward
+and of forward+backward, host syncs, activation bytes saved per token.
 """
 
 from __future__ import annotations

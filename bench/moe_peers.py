@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import sys
 from collections.abc import Callable
 
 import torch
@@ -210,14 +211,17 @@ def _megatron_spec(E: int):
     return get_moe_module_spec(use_te=te, num_experts=E, moe_grouped_gemm=te), te
 
 
-def _megatron_config(H: int, F_: int, E: int, k: int, dtype: torch.dtype):
+def _megatron_config(H: int, F_: int, E: int, k: int, dtype: torch.dtype, device):
+    """SwiGLU experts without biases, fp32 router logits, no load-balancing loss; weights
+    left uninitialised (mtp's are copied in) and made on ``device``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
         num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E,
         moe_ffn_hidden_size=F_, moe_router_topk=k, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, use_cpu_initialization=True,
+        fp16=dtype == torch.float16, use_cpu_initialization=device.type == "cpu",
+        perform_initialization=False,
         moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
     )  # fmt: skip
@@ -234,20 +238,26 @@ def _megatron_experts(module) -> tuple[list, list]:
             [getattr(experts.linear_fc2, f"weight{i}") for i in range(n)])  # fmt: skip
 
 
+def _define_te_general_gemm(router) -> None:
+    """megatron-core 0.16.1 without Transformer Engine leaves ``te_general_gemm`` undefined in
+    ``moe_utils``, where the router's gating function reads it: None (its torch.mm path), in
+    the module that function was defined in."""
+    gating = sys.modules[type(router).__module__].router_gating_linear
+    gating.__globals__.setdefault("te_general_gemm", None)
+
+
 def _megatron(layer, device, dtype) -> PeerLayer:
-    import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core.transformer.spec_utils import build_module
 
     reason = megatron_single_rank(device)
     if reason:
         raise Skip(reason)
-    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without TE
-        moe_utils.te_general_gemm = None
     E, k, H, F_ = layer.num_experts, layer.topk, layer.hidden_size, layer.ffn_hidden_size
     spec, te = _megatron_spec(E)
     scope = _cuda_stand_in if device.type == "cpu" else contextlib.nullcontext
     with scope():
-        module = build_module(spec, config=_megatron_config(H, F_, E, k, dtype)).to(device)
+        module = build_module(spec, config=_megatron_config(H, F_, E, k, dtype, device))
+    _define_te_general_gemm(module.router)
     fc1, fc2 = _megatron_experts(module)
     router, w1, w2 = _mtp_weights(layer)
     with torch.no_grad():
@@ -283,7 +293,8 @@ def _torchtitan(layer, device, dtype) -> PeerLayer:
         router=Router.Config(num_experts=E, gate=Linear.Config(in_features=H, out_features=E),
                              top_k=k, score_func="softmax", route_norm=True),
     )  # fmt: skip
-    module = config.build().to(device=device, dtype=dtype)
+    with torch.device(device):  # the weights made where they run (mtp's copied in)
+        module = config.build().to(dtype=dtype)
     experts = module.routed_experts.inner_experts
     router, w1, w2 = _mtp_weights(layer)
     with torch.no_grad():
