@@ -33,7 +33,11 @@ the weights read again, and the input and weight gradients written:
 Structure (CPU, :func:`structure`): aten ops, device ops, Triton launches and host syncs of one
 forward, the device ops of forward+backward and the activation bytes autograd saves per token
 (the input included), by backend and number of experts (kernels recorded, not executed), and
-whether :func:`mtp.testing.assert_graph_safe` accepts the forward.
+whether :func:`mtp.testing.assert_graph_safe` accepts the forward; and :func:`peer_structure`:
+mtp's ``triton`` layer next to each installed peer (:mod:`mtp.bench.moe_peers`: Megatron-Core's
+``MoELayer``, torchtitan's ``MoE``, Liger-Kernel's fused MoE; same weights, checked against the
+same float64 reference, timed on a GPU only) at the same shape in bf16: device ops of a forward
+and of forward+backward, host syncs, activation bytes saved per token.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from mtp.moe import MoELayer
 from mtp.ops.grouped_gemm import GROUPED_GEMM_BACKENDS
 
 from . import fp8_providers as fp8
+from . import moe_peers
 from .bench_grouped_gemm import backend_ready
 from .core import FLOAT64, Case, Provider, Run, Skip, needs_cuda, randn, seeded
 
@@ -67,6 +72,8 @@ _TOKENS = {"quick": 4096, "full": 8192}
 _SMOKE = (24, 32, 16)  # T, H, F for the CPU check at E=8
 _STRUCTURE = (64, 32, 16)  # T, H, F for the structural counts
 STRUCTURE_EXPERTS = ((8, 2), (64, 8), (128, 8), (256, 8))
+#: E, top-k of the peer comparison: Mixtral-like and fine-grained (OLMoE-, Qwen3-30B-A3B-like)
+PEER_STRUCTURE_EXPERTS = ((8, 2), (64, 8), (128, 8))
 
 
 def moe_layer_flops(T: int, H: int, F: int, E: int, k: int, pass_: str) -> int:
@@ -123,7 +130,8 @@ def providers(op: str = "moe_layer") -> list[Provider]:
     out.append(Provider(UNFUSED, "mtp", cpu=True, needs=backend_ready("triton")))
     for name in GRAPH_BACKENDS:
         out.append(Provider(name + GRAPH, "mtp", cpu=False, needs=_graph_needs(name)))
-    return out + fp8.mtp_providers(backend_ready("triton"), fp8.LAYER_TOLERANCE)
+    out += fp8.mtp_providers(backend_ready("triton"), fp8.LAYER_TOLERANCE)
+    return out + moe_peers.peer_providers()
 
 
 def build_layer(case: Case, backend: str, device: torch.device, dtype: torch.dtype) -> MoELayer:
@@ -174,6 +182,8 @@ def _capture(layer: MoELayer, x: torch.Tensor):
 def setup_moe_layer(case: Case, provider: str, device: torch.device) -> Run:
     """``MoELayer(x)`` eagerly (forward, or forward+backward into the input and every weight),
     or, for ``<backend>+cudagraph``, the replay of the captured forward."""
+    if provider in moe_peers.PEERS:
+        return _setup_peer(case, provider, device)
     p = case.params
     reference = provider == FLOAT64  # the MoE layer takes fp32/fp16/bf16: fp32 math reference
     backend = "reference" if reference else provider.removesuffix(GRAPH)
@@ -199,7 +209,22 @@ def setup_moe_layer(case: Case, provider: str, device: torch.device) -> Run:
     return Run(fwd_bwd, grad_to_none=[], inputs=[x, dy, *params])
 
 
+def _setup_peer(case: Case, provider: str, device: torch.device) -> Run:
+    """A peer (:mod:`mtp.bench.moe_peers`) with the weights of mtp's layer, the same inputs."""
+    p = case.params
+    layer = build_layer(case, "reference", device, case.dtype)
+    peer = moe_peers.build(provider, layer, device, case.dtype)
+    gen = seeded(case, device)
+    grad = case.pass_ != "fwd"
+    x = randn((p["T"], p["H"]), case.dtype, device, gen).requires_grad_(grad)
+    dy = randn((p["T"], p["H"]), case.dtype, device, gen)
+    fn, for_check = moe_peers.peer_run(peer, x, dy, grad)
+    return Run(fn, inputs=[x, dy, *peer.params], for_check=for_check)
+
+
 SETUP = {"moe_layer": setup_moe_layer}
+#: Called by the runner after the CPU pass: the one-rank process group the peers set up goes.
+release = moe_peers.release
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,20 +243,21 @@ def _graph_safety(layer: MoELayer, x: torch.Tensor) -> str:
     return "yes"
 
 
-def _counts(layer: MoELayer, x: torch.Tensor):
-    """``(forward counts, forward+backward counts, saved bytes)`` of one call (kernels
-    recorded, not executed)."""
-    from .counting import count_ops
-
-    with torch.no_grad(), count_ops(execute_kernels=False) as fwd:
-        layer(x)
+def _counts(layer, x: torch.Tensor, params=None):
+    """``(forward counts, forward+backward counts, saved bytes)`` of one call of ``layer``
+    (kernels recorded, not executed); ``params``: its weights (default: its parameters)."""
     from mtp.testing import saved_activation_bytes
 
+    from .counting import count_ops
+
+    params = list(layer.parameters()) if params is None else params
+    with torch.no_grad(), count_ops(execute_kernels=False) as fwd:
+        layer(x)
     xg = x.detach().requires_grad_(True)
-    saved = saved_activation_bytes(layer, xg, skip=list(layer.parameters()))
+    saved = saved_activation_bytes(layer, xg, skip=params)
     with count_ops(execute_kernels=False) as step:
         y = layer(xg)
-        torch.autograd.grad(y, [xg, *layer.parameters()], torch.ones_like(y), allow_unused=True)
+        torch.autograd.grad(y, [xg, *params], torch.ones_like(y), allow_unused=True)
     return fwd, step, saved
 
 
@@ -241,7 +267,7 @@ def structure(size: str, backends=(*BACKENDS, UNFUSED)) -> dict:
     from mtp import settings
 
     with settings.override(poison_outputs=False):  # a test extra (NaN fills), not the layer's
-        return _structure(backends)
+        return {**_structure(backends), "moe_layer_peers": peer_structure()}
 
 
 def _structure(backends) -> dict:
@@ -269,3 +295,68 @@ def _structure(backends) -> dict:
                          **summary, "fwd_bwd_device_ops": step.device_ops,
                          "saved_bytes_per_token": saved / T, "graph_safe": safe})  # fmt: skip
     return {"moe_layer_forward": rows}
+
+
+# --------------------------------------------------------------------------------------------
+# Structure: mtp's triton layer next to the peers (CPU)
+# --------------------------------------------------------------------------------------------
+
+
+def _sync_names(events) -> str:
+    names = {}
+    for e in events:
+        names[e] = names.get(e, 0) + 1
+    return ", ".join(f"{n.removeprefix('aten::')}×{c}" for n, c in names.items())
+
+
+def _peer_row(case: Case, provider: str, forward, x, params, note: str) -> dict:
+    fwd, step, saved = _counts(forward, x, params)
+    p = case.params
+    return {"E": p["E"], "topk": p["k"], "T": p["T"], "H": p["H"], "F": p["F"],
+            "dtype": str(case.dtype).removeprefix("torch."), "provider": provider, "impl": note,
+            "device_ops": fwd.device_ops, "fwd_bwd_device_ops": step.device_ops,
+            "host_syncs": len(fwd.host_syncs), "fwd_bwd_host_syncs": len(step.host_syncs),
+            "sync_events": _sync_names(step.host_syncs),
+            "saved_bytes_per_token": saved / p["T"]}  # fmt: skip
+
+
+def _peer_rows(case: Case, layer: MoELayer, x: torch.Tensor) -> list[dict]:
+    device = torch.device("cpu")
+    rows = [_peer_row(case, "triton", layer, x, list(layer.parameters()), "mtp MoELayer")]
+    for name in moe_peers.available(device):
+        try:
+            peer = moe_peers.build(name, layer, device, case.dtype)
+            with peer.scope():
+                rows.append(_peer_row(case, name, peer.forward, x, peer.params, peer.note))
+        except Exception as exc:  # one broken peer must not hide the others
+            rows.append({"E": case.params["E"], "topk": case.params["k"], "provider": name,
+                         "error": f"{type(exc).__name__}: {exc}"[:200]})  # fmt: skip
+    return rows
+
+
+def peer_structure(dtype: torch.dtype = torch.bfloat16, experts=PEER_STRUCTURE_EXPERTS) -> list:
+    """mtp's ``triton`` layer and each peer installed, at the structural shape in ``dtype``:
+    device ops of a forward and of forward+backward, host syncs (counted on CPU: host reads of
+    CPU tensors count too, see ``sync_events``), activation bytes autograd saves per token (the
+    input included, the weights not)."""
+    from mtp import settings
+
+    with settings.override(poison_outputs=False):  # a test extra (NaN fills), not the layer's
+        return _peer_structure(dtype, experts)
+
+
+def _peer_structure(dtype: torch.dtype, experts) -> list:
+    from .counting import triton_launch_hook
+
+    device = torch.device("cpu")
+    T, H, F = _STRUCTURE
+    rows = []
+    for E, k in experts:
+        case = _case("structure", E, k, T, H, F, dtype, "fwd", check=False)
+        layer = build_layer(case, "triton", device, dtype)
+        x = randn((T, H), dtype, device, seeded(case, device))
+        with triton_launch_hook(lambda *a: None, execute=False):
+            with torch.no_grad():
+                layer(x)  # builds the workspace
+            rows += _peer_rows(case, layer, x)
+    return rows

@@ -306,10 +306,32 @@ def _structure_lines(structure) -> list[str]:
                   "recorded, not executed. The single-launch backends issue the same work for any "
                   "E; the loop backends one GEMM per expert that received tokens (at most "
                   "T·top-k) and one host sync per grouped GEMM call (the split sizes).", ""]
+    lines += _moe_peer_lines(structure.get("moe_layer_peers"))
     for key, value in structure.items():
         if key.endswith("_error"):
             lines += [f"- {key}: {value}", ""]
     return lines
+
+
+def _moe_peer_lines(rows) -> list[str]:
+    if not rows:
+        return []
+    lines = ["## MoE layer against the peers (CPU counts, same weights and shape)", ""]
+    table = [[r["E"], r["topk"], r["provider"], r.get("impl", ""), _fmt_int(r.get("device_ops")),
+              _fmt_int(r.get("fwd_bwd_device_ops")), _fmt_int(r.get("host_syncs")),
+              r.get("sync_events", ""),
+              _fmt_int(None if r.get("saved_bytes_per_token") is None
+                       else round(r["saved_bytes_per_token"])), r.get("error", "")]
+             for r in rows]  # fmt: skip
+    lines += _table(["E", "top-k", "provider", "implementation", "device ops fwd",
+                     "device ops fwd+bwd", "host syncs fwd", "sync events (fwd+bwd)",
+                     "saved B/token", "error"], table)  # fmt: skip
+    first = next(r for r in rows if "T" in r)
+    return lines + [f"T={first['T']} tokens, H={first['H']}, F={first['F']}, {first['dtype']}; "
+                    "mtp's Triton kernels recorded, not executed. Host syncs counted on CPU "
+                    "include host reads of tensors a GPU run keeps on the host (Megatron's "
+                    "split sizes after its one device-to-host wait). Timings: GPU runs only.",
+                    ""]  # fmt: skip
 
 
 def write_markdown(path: Path, result: dict[str, Any]) -> Path:
@@ -356,6 +378,14 @@ def write_markdown(path: Path, result: dict[str, Any]) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+def _peer_summary(r) -> str:
+    head = f"  E={r['E']:<4} top{r['topk']} {r['provider']:14}"
+    if r.get("error"):
+        return f"{head} failed: {r['error']}"
+    return (f"{head} {r['device_ops']:>5} / {r['fwd_bwd_device_ops']:<5} "
+            f"{r['host_syncs']:>3} {round(r['saved_bytes_per_token']):>7}")
+
+
 def stdout_table(result: dict[str, Any], limit: int = 60) -> str:
     """A short plain-text table: the CPU check and counts, or the GPU medians."""
     lines = []
@@ -386,6 +416,11 @@ def stdout_table(result: dict[str, Any], limit: int = 60) -> str:
             for (backend,), rows in group_records(moe, ("backend",)).items():
                 cells = ", ".join(f"E={r['E']}: {r['device_ops']}/{r['host_syncs']}" for r in rows)
                 lines.append(f"  {backend:12} {cells}")
+        peers = result["structure"].get("moe_layer_peers") or []
+        if peers:
+            lines.append("MoE layer vs peers: device ops fwd / fwd+bwd, host syncs, saved B/token")
+            for r in peers:
+                lines.append(_peer_summary(r))
         for r in result["structure"].get("cross_entropy_collectives") or []:
             lines.append(
                 f"vocab-parallel CE world={r['world_size']} {r['backend']:9} {r['pass']:3}: "

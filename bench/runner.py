@@ -295,6 +295,8 @@ def run_cpu(planned, size: str, progress: Progress | None = None) -> dict[str, A
                 structure[f"{module.FAMILY}_error"] = _error_note(exc)
             if progress is not None:
                 progress.step(f"{module.FAMILY} structure")
+    for module in families.values():  # what a module set up for its peers (process groups)
+        getattr(module, "release", lambda: None)()
     return {"records": records, "structure": structure}
 
 

@@ -130,6 +130,20 @@ def _check_structure(result):
         assert by[(E, "sequential")]["host_syncs"] >= 1
         assert by[(E, "sequential")]["graph_safe"].startswith("no")
     assert by[(256, "sequential")]["device_ops"] > by[(8, "sequential")]["device_ops"]
+    _check_moe_peers(result["structure"]["moe_layer_peers"])
+
+
+def _check_moe_peers(rows):
+    """mtp's triton layer next to each installed peer: fewer device ops and saved bytes."""
+    assert not [r for r in rows if r.get("error")], rows
+    for E in (8, 64, 128):
+        by = {r["provider"]: r for r in rows if r["E"] == E}
+        mtp = by.pop("triton")
+        assert mtp["host_syncs"] == 0, rows
+        for peer in by.values():
+            assert mtp["device_ops"] < peer["device_ops"], (mtp, peer)
+            assert mtp["fwd_bwd_device_ops"] < peer["fwd_bwd_device_ops"], (mtp, peer)
+            assert mtp["saved_bytes_per_token"] < peer["saved_bytes_per_token"], (mtp, peer)
 
 
 def _check_no_speeds(folder, result):
