@@ -63,6 +63,7 @@ from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported
     reduce_scatter_v,
 )
 from mtp.moe.dispatcher_base import AllToAllDispatchMetadata, TokenDispatcherBase
+from mtp.moe.ep_exchange import exchange_rows, read_sizes, received_token_map, unit_rows
 from mtp.moe.preprocess import (
     _RESULT_FIELDS,
     MoEPreprocessResult,
@@ -75,9 +76,7 @@ from mtp.moe.preprocess import (
 )
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops.moe_permute import TokenMap, unpermute
-from mtp.parallel.agree import group_ranks
 from mtp.parallel.errors import RankMismatchError
-from mtp.parallel.groups import group_description
 from mtp.utils import data_checks_enabled, is_capturing, is_fake
 
 __all__ = [
@@ -123,6 +122,7 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         super().__init__(*args, **kwargs)
         self.workspace: MoEWorkspace | None = None
         self._megatron_metadata: AllToAllDispatchMetadata | None = None
+        self._units: torch.Tensor | None = None  # see _received_map
 
     # -- workspace ----------------------------------------------------------------------------
 
@@ -319,7 +319,7 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
             meta = dataclasses.replace(meta, etp_rows=rows)
         return tokens, counts, probs, meta
 
-    def _dispatch_dropless(self, permuted, meta: AllToAllDispatchMetadata):
+    def _dispatch_dropless(self, permuted, meta: AllToAllDispatchMetadata, reorder=True):
         distributed = bool(self.groups())
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if distributed and capturing:
@@ -354,11 +354,13 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         if not distributed:
             return permuted, res.tokens_per_expert, res.permuted_probs, meta
         # The one device-to-host sync of the layer: split sizes (and the ranks' metadata).
-        host = self._read_sizes(res, spec, ep_rows, etp_counts if q > 1 else None, etp_rows)
+        host = read_sizes(self, res, spec, ep_rows, etp_counts if q > 1 else None, etp_rows)
         tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
         if ep > 1:
-            tokens, probs, meta = self._ep_exchange(permuted, meta, host)
+            tokens, probs, meta, order = self._ep_exchange(permuted, meta, host, reorder)
             counts = res.local_tokens_per_expert
+            if not reorder:  # dispatch_received (q == 1)
+                return tokens, counts, probs, order, meta
         if q > 1:
             sizes = host["etp_sizes"]
             total = sum(sizes)
@@ -371,49 +373,40 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
             counts = etp_counts.sum(dim=0)
         return tokens, counts, probs, meta
 
-    def _read_sizes(self, res, spec, ep_rows, etp_counts, etp_rows) -> dict:
-        ep, q = self.ep_size, self.etp_size
-        parts = []
-        if ep > 1:
-            parts += [res.send_counts, res.recv_counts.sum(dim=1)]
-        if etp_counts is not None:
-            parts.append(etp_counts.sum(dim=1))
-        for m in (ep_rows, etp_rows):
-            if m is not None:
-                parts.append(m.reshape(-1))
-        flat = torch.cat(parts).tolist()
-        host, i = {}, 0
-        if ep > 1:
-            host["send"], host["recv"] = flat[:ep], flat[ep : 2 * ep]
-            i = 2 * ep
-        if etp_counts is not None:
-            host["etp_sizes"] = flat[i : i + q]
-            i += q
-        for m, size, group in ((ep_rows, ep, self.ep_group), (etp_rows, q, self.etp_group)):
-            if m is not None:
-                width = m.shape[1]
-                rows = [flat[i + r * width : i + (r + 1) * width] for r in range(size)]
-                i += size * width
-                ranks = group_ranks(group, size)
-                # dropless: the token counts may differ; the rest must not
-                spec.check_rows(rows, ranks, where=group_description(group), skip=("token count",))
-        return host
+    def _ep_exchange(self, permuted, meta: AllToAllDispatchMetadata, host, reorder=True):
+        recv, recv_probs, order, meta = exchange_rows(self.ep_group, permuted, meta, host)
+        if not reorder and recv.shape[0]:  # fused experts read the rows through ``order``
+            return recv, recv_probs, meta, order
+        return gather_rows(recv, order, meta.backend), recv_probs.index_select(0, order), meta, None
 
-    def _ep_exchange(self, permuted, meta: AllToAllDispatchMetadata, host):
-        res = meta.preprocess
-        send, recv_sizes = host["send"], host["recv"]
-        received = sum(recv_sizes)
-        recv = all_to_all(permuted, self.ep_group, recv_sizes, send)
-        recv_probs = all_to_all(res.permuted_probs, self.ep_group, recv_sizes, send)
-        order, inverse = res.recv_order[:received], res.recv_inverse[:received]
-        if received > res.recv_order.shape[0]:
-            # Another rank routed more tokens than this one (the workspace's worst case assumes
-            # at most T per rank): reorder for the actual count, now known on the host.
-            order, inverse = _recv_reorder(res.recv_counts, received)
-        meta = dataclasses.replace(meta, send_sizes=send, recv_sizes=recv_sizes,
-                                   recv_inverse=inverse)  # fmt: skip
-        tokens = gather_rows(recv, order, meta.backend)
-        return tokens, recv_probs.index_select(0, order), meta
+    def dispatch_received(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                          routing_map: torch.Tensor):  # fmt: skip
+        """:meth:`dispatch` without the reorder copy of the received rows (dropless ``P > 1``,
+        ``Q == 1``): ``(recv [R, H], tokens_per_expert [L], recv_probs [R], order [R],
+        token_map, metadata)``, the rows and probabilities as they arrived (source-rank-major),
+        the received row of each expert-major row and the map of that permutation (fused
+        experts read the rows through them, see :mod:`mtp.moe.gathered`); ``order`` and
+        ``token_map`` are None where the rows were reordered anyway (capacity, ``Q > 1``, one
+        rank, nothing received), then ``recv`` is expert-major."""
+        permuted, pprobs, meta = self.dispatch_preprocess(hidden_states, probs, routing_map)
+        if meta.workspace.capacity is not None or self.etp_size > 1 or self.ep_size == 1:
+            tokens, counts, pprobs, meta = self.token_dispatch(permuted, pprobs, meta)
+            return tokens, counts, pprobs, None, None, meta
+        recv, counts, recv_probs, order, meta = self._dispatch_dropless(permuted, meta, False)
+        if order is None:
+            return recv, counts, recv_probs, None, None, meta
+        return recv, counts, recv_probs, order, self._received_map(meta), meta
+
+    def _received_map(self, meta: AllToAllDispatchMetadata) -> TokenMap:
+        """:func:`~mtp.moe.ep_exchange.received_token_map` of ``meta``'s received rows, its
+        constant columns cut from a buffer kept for the workspace's worst case."""
+        inverse = meta.recv_inverse
+        if is_fake(inverse):
+            return received_token_map(inverse)
+        units, n = self._units, max(inverse.shape[0], meta.workspace.max_recv_rows)
+        if units is None or units.shape[1] < n or units.device != inverse.device:
+            units = self._units = unit_rows(n, inverse.device)
+        return received_token_map(inverse, units)
 
     # -- combine ------------------------------------------------------------------------------
 

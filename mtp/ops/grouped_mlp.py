@@ -92,6 +92,7 @@ class _FusedGroupedMLP(torch.autograd.Function):
         ctx.save_for_backward(x, w1, w2, counts, p, h, gather, rows, experts, count)
         ctx.call = call
         ctx.probs_width = 1 if probs is None or probs.dim() == 1 else probs.shape[1]
+        ctx.probs_1d = probs is not None and probs.dim() == 1
         ctx.dtypes = (None if probs is None else probs.dtype, None if b1 is None else b1.dtype,
                       None if b2 is None else b2.dtype)  # fmt: skip
         return out
@@ -126,8 +127,12 @@ class _FusedGroupedMLP(torch.autograd.Function):
             dx, dp = dx_rows, (dprobs.to(p_dtype) if need[3] else None)
         elif need[0] or need[3]:  # per source row: its rows' sums, and the [S, E] probs grad
             meta = (x.shape[1], ctx.probs_width, x.dtype, p_dtype or x.dtype)
+            # each (source row, expert) has one row: its gradient rounded once, as unfused
+            dprobs = dprobs.to(p_dtype) if need[3] else dprobs
             dx, dp = permute_grads((rows, experts, count), meta, need[0], need[3], dx_rows,
                                    dprobs)  # fmt: skip
+            if dp is not None and ctx.probs_1d:  # [S] probs: the map's one column of experts
+                dp = dp.view(-1)
         return dx, dw1, dw2, dp, db1, db2, *(None,) * 6
 
 
@@ -200,7 +205,9 @@ def grouped_mlp(
         probs: ``[M]`` routing probabilities (any float dtype) multiplying ``act(h)`` before
             fc2, or None. Its gradient is ``sum_f dL/dy * act(h)`` (fp32, fixed order). With
             ``gather_index``: ``[S, E]``, row ``r`` of expert ``e`` weighs
-            ``probs[gather_index[r], e]`` (the router's probabilities, not permuted).
+            ``probs[gather_index[r], e]`` (the router's probabilities, not permuted), or ``[S]``,
+            row ``r`` weighs ``probs[gather_index[r]]`` (e.g. an expert-parallel receive
+            buffer's probabilities; then ``token_map`` has one column, of expert 0).
         bias1, bias2: ``[E, W]`` and ``[E, H]`` per-expert biases, or None.
         activation: ``"swiglu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"clamped_swiglu"`` (GPT-OSS:
             ``W = 2F`` interleaved, gate in column ``2j``, up in ``2j + 1``, see
@@ -247,7 +254,8 @@ def _gathered_reference(x, probs, gather, counts):
     ends = torch.cumsum(counts.to(gather.device), 0)
     r = torch.arange(gather.shape[0], device=gather.device)
     expert = torch.searchsorted(ends, r, right=True).clamp(max=probs.shape[1] - 1)
-    p = probs[gather.clamp(min=0).long(), expert]
+    src = gather.clamp(min=0).long()
+    p = probs[src] if probs.dim() == 1 else probs[src, expert]
     return rows, torch.where(keep.squeeze(1), p, 0)
 
 

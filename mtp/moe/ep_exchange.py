@@ -1,0 +1,98 @@
+"""The dropless expert-parallel exchange of :class:`~mtp.moe.AllToAllTokenDispatcher`: the split
+sizes read on the host (the layer's one sync, with the ranks' metadata check), the token and
+probability all-to-alls, and the source-major -> expert-major reorder of the received rows.
+
+:func:`exchange_rows` leaves the received buffer as it arrived (source-rank-major) and returns
+the reorder index ``order`` (expert-major row ``j`` is received row ``order[j]``): the
+dispatcher's :meth:`~mtp.moe.AllToAllTokenDispatcher.dispatch` gathers the rows through it (a
+copy), while fused Triton experts read them through it in fc1 (``grouped_mlp(...,
+gather_index=order, token_map=received_token_map(inverse))``, see :mod:`mtp.moe.gathered`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mtp.moe.comm import all_to_all
+from mtp.moe.dispatcher_base import AllToAllDispatchMetadata
+from mtp.moe.preprocess import _recv_reorder
+from mtp.ops.moe_permute import TokenMap
+from mtp.parallel.agree import group_ranks
+from mtp.parallel.groups import group_description
+
+__all__ = ["exchange_rows", "read_sizes", "received_token_map", "unit_rows"]
+
+
+def read_sizes(dispatcher, res, spec, ep_rows, etp_counts, etp_rows) -> dict:
+    """The one device-to-host copy of a dropless dispatch: ``{"send", "recv"}`` (``P > 1``)
+    and ``"etp_sizes"`` (``Q > 1``) as host lists; the ranks' metadata rows (``ep_rows`` /
+    ``etp_rows``, None when unchecked) are checked against ``spec`` on the way."""
+    ep, q = dispatcher.ep_size, dispatcher.etp_size
+    parts = []
+    if ep > 1:
+        parts += [res.send_counts, res.recv_counts.sum(dim=1)]
+    if etp_counts is not None:
+        parts.append(etp_counts.sum(dim=1))
+    for m in (ep_rows, etp_rows):
+        if m is not None:
+            parts.append(m.reshape(-1))
+    flat = torch.cat(parts).tolist()
+    host, i = {}, 0
+    if ep > 1:
+        host["send"], host["recv"] = flat[:ep], flat[ep : 2 * ep]
+        i = 2 * ep
+    if etp_counts is not None:
+        host["etp_sizes"] = flat[i : i + q]
+        i += q
+    groups = ((ep_rows, ep, dispatcher.ep_group), (etp_rows, q, dispatcher.etp_group))
+    for m, size, group in groups:
+        if m is not None:
+            width = m.shape[1]
+            rows = [flat[i + r * width : i + (r + 1) * width] for r in range(size)]
+            i += size * width
+            # dropless: the token counts may differ; the rest must not
+            spec.check_rows(rows, group_ranks(group, size), where=group_description(group),
+                            skip=("token count",))  # fmt: skip
+    return host
+
+
+def exchange_rows(ep_group, permuted: torch.Tensor, meta: AllToAllDispatchMetadata, host: dict):
+    """``(recv [R, H], recv_probs [R], order [R], meta)``: the all-to-alls of the rows and their
+    probabilities (``R`` received rows, source-rank-major) and the expert-major order of the
+    received rows; ``meta`` gains the split sizes and ``recv_inverse`` (the expert-major row of
+    each received row) for the combine."""
+    res = meta.preprocess
+    send, recv_sizes = host["send"], host["recv"]
+    received = sum(recv_sizes)
+    recv = all_to_all(permuted, ep_group, recv_sizes, send)
+    recv_probs = all_to_all(res.permuted_probs, ep_group, recv_sizes, send)
+    order, inverse = res.recv_order[:received], res.recv_inverse[:received]
+    if received > res.recv_order.shape[0]:
+        # Another rank routed more tokens than this one (the workspace's worst case assumes
+        # at most T per rank): reorder for the actual count, now known on the host.
+        order, inverse = _recv_reorder(res.recv_counts, received)
+    meta = dataclasses.replace(meta, send_sizes=send, recv_sizes=recv_sizes,
+                               recv_inverse=inverse)  # fmt: skip
+    return recv, recv_probs, order, meta
+
+
+def received_token_map(inverse: torch.Tensor, units: torch.Tensor | None = None) -> TokenMap:
+    """The :class:`~mtp.ops.moe_permute.TokenMap` of the received rows read through their
+    expert-major ``order``: received row ``i`` is expert-major row ``inverse[i]`` alone (a
+    permutation: one row per source row, its probability in column 0 of a ``[R]``), so the
+    gathered fc1's data gradient of the received buffer is a plain row gather, no sum.
+    ``units``: an int32 ``[2, >= R]`` of zeros then ones to slice (see :func:`unit_rows`),
+    else made here."""
+    rows = inverse.to(torch.int32).view(-1, 1)
+    n = rows.shape[0]
+    if units is None or units.shape[1] < n:
+        units = unit_rows(n, rows.device)
+    return TokenMap(rows, units[0, :n].view(n, 1), units[1, :n], 1, False)
+
+
+def unit_rows(n: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[2, n]``: a row of zeros (the experts' column of a one-to-one map), a row of
+    ones (its counts)."""
+    return torch.arange(2, dtype=torch.int32, device=device).view(2, 1).expand(2, n).contiguous()
