@@ -1,6 +1,9 @@
-"""The dropless expert-parallel exchange of :class:`~mtp.moe.AllToAllTokenDispatcher`: the split
-sizes read on the host (the layer's one sync, with the ranks' metadata check), the token and
-probability all-to-alls, and the source-major -> expert-major reorder of the received rows.
+"""The expert-parallel exchanges of :class:`~mtp.moe.AllToAllTokenDispatcher`.
+
+Dropless: the split sizes read on the host (the layer's one sync, with the ranks' metadata
+check), the token and probability all-to-alls, and the source-major -> expert-major reorder of
+the received rows. Capacity (:func:`check_static`, :func:`dispatch_static`): the fixed-size
+all-to-alls and all-gathers, reordered by views.
 
 :func:`exchange_rows` leaves the received buffer as it arrived (source-rank-major) and returns
 the reorder index ``order`` (expert-major row ``j`` is received row ``order[j]``): the
@@ -15,14 +18,23 @@ import dataclasses
 
 import torch
 
-from mtp.moe.comm import all_to_all
+from mtp.moe.comm import SAME_TOKENS_HINT, all_to_all, gather_v, rank_meta
 from mtp.moe.dispatcher_base import AllToAllDispatchMetadata
 from mtp.moe.preprocess import _recv_reorder
 from mtp.ops.moe_permute import TokenMap
 from mtp.parallel.agree import group_ranks
 from mtp.parallel.groups import group_description
+from mtp.utils import is_fake
 
-__all__ = ["exchange_rows", "read_sizes", "received_token_map", "unit_rows"]
+__all__ = [
+    "check_static",
+    "dispatch_static",
+    "exchange_rows",
+    "read_sizes",
+    "received_map",
+    "received_token_map",
+    "unit_rows",
+]
 
 
 def read_sizes(dispatcher, res, spec, ep_rows, etp_counts, etp_rows) -> dict:
@@ -96,3 +108,52 @@ def unit_rows(n: int, device: torch.device) -> torch.Tensor:
     """int32 ``[2, n]``: a row of zeros (the experts' column of a one-to-one map), a row of
     ones (its counts)."""
     return torch.arange(2, dtype=torch.int32, device=device).view(2, 1).expand(2, n).contiguous()
+
+
+def received_map(dispatcher, meta: AllToAllDispatchMetadata) -> TokenMap:
+    """:func:`received_token_map` of ``meta``'s received rows, its constant columns cut from
+    ``dispatcher._units`` (kept for the workspace's worst case, regrown when exceeded)."""
+    inverse = meta.recv_inverse
+    if is_fake(inverse):
+        return received_token_map(inverse)
+    units, n = dispatcher._units, max(inverse.shape[0], meta.workspace.max_recv_rows)
+    if units is None or units.shape[1] < n or units.device != inverse.device:
+        units = dispatcher._units = unit_rows(n, inverse.device)
+    return received_token_map(inverse, units)
+
+
+def check_static(dispatcher, hidden_states, probs, num_tokens: int) -> None:
+    """Capacity mode: one tiny exchange of the metadata before the fixed-size all-to-alls."""
+    if not dispatcher.should_check_ranks(hidden_states):
+        return
+    spec = rank_meta(hidden_states, probs, num_tokens)
+    row = spec.tensor(hidden_states.device)
+    for group, size, _ in dispatcher.groups():
+        rows = all_to_all(row.view(1, -1).expand(size, -1).contiguous(), group)
+        spec.check_device(rows, group, validate=True, hint=SAME_TOKENS_HINT)
+
+
+def dispatch_static(dispatcher, permuted, meta: AllToAllDispatchMetadata):
+    """Capacity mode's ``(tokens, tokens_per_expert, probs, meta)``: the fixed-size exchanges
+    (``P > 1``: all-to-all; ``Q > 1``: all-gather), reordered expert-major by views."""
+    d = dispatcher
+    res, local, cap = meta.preprocess, d.num_local_experts, meta.workspace.capacity
+    tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
+    rows = cap
+    if d.ep_size > 1:
+        ep = d.ep_size
+        recv = all_to_all(permuted, d.ep_group)
+        recv_probs = all_to_all(res.permuted_probs, d.ep_group)
+        tokens = recv.view(ep, local, cap, -1).transpose(0, 1).reshape(local * ep * cap, -1)
+        probs = recv_probs.view(ep, local, cap).transpose(0, 1).reshape(-1)
+        counts, rows = res.local_tokens_per_expert, ep * cap
+    if d.etp_size > 1:
+        q = d.etp_size
+        n = tokens.shape[0]
+        tokens = gather_v(tokens, d.etp_group, [n] * q, d.etp_rank)
+        probs = gather_v(probs, d.etp_group, [n] * q, d.etp_rank)
+        tokens = tokens.view(q, local, rows, -1).transpose(0, 1).reshape(q * n, -1)
+        probs = probs.view(q, local, rows).transpose(0, 1).reshape(-1)
+        counts = torch.full_like(counts, q * rows)
+        meta = dataclasses.replace(meta, etp_rows=rows)
+    return tokens, counts, probs, meta

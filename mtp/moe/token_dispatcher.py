@@ -63,7 +63,13 @@ from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported
     reduce_scatter_v,
 )
 from mtp.moe.dispatcher_base import AllToAllDispatchMetadata, TokenDispatcherBase
-from mtp.moe.ep_exchange import exchange_rows, read_sizes, received_token_map, unit_rows
+from mtp.moe.ep_exchange import (
+    check_static,
+    dispatch_static,
+    exchange_rows,
+    read_sizes,
+    received_map,
+)
 from mtp.moe.preprocess import (
     _RESULT_FIELDS,
     MoEPreprocessResult,
@@ -122,7 +128,7 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         super().__init__(*args, **kwargs)
         self.workspace: MoEWorkspace | None = None
         self._megatron_metadata: AllToAllDispatchMetadata | None = None
-        self._units: torch.Tensor | None = None  # see _received_map
+        self._units: torch.Tensor | None = None  # see mtp.moe.ep_exchange.received_map
 
     # -- workspace ----------------------------------------------------------------------------
 
@@ -283,41 +289,9 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
             res = dataclasses.replace(metadata.preprocess, permuted_probs=permuted_probs)
             meta = dataclasses.replace(metadata, preprocess=res)
         if meta.workspace.capacity is not None:
-            self._check_static(permuted_tokens, permuted_probs, meta.num_tokens)
-            return self._dispatch_static(permuted_tokens, meta)
+            check_static(self, permuted_tokens, permuted_probs, meta.num_tokens)
+            return dispatch_static(self, permuted_tokens, meta)
         return self._dispatch_dropless(permuted_tokens, meta)
-
-    def _check_static(self, hidden_states, probs, num_tokens: int) -> None:
-        """Capacity mode: one tiny exchange of the metadata before the fixed-size all-to-alls."""
-        if not self.should_check_ranks(hidden_states):
-            return
-        spec = rank_meta(hidden_states, probs, num_tokens)
-        row = spec.tensor(hidden_states.device)
-        for group, size, _ in self.groups():
-            rows = all_to_all(row.view(1, -1).expand(size, -1).contiguous(), group)
-            spec.check_device(rows, group, validate=True, hint=SAME_TOKENS_HINT)
-
-    def _dispatch_static(self, permuted, meta: AllToAllDispatchMetadata):
-        res, local, cap = meta.preprocess, self.num_local_experts, meta.workspace.capacity
-        tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
-        rows = cap
-        if self.ep_size > 1:
-            ep = self.ep_size
-            recv = all_to_all(permuted, self.ep_group)
-            recv_probs = all_to_all(res.permuted_probs, self.ep_group)
-            tokens = recv.view(ep, local, cap, -1).transpose(0, 1).reshape(local * ep * cap, -1)
-            probs = recv_probs.view(ep, local, cap).transpose(0, 1).reshape(-1)
-            counts, rows = res.local_tokens_per_expert, ep * cap
-        if self.etp_size > 1:
-            q = self.etp_size
-            n = tokens.shape[0]
-            tokens = gather_v(tokens, self.etp_group, [n] * q, self.etp_rank)
-            probs = gather_v(probs, self.etp_group, [n] * q, self.etp_rank)
-            tokens = tokens.view(q, local, rows, -1).transpose(0, 1).reshape(q * n, -1)
-            probs = probs.view(q, local, rows).transpose(0, 1).reshape(-1)
-            counts = torch.full_like(counts, q * rows)
-            meta = dataclasses.replace(meta, etp_rows=rows)
-        return tokens, counts, probs, meta
 
     def _dispatch_dropless(self, permuted, meta: AllToAllDispatchMetadata, reorder=True):
         distributed = bool(self.groups())
@@ -395,18 +369,7 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         recv, counts, recv_probs, order, meta = self._dispatch_dropless(permuted, meta, False)
         if order is None:
             return recv, counts, recv_probs, None, None, meta
-        return recv, counts, recv_probs, order, self._received_map(meta), meta
-
-    def _received_map(self, meta: AllToAllDispatchMetadata) -> TokenMap:
-        """:func:`~mtp.moe.ep_exchange.received_token_map` of ``meta``'s received rows, its
-        constant columns cut from a buffer kept for the workspace's worst case."""
-        inverse = meta.recv_inverse
-        if is_fake(inverse):
-            return received_token_map(inverse)
-        units, n = self._units, max(inverse.shape[0], meta.workspace.max_recv_rows)
-        if units is None or units.shape[1] < n or units.device != inverse.device:
-            units = self._units = unit_rows(n, inverse.device)
-        return received_token_map(inverse, units)
+        return recv, counts, recv_probs, order, received_map(self, meta), meta
 
     # -- combine ------------------------------------------------------------------------------
 
