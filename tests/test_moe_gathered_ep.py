@@ -1,8 +1,8 @@
 """``MoELayer`` at expert parallelism 2 (gloo) with fused Triton experts: fc1 reads the received
 buffer through its expert-major order (:func:`mtp.moe.gathered.gathered_inputs`), no reordered
-copy. Forward and every gradient bit-equal to the materialised dispatch (fp32 and bf16, top-1
-and top-2, an idle expert), the reorder copy gone from the forward, one host sync (the dropless
-split sizes). The float64-close comparison with a single-process layer is
+copy. Dropless and with a capacity: forward and every gradient bit-equal to the materialised
+dispatch (fp32 and bf16, top-1 to top-3, idle experts), the reorder copy gone from the forward,
+one host sync (the dropless split sizes; none with a capacity). The float64-close comparison with a single-process layer is
 ``test_moe_distributed``'s ``dropless-triton`` config (which now takes this path)."""
 
 from __future__ import annotations
@@ -16,21 +16,24 @@ from mtp.bench.counting import count_ops
 from mtp.testing import run_distributed
 
 H, F = 16, 8
-CASES = [  # (dtype, experts, topk, idle expert)
-    ("float32", 4, 2, None),
-    ("bfloat16", 4, 2, None),
-    ("float32", 4, 1, None),
-    ("float32", 6, 2, 1),
-    ("bfloat16", 6, 3, 4),
+CASES = [  # (dtype, experts, topk, idle expert, capacity factor)
+    ("float32", 4, 2, None, None),
+    ("bfloat16", 4, 2, None, None),
+    ("float32", 4, 1, None, None),
+    ("float32", 6, 2, 1, None),
+    ("bfloat16", 6, 3, 4, None),
+    ("float32", 4, 2, None, 1.0),
+    ("bfloat16", 6, 2, 1, 0.5),
 ]
 
 
-def _layer(dtype, E, k, idle):
+def _layer(dtype, E, k, idle, capacity_factor):
     from mtp.moe import MoELayer
 
     torch.manual_seed(0)
     layer = MoELayer(H, F, E, k, backend="triton", activation="swiglu", bias=True,
-                     params_dtype=dtype, ep_group=dist.group.WORLD)  # fmt: skip
+                     params_dtype=dtype, ep_group=dist.group.WORLD,
+                     capacity_factor=capacity_factor)  # fmt: skip
     if idle is not None:  # inputs have feature 0 >= 1: expert ``idle`` loses every decision
         with torch.no_grad():
             layer.router.weight[idle] = 0
@@ -44,16 +47,16 @@ def _grads(layer, x, dy):
     return (out, *torch.autograd.grad(out, [x, *layer.parameters()], dy))
 
 
-def _compare(rank, dtype_name, E, k, idle):
+def _compare(rank, dtype_name, E, k, idle, capacity_factor):
     import mtp.moe.moe_layer as moe_layer
     from mtp.moe.gathered import gathers_received
 
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(10 + rank)
-    x = torch.randn(12 + 4 * rank, H, generator=g).to(dtype)
+    x = torch.randn(12 + (0 if capacity_factor else 4 * rank), H, generator=g).to(dtype)
     x[:, 0] = x[:, 0].abs() + 1
     dy = torch.randn(x.shape, generator=g).to(dtype)
-    layer = _layer(dtype, E, k, idle)
+    layer = _layer(dtype, E, k, idle, capacity_factor)
     assert gathers_received(layer, x)
     with settings.override(poison_outputs=False):
         _grads(layer, x, dy)  # plans, workspace
@@ -74,20 +77,27 @@ def _compare(rank, dtype_name, E, k, idle):
         assert torch.equal(a, b), name
     if idle is not None and idle // (E // 2) == rank:
         assert not fused[names.index("experts.weight1") + 1][idle % (E // 2)].any()
-    return dict(fwd=fwd.triton, plain=plain_fwd.triton, syncs=len(fwd.host_syncs),
-                plain_syncs=len(plain_fwd.host_syncs), ops=fwd.device_ops,
-                plain_ops=plain_fwd.device_ops)
+    return dict(capacity=capacity_factor is not None, fwd=fwd.triton, plain=plain_fwd.triton,
+                clones=fwd.aten["aten::clone"], plain_clones=plain_fwd.aten["aten::clone"],
+                syncs=len(fwd.host_syncs), plain_syncs=len(plain_fwd.host_syncs),
+                ops=fwd.device_ops, plain_ops=plain_fwd.device_ops)
 
 
 def _worker(rank, world, cases):
     return [_compare(rank, *case) for case in cases]
 
 
-@pytest.mark.parametrize("cases", [CASES[:3], CASES[3:]], ids=["dense", "idle-expert"])
+@pytest.mark.parametrize("cases", [CASES[:3], CASES[3:5], CASES[5:]],
+                         ids=["dropless", "dropless-idle-expert", "capacity"])
 def test_received_rows_read_through_order_bitwise(cases):
     results = run_distributed(_worker, 2, cases, timeout=600)
     for per_rank in results:
         for got in per_rank:
+            if got["capacity"]:  # the reorder's view copies of the rows and probs are gone
+                assert got["syncs"] == got["plain_syncs"] == 0, got
+                assert got["clones"] == got["plain_clones"] - 2, got
+                assert got["ops"] == got["plain_ops"] - 2, got
+                continue
             # row gathers: the permute, the received rows' reorder, the combine's reorder back
             # (fc2's rows to the received order before the return all-to-all); the second is
             # gone (and the probabilities' index_select with it)

@@ -3,7 +3,8 @@
 Dropless: the split sizes read on the host (the layer's one sync, with the ranks' metadata
 check), the token and probability all-to-alls, and the source-major -> expert-major reorder of
 the received rows. Capacity (:func:`check_static`, :func:`dispatch_static`): the fixed-size
-all-to-alls and all-gathers, reordered by views.
+all-to-alls and all-gathers, reordered by views; :func:`static_received` leaves the received
+rows as they arrived and returns the (static) order of the views instead.
 
 :func:`exchange_rows` leaves the received buffer as it arrived (source-rank-major) and returns
 the reorder index ``order`` (expert-major row ``j`` is received row ``order[j]``): the
@@ -33,6 +34,7 @@ __all__ = [
     "read_sizes",
     "received_map",
     "received_token_map",
+    "static_received",
     "unit_rows",
 ]
 
@@ -157,3 +159,32 @@ def dispatch_static(dispatcher, permuted, meta: AllToAllDispatchMetadata):
         counts = torch.full_like(counts, q * rows)
         meta = dataclasses.replace(meta, etp_rows=rows)
     return tokens, counts, probs, meta
+
+
+def static_received(dispatcher, permuted, meta: AllToAllDispatchMetadata):
+    """Capacity mode, ``P > 1``, ``Q == 1``: ``(recv, tokens_per_expert, recv_probs, order,
+    token_map, meta)``, the all-to-alls of :func:`dispatch_static` without its reorder copies
+    (``order``: the received row of each expert-major row, the reorder of its views as an index;
+    ``token_map``: that permutation's one-to-one map)."""
+    d, res = dispatcher, meta.preprocess
+    recv = all_to_all(permuted, d.ep_group)
+    recv_probs = all_to_all(res.permuted_probs, d.ep_group)
+    order, token_map = _static_maps(d, meta.workspace.capacity, recv.device, is_fake(recv))
+    return recv, res.local_tokens_per_expert, recv_probs, order, token_map, meta
+
+
+def _static_maps(dispatcher, cap: int, device, fake: bool):
+    """``(order, token_map)`` of the capacity exchange's reorder (static: kept on the
+    dispatcher for its sizes)."""
+    ep, local = dispatcher.ep_size, dispatcher.num_local_experts
+    key = (ep, local, cap, device)
+    kept = None if fake else dispatcher._static_maps
+    if kept is not None and kept[0] == key:
+        return kept[1:]
+    idx = torch.arange(ep * local * cap, device=device)
+    order = idx.view(ep, local, cap).transpose(0, 1).reshape(-1)
+    inverse = idx.view(local, ep, cap).transpose(0, 1).reshape(-1)
+    maps = (order, received_token_map(inverse))
+    if not fake:
+        dispatcher._static_maps = (key, *maps)
+    return maps

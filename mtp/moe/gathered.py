@@ -40,10 +40,10 @@ def gathers(layer, tokens: torch.Tensor) -> bool:
 
 def gathers_received(layer, tokens: torch.Tensor) -> bool:
     """Whether ``layer``'s experts read the rows an expert-parallel all-to-all delivered
-    through their reorder index (dropless, ``P > 1`` ranks, one expert-tensor-parallel rank,
-    the experts as for :func:`gathers`) instead of a reordered copy."""
-    return (layer.ep_size > 1 and layer.token_dispatcher.capacity_factor is None
-            and _fused_experts(layer, tokens))  # fmt: skip
+    through their reorder index (``P > 1`` ranks, dropless or with a capacity, one
+    expert-tensor-parallel rank, the experts as for :func:`gathers`) instead of a reordered
+    copy."""
+    return layer.ep_size > 1 and _fused_experts(layer, tokens)
 
 
 def _fused_experts(layer, tokens: torch.Tensor) -> bool:

@@ -69,6 +69,7 @@ from mtp.moe.ep_exchange import (
     exchange_rows,
     read_sizes,
     received_map,
+    static_received,
 )
 from mtp.moe.preprocess import (
     _RESULT_FIELDS,
@@ -129,6 +130,7 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         self.workspace: MoEWorkspace | None = None
         self._megatron_metadata: AllToAllDispatchMetadata | None = None
         self._units: torch.Tensor | None = None  # see mtp.moe.ep_exchange.received_map
+        self._static_maps: tuple | None = None  # see mtp.moe.ep_exchange.static_received
 
     # -- workspace ----------------------------------------------------------------------------
 
@@ -355,14 +357,18 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
 
     def dispatch_received(self, hidden_states: torch.Tensor, probs: torch.Tensor,
                           routing_map: torch.Tensor):  # fmt: skip
-        """:meth:`dispatch` without the reorder copy of the received rows (dropless ``P > 1``,
-        ``Q == 1``): ``(recv [R, H], tokens_per_expert [L], recv_probs [R], order [R],
-        token_map, metadata)``, the rows and probabilities as they arrived (source-rank-major),
-        the received row of each expert-major row and the map of that permutation (fused
-        experts read the rows through them, see :mod:`mtp.moe.gathered`); ``order`` and
-        ``token_map`` are None where the rows were reordered anyway (capacity, ``Q > 1``, one
-        rank, nothing received), then ``recv`` is expert-major."""
+        """:meth:`dispatch` without the reorder copy of the received rows (``P > 1``,
+        ``Q == 1``; dropless or with a capacity): ``(recv [R, H], tokens_per_expert [L],
+        recv_probs [R], order [R], token_map, metadata)``, the rows and probabilities as they
+        arrived (source-rank-major), the received row of each expert-major row and the map of
+        that permutation (fused experts read the rows through them, see
+        :mod:`mtp.moe.gathered`); ``order`` and ``token_map`` are None where the rows were
+        reordered anyway (``Q > 1``, one rank, nothing received), then ``recv`` is
+        expert-major."""
         permuted, pprobs, meta = self.dispatch_preprocess(hidden_states, probs, routing_map)
+        if meta.workspace.capacity is not None and self.etp_size == 1 and self.ep_size > 1:
+            check_static(self, permuted, pprobs, meta.num_tokens)
+            return static_received(self, permuted, meta)
         if meta.workspace.capacity is not None or self.etp_size > 1 or self.ep_size == 1:
             tokens, counts, pprobs, meta = self.token_dispatch(permuted, pprobs, meta)
             return tokens, counts, pprobs, None, None, meta
