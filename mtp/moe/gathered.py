@@ -78,19 +78,23 @@ def gathered_dispatch(dispatcher, hidden_states: torch.Tensor, probs: torch.Tens
 
 
 def gathered_inputs(layer, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-    """``(x, tokens_per_expert, probs, gather_index, token_map, metadata)`` for
+    """``(x, tokens_per_expert, probs, gather_index, token_map, scatter_index, metadata)`` for
     ``layer.experts.forward_gathered`` (the rows read through ``gather_index``), or None where
     the layer dispatches a copy of the rows (see :func:`gathers`, :func:`gathers_received`).
     ``P > 1``: ``x`` is the received buffer (source-rank-major), ``probs`` its ``[R]``
     probabilities and ``gather_index`` its expert-major order, a permutation whose token map
-    (:func:`~mtp.moe.ep_exchange.received_token_map`) makes fc1's data gradient a row gather."""
+    (:func:`~mtp.moe.ep_exchange.received_token_map`) makes fc1's data gradient a row gather;
+    ``scatter_index`` the same order: fc2 writes each row back at its received position (the
+    combine's reorder fused into fc2's store; its backward a row gather of the gradient)."""
     if gathers(layer, tokens):
         fused = gathered_dispatch(layer.token_dispatcher, tokens, probs, routing_map)
         if fused is None:
             return None
         counts, meta = fused
-        return tokens, counts, probs, meta.preprocess.row_id_map, meta.token_map, meta
+        return tokens, counts, probs, meta.preprocess.row_id_map, meta.token_map, None, meta
     if not gathers_received(layer, tokens):
         return None
     # (order and its map None where nothing was received: the empty rows were reordered)
-    return layer.token_dispatcher.dispatch_received(tokens, probs, routing_map)
+    recv, counts, recv_probs, order, token_map, meta = layer.token_dispatcher.dispatch_received(
+        tokens, probs, routing_map)
+    return recv, counts, recv_probs, order, token_map, order, meta

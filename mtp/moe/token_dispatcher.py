@@ -361,21 +361,24 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         ``Q == 1``; dropless or with a capacity): ``(recv [R, H], tokens_per_expert [L],
         recv_probs [R], order [R], token_map, metadata)``, the rows and probabilities as they
         arrived (source-rank-major), the received row of each expert-major row and the map of
-        that permutation (fused experts read the rows through them, see
+        that permutation (fused experts read the rows through them and write their outputs back
+        through ``order``, in the received order :meth:`combine` then expects, see
         :mod:`mtp.moe.gathered`); ``order`` and ``token_map`` are None where the rows were
-        reordered anyway (``Q > 1``, one rank, nothing received), then ``recv`` is
-        expert-major."""
+        reordered anyway (``Q > 1``, one rank, nothing received), then ``recv`` and the
+        output are expert-major."""
         permuted, pprobs, meta = self.dispatch_preprocess(hidden_states, probs, routing_map)
         if meta.workspace.capacity is not None and self.etp_size == 1 and self.ep_size > 1:
             check_static(self, permuted, pprobs, meta.num_tokens)
-            return static_received(self, permuted, meta)
+            *rows, meta = static_received(self, permuted, meta)
+            return (*rows, dataclasses.replace(meta, received_order=True))
         if meta.workspace.capacity is not None or self.etp_size > 1 or self.ep_size == 1:
             tokens, counts, pprobs, meta = self.token_dispatch(permuted, pprobs, meta)
             return tokens, counts, pprobs, None, None, meta
         recv, counts, recv_probs, order, meta = self._dispatch_dropless(permuted, meta, False)
         if order is None:
             return recv, counts, recv_probs, None, None, meta
-        return recv, counts, recv_probs, order, received_map(self, meta), meta
+        tm, meta = received_map(self, meta), dataclasses.replace(meta, received_order=True)
+        return recv, counts, recv_probs, order, tm, meta
 
     # -- combine ------------------------------------------------------------------------------
 
@@ -404,10 +407,12 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         y = self._combine_etp(expert_output, meta)
         if self.ep_size > 1 and ws.capacity is not None:
             ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
-            y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
+            if not meta.received_order:
+                y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
             y = all_to_all(y, self.ep_group)
         elif self.ep_size > 1:
-            y = gather_rows(y, meta.recv_inverse, meta.backend)
+            if not meta.received_order:
+                y = gather_rows(y, meta.recv_inverse, meta.backend)
             y = all_to_all(y, self.ep_group, meta.send_sizes, meta.recv_sizes)
         out = unpermute(y, res.row_id_map, shape, backend=meta.backend, validate=False,
                         token_map=meta.token_map)  # fmt: skip
