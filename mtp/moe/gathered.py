@@ -1,4 +1,9 @@
-"""The MoE dispatch fused into the experts' first GEMM (one expert-parallel rank).
+"""The MoE dispatch fused into the experts' first GEMM.
+
+``P > 1`` expert-parallel ranks (:func:`gathers_received`, :func:`gathered_inputs`): the
+experts read the received buffer through its expert-major reorder and fc2 writes its rows back
+at their received positions (see :meth:`~mtp.moe.AllToAllTokenDispatcher.dispatch_received`);
+no reordered copy either way. One rank, below:
 
 Where the experts run :func:`mtp.ops.grouped_mlp` on the Triton backend, the layer need not
 write a permuted copy of its tokens: :func:`gathered_dispatch` builds the row map (one launch:

@@ -16,7 +16,8 @@ ranks):
    size and dtypes.
 2. Permute: gather the token rows in expert-major order.
 3. ``P > 1``: ``all_to_all_single`` of the rows and of their probabilities, then reorder the
-   received rows from source-major to expert-major.
+   received rows from source-major to expert-major (:mod:`mtp.moe.ep_exchange`; fused Triton
+   experts skip this and the combine's reorder: :meth:`dispatch_received`).
 4. ``Q > 1``: all-gather the rows (and probabilities) of the ``Q`` ranks sharing the experts
    (each holds ``F / Q`` of their features) and reorder them expert-major again.
 5. ``combine``: the inverse of each step (the expert-TP partial outputs are reduce-scattered),
