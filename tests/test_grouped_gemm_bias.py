@@ -108,10 +108,11 @@ def test_opcheck_with_bias():
     counts = torch.tensor(SIZES)
     torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,
                           (x, w, counts, torch.empty(M, N), False, "reference", bias, None,
-                           None, "none", 7.0, 1.702, None, None))  # fmt: skip
+                           None, "none", 7.0, 1.702, None, None, None))  # fmt: skip
     torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,  # bias before an activation
                           (x, w, counts, torch.empty(M, N), False, "reference", bias,
-                           torch.empty(M, N), None, "gelu", 7.0, 1.702, None, None))  # fmt: skip
+                           torch.empty(M, N), None, "gelu", 7.0, 1.702, None, None,
+                           None))  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

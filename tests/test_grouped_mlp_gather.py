@@ -145,3 +145,42 @@ def test_gather_bad_inputs_name_the_argument():
     with pytest.raises((TypeError, ValueError), match="gather_index"):
         ops.grouped_mlp(x, w1, w2, counts, probs, gather_index=rm.row_id_map.float(),
                         token_map=rm.token_map, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="scatter_index"):
+        ops.grouped_mlp(x, w1, w2, counts, probs, gather_index=rm.row_id_map,
+                        token_map=rm.token_map, scatter_index=torch.arange(3), **kw)  # fmt: skip
+    with pytest.raises((TypeError, ValueError), match="scatter_index"):
+        ops.grouped_mlp(x, w1, w2, counts, probs, gather_index=rm.row_id_map,
+                        token_map=rm.token_map, scatter_index=rm.row_id_map.float(), **kw)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scattered_fc2_equals_unscattered_bitwise(backend, dtype):
+    """``scatter_index`` (a permutation; here with fc1 reading an EP receive buffer through the
+    inverse one, ``[S]`` probabilities): fc2 stores row ``r`` at ``out[perm[r]]``: the same bits
+    as the unscattered output permuted, and every gradient the same bits (the backward reads
+    the output gradient through the index)."""
+    gen = torch.Generator().manual_seed(11)
+    E, H, F_, counts = 3, 16, 8, torch.tensor([5, 0, 6])
+    M = int(counts.sum())
+    perm = torch.randperm(M, generator=gen)
+    inverse = torch.empty_like(perm).index_copy_(0, perm, torch.arange(M))
+    from mtp.moe.ep_exchange import received_token_map
+
+    leaves = [torch.randn(M, H, generator=gen), torch.randn(E, H, 2 * F_, generator=gen) / 4,
+              torch.randn(E, F_, H, generator=gen) / 3, torch.rand(M, generator=gen),
+              torch.randn(E, 2 * F_, generator=gen), torch.randn(E, H, generator=gen)]
+    leaves = [t.to(dtype).requires_grad_(True) for t in leaves]
+    dy = torch.randn(M, H, generator=gen).to(dtype)
+    kw = dict(activation="swiglu", backend=backend, gather_index=perm,
+              token_map=received_token_map(inverse))
+
+    def run(scatter):
+        x, w1, w2, p, b1, b2 = leaves
+        out = ops.grouped_mlp(x, w1, w2, counts, p, b1, b2, scatter_index=scatter, **kw)
+        return (out, *torch.autograd.grad(out, leaves, dy if scatter is not None else dy[perm]))
+
+    scattered, plain = run(perm), run(None)
+    assert torch.equal(scattered[0][perm], plain[0])
+    for a, b in zip(scattered[1:], plain[1:]):
+        assert torch.equal(a, b)

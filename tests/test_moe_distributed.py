@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import mtp.parallel as mp
 from mtp.moe import MoELayer, MoEWorkspace, preprocess
+from mtp.moe.gathered import gathers_received
 from mtp.testing import (
     assert_close,
     assert_graph_safe,
@@ -113,6 +114,8 @@ def _check_config(name, ep_group, solo, topk=2, num_experts=None):
         )
 
     x = xs[me].clone().requires_grad_(True)
+    # the Triton configs: fused experts read the received rows through their order
+    assert gathers_received(moe, x) == (backend == "triton")
     with count_host_syncs() as fwd_syncs, count_collectives() as fwd_coll:
         out = moe(x)
     with count_host_syncs() as bwd_syncs, count_collectives() as bwd_coll:

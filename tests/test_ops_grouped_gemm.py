@@ -382,17 +382,23 @@ def test_opcheck_custom_ops():
     out = torch.empty(10, 6)
     torch.library.opcheck(torch.ops.mtp.grouped_gemm_out.default,
                           (x, w, counts, out, False, "reference", None, None, None, "none",
-                           7.0, 1.702, None, None))  # fmt: skip
+                           7.0, 1.702, None, None, None))  # fmt: skip
     torch.library.opcheck(  # the activation epilogue: h and the activation's output
         torch.ops.mtp.grouped_gemm_out.default,
         (x, w, counts, torch.empty(10, 3), False, "reference", None, torch.empty(10, 6),
-         torch.rand(10), "swiglu", 7.0, 1.702, None, None),
+         torch.rand(10), "swiglu", 7.0, 1.702, None, None, None),
     )  # fmt: skip
     gather = torch.tensor([4, 0, 2, -1, 1, 3, 0, 2, 4, -1])  # rows of a [5, 8] source x
     torch.library.opcheck(  # fc1 reading its rows through a row index (MoE dispatch fused)
         torch.ops.mtp.grouped_gemm_out.default,
         (x[:5].clone(), w, counts, torch.empty(10, 3), False, "triton", None,
-         torch.empty(10, 6), torch.rand(5, 3), "swiglu", 7.0, 1.702, gather, torch.empty(10)),
+         torch.empty(10, 6), torch.rand(5, 3), "swiglu", 7.0, 1.702, gather, torch.empty(10),
+         None),
+    )  # fmt: skip
+    torch.library.opcheck(  # fc2 storing its rows through a row index (a permutation)
+        torch.ops.mtp.grouped_gemm_out.default,
+        (x, w, counts, torch.empty(10, 6), False, "triton", None, None, None, "none", 7.0,
+         1.702, None, None, torch.randperm(10)),
     )  # fmt: skip
     for accumulate in (False, True):
         torch.library.opcheck(
@@ -576,7 +582,8 @@ def _forward_build(dtype_name: str, cfg, trans_b=False, persistent=False,
                    bias=False):
     signature = {
         "a_ptr": f"*{dtype_name}", "b_ptr": f"*{dtype_name}", "c_ptr": f"*{dtype_name}",
-        "bias_ptr": f"*{dtype_name}", "counts_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32",
+        "bias_ptr": f"*{dtype_name}", "s_ptr": "*i32", "counts_ptr": "*i32", "M": "i32", "N": "i32",
+        "K": "i32", "E": "i32",
         "stride_am": "i32", "stride_be": "i32", "stride_cm": "i32",
         ("stride_bn" if trans_b else "stride_bk"): "i32",
     }
@@ -584,7 +591,7 @@ def _forward_build(dtype_name: str, cfg, trans_b=False, persistent=False,
         "stride_ak": 1, "stride_cn": 1, ("stride_bk" if trans_b else "stride_bn"): 1,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
         "BLOCK_E": 64, "GROUP_M": cfg.group_m, "PERSISTENT": persistent,
-        "UPCAST_DOT": False, "DOT_PRECISION": "ieee", "HAS_BIAS": bias,
+        "UPCAST_DOT": False, "DOT_PRECISION": "ieee", "HAS_BIAS": bias, "SCATTER": False,
     }
     strides = [k for k in signature if k.startswith("stride")]
     return compile_for_targets(

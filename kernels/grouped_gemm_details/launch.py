@@ -13,19 +13,18 @@ the operands' device and are never read on the host.
 - :func:`forward_act` / :func:`dgrad_act`: the activation epilogue and its backward
   (``dgrad_act(..., y=)``: the forward's ``act(h) * p`` written again, for the next weight
   gradient).
-- :func:`fp8_forward_plan` / :func:`fp8_wgrad_plan`: FP8 operands with block scales
-  (:mod:`.fp8`; one launch each).
+- :func:`fp8_forward_plan` / :func:`fp8_wgrad_plan`: FP8 operands with block scales.
 
-Row gather: :func:`forward_act` and :func:`wgrad` take ``gather`` (``[M]`` int32/int64, row
-``r`` reads ``a[gather[r]]``, ``-1`` a zero row); only the pointer kernels gather (a TMA
-descriptor loads a box of consecutive rows), so a gathered launch needs a pointer config.
+Row gather / scatter: :func:`forward_act` and :func:`wgrad` take ``gather`` (``[M]``
+int32/int64, row ``r`` reads ``a[gather[r]]``, ``-1`` a zero row), :func:`forward_plan`
+``scatter`` (row ``r`` stored at ``out[scatter[r]]``); pointer configs only (a TMA descriptor
+moves a box of consecutive rows).
 
 Each is a plan builder (``forward_plan``, ...: the config's launches compiled once, bound to
 their grids and constexprs, :class:`mtp.kernels._launch.Launch`) called once. The op layer keeps
-the plans per key and calls them with the tensors and a
-:class:`~mtp.kernels.grouped_gemm_details.routing.Routing`, which holds the tile maps and expert
-rows of one counts tensor (TMA kernels read them; one launch of the tile-map kernel per call of
-an op, shared by its GEMMs). The pointer kernels derive their tiles from the counts themselves.
+the plans per key and calls them with the tensors and a :class:`Routing`, which holds the tile
+maps and expert rows of one counts tensor (TMA kernels read them; one tile-map launch per op
+call, shared by its GEMMs). The pointer kernels derive their tiles from the counts themselves.
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ def tma_aligned(t: torch.Tensor, unit_dim: int) -> bool:
 def _require_tma(ok: bool) -> None:
     if not ok:
         raise ValueError("a TMA config: tma=True needs fp16/bf16 operands with a unit last "
-                         "stride, 16-byte aligned base pointers and 16-byte aligned other strides")
+                         "stride, 16-byte aligned pointers and other strides, no row scatter")
 
 
 def num_row_tiles_bound(M: int, E: int, block_m: int) -> int:
@@ -156,35 +155,36 @@ def _map_example(device) -> torch.Tensor:
     return torch.empty(4, dtype=torch.int32, device=device)
 
 
-def forward_plan(a, b, counts, out, config, *, bias=None):
-    """The launch of :func:`forward` for these arguments' key: ``plan((a, b, out, bias or
-    out), counts, routing)``."""
+def forward_plan(a, b, counts, out, config, *, bias=None, scatter=None):
+    """The launch of :func:`forward` for these arguments' key: ``plan((a, b, out, bias or out,
+    scatter or counts), counts, routing)``; ``scatter`` (``[M]``, pointer configs only): row
+    ``r`` is stored at ``out[scatter[r]]``."""
     M, K = a.shape
     E, _, N = b.shape
     if M == 0 or N == 0:
         return _nothing
-    tensors = (a, b, out, out if bias is None else bias)
+    tensors = (a, b, out, out if bias is None else bias, counts if scatter is None else scatter)
     grid = _grid(config, M, N, E)
     if config.kernel == "tma":
         _require_tma(tma_aligned(a, 1) and (tma_aligned(b, 2) or tma_aligned(b, 1))
-                     and out.stride(1) == 1)  # fmt: skip
+                     and out.stride(1) == 1 and scatter is None)  # fmt: skip
         trans_b = not (b.stride(2) == 1 and tma_aligned(b, 2))
         ints = (M, N, K, E, a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0))
         launch = Launch(tma.grouped_gemm_tma_kernel, grid,
-                        (*tensors, _map_example(a.device), *ints), dict(
+                        (*tensors[:4], _map_example(a.device), *ints), dict(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, TRANS_B=trans_b, FLATTEN=config.flatten,
             UPCAST_DOT=dot_upcast(a.dtype), HAS_BIAS=bias is not None,
             WARP_SPECIALIZE=config.warp_specialize, MAP_OFF=head_size(E),
             num_warps=config.num_warps, num_stages=config.num_stages,
         ))  # fmt: skip
-        return _TileGemm(launch, config.block_m, ints)
+        return _TileGemm(launch, config.block_m, ints, take=4)
     ints = (M, N, K, E, *a.stride(), *b.stride(), *out.stride())
     launch = Launch(pointer.grouped_gemm_kernel, grid, (*tensors, counts, *ints), dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         BLOCK_E=next_power_of_2(E), GROUP_M=config.group_m, PERSISTENT=config.persistent,
         HAS_BIAS=bias is not None, num_warps=config.num_warps, num_stages=config.num_stages,
-        **_dot_flags(a.dtype),
+        SCATTER=scatter is not None, **_dot_flags(a.dtype),
     ))  # fmt: skip
     return _TileGemm(launch, 0, ints)
 
@@ -206,7 +206,8 @@ def forward(a, b, counts, out, config, *, bias=None, routing=None) -> torch.Tens
         raise ValueError(f"bias must be contiguous [{E}, {N}] on {a.device}, got "
                          f"{tuple(bias.shape)} on {bias.device}")  # fmt: skip
     plan = forward_plan(a, b, counts, out, config, bias=bias)
-    plan((a, b, out, out if bias is None else bias), counts, routing or Routing(counts, M, E))
+    plan((a, b, out, out if bias is None else bias, counts), counts,
+         routing or Routing(counts, M, E))
     return out
 
 

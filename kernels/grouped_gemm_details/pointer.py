@@ -14,6 +14,9 @@
   activation epilogue and the data gradient with the activation's backward
   (:mod:`.epilogue`); SwiGLU holds two accumulators so each ``a`` tile is read once.
 
+Row scatter (``SCATTER``): the plain forward can store row ``r`` at ``c[s[r]]`` (fc2 writing
+its rows straight back in the order they arrived in, see :func:`mtp.ops.grouped_mlp`).
+
 Row gather (``GATHER`` / ``GATHER_A``): the forward with the activation epilogue and the weight
 gradient can read their ``a`` rows through a row index ``g`` (row ``r`` of the expert-major
 order is row ``g[r]`` of ``a``, ``-1`` a zero row), so that a permuted copy of ``a`` is never
@@ -54,14 +57,25 @@ __all__ = [
 
 
 @triton.jit
+def _store_rows(c_ptr, s_ptr, rows, mask_m, cols, mask_n, val, stride_cm, stride_cn,
+                SCATTER: tl.constexpr):  # fmt: skip
+    """``c[rows, cols] = val``, or with ``SCATTER`` ``c[s[rows], cols]`` (``s[r] = -1``: row
+    ``r`` is not stored)."""
+    dst, keep = source_rows(s_ptr, rows, mask_m, SCATTER)
+    c_ptrs = c_ptr + dst[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
+    tl.store(c_ptrs, val.to(c_ptr.dtype.element_ty), mask=keep[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _gemm_tile(
-    a_ptr, b_ptr, c_ptr, bias_ptr, expert, row0, row_end, pid_m, pid_n, N, K,
+    a_ptr, b_ptr, c_ptr, bias_ptr, s_ptr, expert, row0, row_end, pid_m, pid_n, N, K,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     """``c[rows, cols] = a[rows, :] @ b[expert][:, cols] (+ bias[expert, cols])`` for one tile
-    (rows < row_end)."""
+    (rows < row_end; ``SCATTER``: row ``r`` stored at ``c[s[r]]``)."""
     rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)
@@ -81,40 +95,38 @@ def _gemm_tile(
     )
     if HAS_BIAS:
         acc = add_bias(acc, bias_ptr, expert, N, cols, mask_n)
-    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _store_rows(c_ptr, s_ptr, rows, mask_m, cols, mask_n, acc, stride_cm, stride_cn, SCATTER)
 
 
 @triton.jit
 def _forward_tile(
-    tile, a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr, M, N, K,
+    tile, a_ptr, b_ptr, c_ptr, bias_ptr, s_ptr, counts_ptr, M, N, K,
     lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     if tile < expert_tiles:
         expert, row0, row_end, pid_m, pid_n = locate_expert_tile(
             tile, counts_ptr, M, lane, counts, m_tiles, tile_ends, num_n, BLOCK_M, GROUP_M
         )
         _gemm_tile(
-            a_ptr, b_ptr, c_ptr, bias_ptr, expert, row0, row_end, pid_m, pid_n, N, K,
+            a_ptr, b_ptr, c_ptr, bias_ptr, s_ptr, expert, row0, row_end, pid_m, pid_n, N, K,
             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, DOT_PRECISION, HAS_BIAS,
+            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, DOT_PRECISION, HAS_BIAS, SCATTER,
         )
     else:
         # The zero tail: rows [routed, M).
         rows, cols = tail_tile(tile, expert_tiles, routed, num_n, BLOCK_M, BLOCK_N)
-        c_ptrs = (
-            c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
-        )
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
-        tl.store(c_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        _store_rows(c_ptr, s_ptr, rows, rows < M, cols, cols < N, zeros, stride_cm, stride_cn,
+                    SCATTER)  # fmt: skip
 
 
 @triton.jit
 def grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, s_ptr, counts_ptr,
     M, N, K, E,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
@@ -122,10 +134,12 @@ def grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCATTER: tl.constexpr = False,
 ):
     """``c[M, N]``: rows of expert ``e`` get ``a[rows] @ b[e]`` (``+ bias[e]`` with
     ``HAS_BIAS``: a contiguous ``[E, N]`` added in the epilogue); rows past the routed ones
-    get 0.
+    get 0. ``SCATTER``: row ``r`` is stored at ``c[s[r]]`` instead (``s`` an ``[M]`` row index,
+    ``-1``: not stored; the fc2 of experts whose rows go back in another order).
 
     ``counts_ptr`` points to ``E`` int32/int64 token counts (negative counts read as 0; rows at
     or past ``M`` are never touched). Without ``PERSISTENT`` program ``p`` handles tile ``p``
@@ -139,18 +153,20 @@ def grouped_gemm_kernel(
     if PERSISTENT:
         for tile in range(pid, total, tl.num_programs(0)):
             _forward_tile(
-                tile, a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr, M, N, K,
+                tile, a_ptr, b_ptr, c_ptr, bias_ptr, s_ptr, counts_ptr, M, N, K,
                 lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST_DOT, DOT_PRECISION, HAS_BIAS,
+                SCATTER,
             )
     else:
         # Programs past the tail find only masked-out rows (rows >= M) and store nothing.
         _forward_tile(
-            pid, a_ptr, b_ptr, c_ptr, bias_ptr, counts_ptr, M, N, K,
+            pid, a_ptr, b_ptr, c_ptr, bias_ptr, s_ptr, counts_ptr, M, N, K,
             lane, counts, m_tiles, tile_ends, num_n, expert_tiles, routed,
             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST_DOT, DOT_PRECISION, HAS_BIAS,
+            SCATTER,
         )
 
 

@@ -56,7 +56,8 @@ class _GateUp(torch.autograd.Function):
         h = x.new_empty(x.shape[0], 2 * f)
         for w, cols in ((w1, slice(None, f)), (w3, slice(f, None))):
             torch.ops.mtp.grouped_gemm_out(x, w, counts, h[:, cols], True, backend, None, None,
-                                           None, "none", 7.0, 1.702, None, None)  # fmt: skip
+                                           None, "none", 7.0, 1.702, None, None,
+                                           None)  # fmt: skip
         ctx.save_for_backward(x, w1, w3, counts)
         ctx.backend = backend
         return h

@@ -32,7 +32,9 @@ class AllToAllDispatchMetadata:
     the row map's token-major map (the combine's one-launch unpermute). Set by the
     exchange: dropless ``P > 1`` the host split sizes ``send_sizes``/``recv_sizes`` and the
     received rows' reorder ``recv_inverse``; ``Q > 1`` the expert-TP gather's ``etp_sizes`` and
-    ``etp_inverse`` (dropless) or ``etp_rows`` (capacity).
+    ``etp_inverse`` (dropless) or ``etp_rows`` (capacity). ``received_order``: the expert
+    output comes back in the order the rows were received in (``dispatch_received``'s
+    contract), so the combine sends it back without reordering it.
     """
 
     workspace: MoEWorkspace
@@ -47,6 +49,7 @@ class AllToAllDispatchMetadata:
     etp_sizes: list[int] | None = None
     etp_inverse: torch.Tensor | None = None
     etp_rows: int | None = None
+    received_order: bool = False
 
 
 class TokenDispatcherBase:

@@ -384,11 +384,13 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
         )  # fmt: skip
         return y * permuted_probs.to(y.dtype).unsqueeze(-1) if after else y
 
-    def forward_gathered(self, tokens, tokens_per_expert, probs, gather_index, token_map):
+    def forward_gathered(self, tokens, tokens_per_expert, probs, gather_index, token_map,
+                         scatter_index=None):  # fmt: skip
         """The experts on rows read through a row map (the MoE dispatch fused into fc1, see
-        :mod:`mtp.moe.gathered`): ``tokens [T, H]``, ``probs [T, E]``, ``gather_index [M]``
-        (the token of each expert-major row, ``-1``: none) and its ``token_map``; returns the
-        ``[M, H]`` rows, each scaled by its probability before fc2. Fused Triton experts only
+        :mod:`mtp.moe.gathered`): ``tokens [T, H]``, ``probs [T, E]`` (or ``[T]``),
+        ``gather_index [M]`` (the token of each expert-major row, ``-1``: none) and its
+        ``token_map``; returns the ``[M, H]`` rows, each scaled by its probability before fc2
+        (row ``r`` at ``scatter_index[r]`` when given). Fused Triton experts only
         (:meth:`_fused`)."""
         w1, w2 = self.weight1, self.weight2
         return ops.grouped_mlp(
@@ -397,4 +399,5 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
             activation_limit=self.activation_limit, activation_alpha=self.activation_alpha,
             gradient_accumulation_fusion=self._accumulates(tokens, w1, w2), backend="triton",
             validate=False, gather_index=gather_index, token_map=token_map,
+            scatter_index=scatter_index,
         )  # fmt: skip

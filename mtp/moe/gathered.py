@@ -1,4 +1,9 @@
-"""The MoE dispatch fused into the experts' first GEMM (one expert-parallel rank).
+"""The MoE dispatch fused into the experts' first GEMM.
+
+``P > 1`` expert-parallel ranks (:func:`gathers_received`, :func:`gathered_inputs`): the
+experts read the received buffer through its expert-major reorder and fc2 writes its rows back
+at their received positions (see :meth:`~mtp.moe.AllToAllTokenDispatcher.dispatch_received`);
+no reordered copy either way. One rank, below:
 
 Where the experts run :func:`mtp.ops.grouped_mlp` on the Triton backend, the layer need not
 write a permuted copy of its tokens: :func:`gathered_dispatch` builds the row map (one launch:
@@ -24,7 +29,7 @@ from mtp.moe.dispatcher_base import AllToAllDispatchMetadata
 from mtp.moe.preprocess import check_routing, local_preprocess_with_map, store_preprocess
 from mtp.utils import is_capturing
 
-__all__ = ["gathered_dispatch", "gathers"]
+__all__ = ["gathered_dispatch", "gathered_inputs", "gathers", "gathers_received"]
 
 
 def gathers(layer, tokens: torch.Tensor) -> bool:
@@ -35,10 +40,21 @@ def gathers(layer, tokens: torch.Tensor) -> bool:
     materialised path: the gathered fc1 is a BF16 ``grouped_mlp`` with fused epilogues, while
     FP8 runs its two GEMMs apart on a quantised, dispatched copy of the rows (``_fused`` is
     False for them too; the check here says so explicitly)."""
+    return layer.ep_size == 1 and _fused_experts(layer, tokens)
+
+
+def gathers_received(layer, tokens: torch.Tensor) -> bool:
+    """Whether ``layer``'s experts read the rows an expert-parallel all-to-all delivered
+    through their reorder index (``P > 1`` ranks, dropless or with a capacity, one
+    expert-tensor-parallel rank, the experts as for :func:`gathers`) instead of a reordered
+    copy."""
+    return layer.ep_size > 1 and _fused_experts(layer, tokens)
+
+
+def _fused_experts(layer, tokens: torch.Tensor) -> bool:
     experts = layer.experts
     return (
         getattr(experts, "fp8_recipe", None) is None
-        and layer.ep_size == 1
         and layer.etp_size == 1
         and layer.token_dispatcher_type == "alltoall"
         and not experts.probs_after_fc2
@@ -64,3 +80,26 @@ def gathered_dispatch(dispatcher, hidden_states: torch.Tensor, probs: torch.Tens
         store_preprocess(res, ws)
     meta = AllToAllDispatchMetadata(ws, res, backend, num_tokens, hidden, token_map)
     return res.tokens_per_expert, meta
+
+
+def gathered_inputs(layer, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+    """``(x, tokens_per_expert, probs, gather_index, token_map, scatter_index, metadata)`` for
+    ``layer.experts.forward_gathered`` (the rows read through ``gather_index``), or None where
+    the layer dispatches a copy of the rows (see :func:`gathers`, :func:`gathers_received`).
+    ``P > 1``: ``x`` is the received buffer (source-rank-major), ``probs`` its ``[R]``
+    probabilities and ``gather_index`` its expert-major order, a permutation whose token map
+    (:func:`~mtp.moe.ep_exchange.received_token_map`) makes fc1's data gradient a row gather;
+    ``scatter_index`` the same order: fc2 writes each row back at its received position (the
+    combine's reorder fused into fc2's store; its backward a row gather of the gradient)."""
+    if gathers(layer, tokens):
+        fused = gathered_dispatch(layer.token_dispatcher, tokens, probs, routing_map)
+        if fused is None:
+            return None
+        counts, meta = fused
+        return tokens, counts, probs, meta.preprocess.row_id_map, meta.token_map, None, meta
+    if not gathers_received(layer, tokens):
+        return None
+    # (order and its map None where nothing was received: the empty rows were reordered)
+    recv, counts, recv_probs, order, token_map, meta = layer.token_dispatcher.dispatch_received(
+        tokens, probs, routing_map)
+    return recv, counts, recv_probs, order, token_map, order, meta

@@ -29,7 +29,7 @@ from mtp.moe.allgather_dispatcher import AllGatherTokenDispatcher
 from mtp.moe._checks import check_group
 from mtp.moe.config import MoEConfig
 from mtp.moe.experts import GroupedMLP
-from mtp.moe.gathered import gathered_dispatch, gathers
+from mtp.moe.gathered import gathered_inputs, gathers, gathers_received
 from mtp.moe.router import TopKRouter
 from mtp.moe.shared_experts import SharedExpertMLP
 from mtp.moe.token_dispatcher import AllToAllTokenDispatcher
@@ -350,13 +350,12 @@ class MoELayer(nn.Module):
         their rows through the row map where they can (:mod:`mtp.moe.gathered`), else from
         the dispatched copy."""
         fused = None
-        if gathers(self, tokens):
-            fused = gathered_dispatch(self.token_dispatcher, tokens, probs, routing_map)
+        if gathers(self, tokens) or gathers_received(self, tokens):
+            fused = gathered_inputs(self, tokens, probs, routing_map)
         if fused is not None:
-            tokens_per_expert, meta = fused
+            *rows, meta = fused
             shared = None if self.shared_experts is None else self.shared_experts(tokens)
-            expert_output = self.experts.forward_gathered(
-                tokens, tokens_per_expert, probs, meta.preprocess.row_id_map, meta.token_map)
+            expert_output = self.experts.forward_gathered(*rows)
         else:
             dispatched, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(
                 tokens, probs, routing_map

@@ -16,7 +16,8 @@ ranks):
    size and dtypes.
 2. Permute: gather the token rows in expert-major order.
 3. ``P > 1``: ``all_to_all_single`` of the rows and of their probabilities, then reorder the
-   received rows from source-major to expert-major.
+   received rows from source-major to expert-major (:mod:`mtp.moe.ep_exchange`; fused Triton
+   experts skip this and the combine's reorder: :meth:`dispatch_received`).
 4. ``Q > 1``: all-gather the rows (and probabilities) of the ``Q`` ranks sharing the experts
    (each holds ``F / Q`` of their features) and reorder them expert-major again.
 5. ``combine``: the inverse of each step (the expert-TP partial outputs are reduce-scattered),
@@ -63,6 +64,14 @@ from mtp.moe.comm import (  # noqa: F401 - all_to_all & co. re-exported
     reduce_scatter_v,
 )
 from mtp.moe.dispatcher_base import AllToAllDispatchMetadata, TokenDispatcherBase
+from mtp.moe.ep_exchange import (
+    check_static,
+    dispatch_static,
+    exchange_rows,
+    read_sizes,
+    received_map,
+    static_received,
+)
 from mtp.moe.preprocess import (
     _RESULT_FIELDS,
     MoEPreprocessResult,
@@ -75,9 +84,7 @@ from mtp.moe.preprocess import (
 )
 from mtp.moe.workspace import MoEWorkspace
 from mtp.ops.moe_permute import TokenMap, unpermute
-from mtp.parallel.agree import group_ranks
 from mtp.parallel.errors import RankMismatchError
-from mtp.parallel.groups import group_description
 from mtp.utils import data_checks_enabled, is_capturing, is_fake
 
 __all__ = [
@@ -123,6 +130,8 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         super().__init__(*args, **kwargs)
         self.workspace: MoEWorkspace | None = None
         self._megatron_metadata: AllToAllDispatchMetadata | None = None
+        self._units: torch.Tensor | None = None  # see mtp.moe.ep_exchange.received_map
+        self._static_maps: tuple | None = None  # see mtp.moe.ep_exchange.static_received
 
     # -- workspace ----------------------------------------------------------------------------
 
@@ -283,43 +292,11 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
             res = dataclasses.replace(metadata.preprocess, permuted_probs=permuted_probs)
             meta = dataclasses.replace(metadata, preprocess=res)
         if meta.workspace.capacity is not None:
-            self._check_static(permuted_tokens, permuted_probs, meta.num_tokens)
-            return self._dispatch_static(permuted_tokens, meta)
+            check_static(self, permuted_tokens, permuted_probs, meta.num_tokens)
+            return dispatch_static(self, permuted_tokens, meta)
         return self._dispatch_dropless(permuted_tokens, meta)
 
-    def _check_static(self, hidden_states, probs, num_tokens: int) -> None:
-        """Capacity mode: one tiny exchange of the metadata before the fixed-size all-to-alls."""
-        if not self.should_check_ranks(hidden_states):
-            return
-        spec = rank_meta(hidden_states, probs, num_tokens)
-        row = spec.tensor(hidden_states.device)
-        for group, size, _ in self.groups():
-            rows = all_to_all(row.view(1, -1).expand(size, -1).contiguous(), group)
-            spec.check_device(rows, group, validate=True, hint=SAME_TOKENS_HINT)
-
-    def _dispatch_static(self, permuted, meta: AllToAllDispatchMetadata):
-        res, local, cap = meta.preprocess, self.num_local_experts, meta.workspace.capacity
-        tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
-        rows = cap
-        if self.ep_size > 1:
-            ep = self.ep_size
-            recv = all_to_all(permuted, self.ep_group)
-            recv_probs = all_to_all(res.permuted_probs, self.ep_group)
-            tokens = recv.view(ep, local, cap, -1).transpose(0, 1).reshape(local * ep * cap, -1)
-            probs = recv_probs.view(ep, local, cap).transpose(0, 1).reshape(-1)
-            counts, rows = res.local_tokens_per_expert, ep * cap
-        if self.etp_size > 1:
-            q = self.etp_size
-            n = tokens.shape[0]
-            tokens = gather_v(tokens, self.etp_group, [n] * q, self.etp_rank)
-            probs = gather_v(probs, self.etp_group, [n] * q, self.etp_rank)
-            tokens = tokens.view(q, local, rows, -1).transpose(0, 1).reshape(q * n, -1)
-            probs = probs.view(q, local, rows).transpose(0, 1).reshape(-1)
-            counts = torch.full_like(counts, q * rows)
-            meta = dataclasses.replace(meta, etp_rows=rows)
-        return tokens, counts, probs, meta
-
-    def _dispatch_dropless(self, permuted, meta: AllToAllDispatchMetadata):
+    def _dispatch_dropless(self, permuted, meta: AllToAllDispatchMetadata, reorder=True):
         distributed = bool(self.groups())
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if distributed and capturing:
@@ -354,11 +331,13 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         if not distributed:
             return permuted, res.tokens_per_expert, res.permuted_probs, meta
         # The one device-to-host sync of the layer: split sizes (and the ranks' metadata).
-        host = self._read_sizes(res, spec, ep_rows, etp_counts if q > 1 else None, etp_rows)
+        host = read_sizes(self, res, spec, ep_rows, etp_counts if q > 1 else None, etp_rows)
         tokens, probs, counts = permuted, res.permuted_probs, res.tokens_per_expert
         if ep > 1:
-            tokens, probs, meta = self._ep_exchange(permuted, meta, host)
+            tokens, probs, meta, order = self._ep_exchange(permuted, meta, host, reorder)
             counts = res.local_tokens_per_expert
+            if not reorder:  # dispatch_received (q == 1)
+                return tokens, counts, probs, order, meta
         if q > 1:
             sizes = host["etp_sizes"]
             total = sum(sizes)
@@ -371,49 +350,36 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
             counts = etp_counts.sum(dim=0)
         return tokens, counts, probs, meta
 
-    def _read_sizes(self, res, spec, ep_rows, etp_counts, etp_rows) -> dict:
-        ep, q = self.ep_size, self.etp_size
-        parts = []
-        if ep > 1:
-            parts += [res.send_counts, res.recv_counts.sum(dim=1)]
-        if etp_counts is not None:
-            parts.append(etp_counts.sum(dim=1))
-        for m in (ep_rows, etp_rows):
-            if m is not None:
-                parts.append(m.reshape(-1))
-        flat = torch.cat(parts).tolist()
-        host, i = {}, 0
-        if ep > 1:
-            host["send"], host["recv"] = flat[:ep], flat[ep : 2 * ep]
-            i = 2 * ep
-        if etp_counts is not None:
-            host["etp_sizes"] = flat[i : i + q]
-            i += q
-        for m, size, group in ((ep_rows, ep, self.ep_group), (etp_rows, q, self.etp_group)):
-            if m is not None:
-                width = m.shape[1]
-                rows = [flat[i + r * width : i + (r + 1) * width] for r in range(size)]
-                i += size * width
-                ranks = group_ranks(group, size)
-                # dropless: the token counts may differ; the rest must not
-                spec.check_rows(rows, ranks, where=group_description(group), skip=("token count",))
-        return host
+    def _ep_exchange(self, permuted, meta: AllToAllDispatchMetadata, host, reorder=True):
+        recv, recv_probs, order, meta = exchange_rows(self.ep_group, permuted, meta, host)
+        if not reorder and recv.shape[0]:  # fused experts read the rows through ``order``
+            return recv, recv_probs, meta, order
+        return gather_rows(recv, order, meta.backend), recv_probs.index_select(0, order), meta, None
 
-    def _ep_exchange(self, permuted, meta: AllToAllDispatchMetadata, host):
-        res = meta.preprocess
-        send, recv_sizes = host["send"], host["recv"]
-        received = sum(recv_sizes)
-        recv = all_to_all(permuted, self.ep_group, recv_sizes, send)
-        recv_probs = all_to_all(res.permuted_probs, self.ep_group, recv_sizes, send)
-        order, inverse = res.recv_order[:received], res.recv_inverse[:received]
-        if received > res.recv_order.shape[0]:
-            # Another rank routed more tokens than this one (the workspace's worst case assumes
-            # at most T per rank): reorder for the actual count, now known on the host.
-            order, inverse = _recv_reorder(res.recv_counts, received)
-        meta = dataclasses.replace(meta, send_sizes=send, recv_sizes=recv_sizes,
-                                   recv_inverse=inverse)  # fmt: skip
-        tokens = gather_rows(recv, order, meta.backend)
-        return tokens, recv_probs.index_select(0, order), meta
+    def dispatch_received(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                          routing_map: torch.Tensor):  # fmt: skip
+        """:meth:`dispatch` without the reorder copy of the received rows (``P > 1``,
+        ``Q == 1``; dropless or with a capacity): ``(recv [R, H], tokens_per_expert [L],
+        recv_probs [R], order [R], token_map, metadata)``, the rows and probabilities as they
+        arrived (source-rank-major), the received row of each expert-major row and the map of
+        that permutation (fused experts read the rows through them and write their outputs back
+        through ``order``, in the received order :meth:`combine` then expects, see
+        :mod:`mtp.moe.gathered`); ``order`` and ``token_map`` are None where the rows were
+        reordered anyway (``Q > 1``, one rank, nothing received), then ``recv`` and the
+        output are expert-major."""
+        permuted, pprobs, meta = self.dispatch_preprocess(hidden_states, probs, routing_map)
+        if meta.workspace.capacity is not None and self.etp_size == 1 and self.ep_size > 1:
+            check_static(self, permuted, pprobs, meta.num_tokens)
+            *rows, meta = static_received(self, permuted, meta)
+            return (*rows, dataclasses.replace(meta, received_order=True))
+        if meta.workspace.capacity is not None or self.etp_size > 1 or self.ep_size == 1:
+            tokens, counts, pprobs, meta = self.token_dispatch(permuted, pprobs, meta)
+            return tokens, counts, pprobs, None, None, meta
+        recv, counts, recv_probs, order, meta = self._dispatch_dropless(permuted, meta, False)
+        if order is None:
+            return recv, counts, recv_probs, None, None, meta
+        tm, meta = received_map(self, meta), dataclasses.replace(meta, received_order=True)
+        return recv, counts, recv_probs, order, tm, meta
 
     # -- combine ------------------------------------------------------------------------------
 
@@ -442,10 +408,12 @@ class AllToAllTokenDispatcher(TokenDispatcherBase):
         y = self._combine_etp(expert_output, meta)
         if self.ep_size > 1 and ws.capacity is not None:
             ep, local, cap = self.ep_size, self.num_local_experts, ws.capacity
-            y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
+            if not meta.received_order:
+                y = y.view(local, ep, cap, -1).transpose(0, 1).reshape(ep * local * cap, -1)
             y = all_to_all(y, self.ep_group)
         elif self.ep_size > 1:
-            y = gather_rows(y, meta.recv_inverse, meta.backend)
+            if not meta.received_order:
+                y = gather_rows(y, meta.recv_inverse, meta.backend)
             y = all_to_all(y, self.ep_group, meta.send_sizes, meta.recv_sizes)
         out = unpermute(y, res.row_id_map, shape, backend=meta.backend, validate=False,
                         token_map=meta.token_map)  # fmt: skip

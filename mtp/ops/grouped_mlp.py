@@ -25,6 +25,11 @@ fc1's weight gradient take the pointer kernels); fc1's data gradient is the per-
 of its rows' gradients, in one launch with the probabilities' ``[S, E]`` gradient
 (:mod:`mtp.kernels.moe_token_major`'s combine over ``token_map``: fixed order, no atomics).
 
+Row scatter (``scatter_index=``): fc2's epilogue stores row ``r`` at ``out[scatter_index[r]]``
+(a permutation: an expert-parallel receive buffer's rows go back in the order they arrived in,
+no reordered copy); the backward reads the output gradient through the same index (one row
+gather) before fc2's data gradient.
+
 The chain is what a single ``grouped_gemm`` call cannot do (its backward would store ``dL/dy``
 and run the activation's derivative as a separate pass). ``backend="reference"`` is two
 ``grouped_gemm`` calls on the per-expert loop backend, for comparison and CPUs without the Triton
@@ -48,6 +53,7 @@ from mtp.ops.grouped_gemm import (
 )
 from mtp.ops.grouped_gemm import eager_path as _eager_gemm
 from mtp.ops.grouped_gemm.checks import (
+    COUNT_DTYPES,
     FLOAT_DTYPES,
     check_arguments,
     check_backend,
@@ -65,33 +71,38 @@ GROUPED_MLP_ACTIVATIONS = ACTIVATIONS
 _BACKENDS = ("triton", "reference")
 
 
-def _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing, gather=None):
+def _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing, gather=None, scatter=None):
     """``(out, h, p)``: fc1 with its epilogue (``h`` the pre-activation, ``y = act(h) * p``),
-    then fc2 with its bias; ``p`` the rows' probabilities (``probs``, or with ``gather`` the
-    fp32 ``[M]`` fc1 wrote)."""
+    then fc2 with its bias (row ``r`` stored at ``out[scatter[r]]`` with ``scatter``); ``p`` the
+    rows' probabilities (``probs``, or with ``gather`` the fp32 ``[M]`` fc1 wrote)."""
     act, limit, alpha = act
     p = probs
     if gather is not None and probs is not None:
         p = empty((gather.shape[0],), dtype=torch.float32, device=x.device)
     y, h = forward(x, w1, counts, None, b1, probs, False, "triton", act, limit, alpha, routing,
                    gather, None if gather is None else p)  # fmt: skip
-    out, _ = forward(y, w2, counts, None, b2, None, False, "triton", None, limit, alpha, routing)
+    out, _ = forward(y, w2, counts, None, b2, None, False, "triton", None, limit, alpha, routing,
+                     scatter=scatter)  # fmt: skip
     return out, h, p
 
 
 class _FusedGroupedMLP(torch.autograd.Function):
     """Both GEMMs and the fused backward: ``apply(x, w1, w2, probs, b1, b2, counts, gather,
-    token_rows, token_experts, token_count, call)`` with ``call = ((activation, limit, alpha),
-    accumulate, routing)``; ``routing`` (the eager path's, else None: the custom ops) is shared
-    by all of their launches; ``gather`` and the token map are None without a row gather."""
+    token_rows, token_experts, token_count, scatter, call)`` with ``call = ((activation, limit,
+    alpha), accumulate, routing)``; ``routing`` (the eager path's, else None: the custom ops) is
+    shared by all of their launches; ``gather`` and the token map are None without a row
+    gather, ``scatter`` without a row scatter (then the backward reads ``dout`` through it)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, probs, b1, b2, counts, gather, rows, experts, count, call):
+    def forward(ctx, x, w1, w2, probs, b1, b2, counts, gather, rows, experts, count, scatter,
+                call):  # fmt: skip
         act, accumulate, routing = call
-        out, h, p = _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing, gather)
-        ctx.save_for_backward(x, w1, w2, counts, p, h, gather, rows, experts, count)
+        out, h, p = _fused_forward(x, w1, w2, counts, probs, b1, b2, act, routing, gather,
+                                   scatter)  # fmt: skip
+        ctx.save_for_backward(x, w1, w2, counts, p, h, gather, rows, experts, count, scatter)
         ctx.call = call
         ctx.probs_width = 1 if probs is None or probs.dim() == 1 else probs.shape[1]
+        ctx.probs_1d = probs is not None and probs.dim() == 1
         ctx.dtypes = (None if probs is None else probs.dtype, None if b1 is None else b1.dtype,
                       None if b2 is None else b2.dtype)  # fmt: skip
         return out
@@ -99,18 +110,18 @@ class _FusedGroupedMLP(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        x, w1, w2, counts, p, h, gather, rows, experts, count = ctx.saved_tensors
+        x, w1, w2, counts, p, h, gather, rows, experts, count, scatter = ctx.saved_tensors
         act, accumulate, routing = ctx.call
         need = ctx.needs_input_grad
         p_dtype, b1_dtype, b2_dtype = ctx.dtypes
         if routing is not None and not eager(dout):
             routing = None  # traced (compiled autograd, a mode): the custom ops
-        dout = dout.contiguous()
+        dout = dout.contiguous() if scatter is None else _gather_rows(dout, scatter)
         dx = dw1 = dw2 = dp = db1 = db2 = None
         if need[5]:
             db2 = bias_grad(dout, counts, "triton", routing).to(b2_dtype)
         if not any(need[:5]):
-            return dx, dw1, dw2, dp, db1, db2, *(None,) * 6
+            return dx, dw1, dw2, dp, db1, db2, *(None,) * 7
         dh, dprobs, y = dact(dout, w2, counts, h, p, *act, routing, recompute=need[2])
         if need[2]:
             dw2 = weight_grad(w2, y, dout, counts, "triton", accumulate, routing)
@@ -126,12 +137,22 @@ class _FusedGroupedMLP(torch.autograd.Function):
             dx, dp = dx_rows, (dprobs.to(p_dtype) if need[3] else None)
         elif need[0] or need[3]:  # per source row: its rows' sums, and the [S, E] probs grad
             meta = (x.shape[1], ctx.probs_width, x.dtype, p_dtype or x.dtype)
+            # each (source row, expert) has one row: its gradient rounded once, as unfused
+            dprobs = dprobs.to(p_dtype) if need[3] else dprobs
             dx, dp = permute_grads((rows, experts, count), meta, need[0], need[3], dx_rows,
                                    dprobs)  # fmt: skip
-        return dx, dw1, dw2, dp, db1, db2, *(None,) * 6
+            if dp is not None and ctx.probs_1d:  # [S] probs: the map's one column of experts
+                dp = dp.view(-1)
+        return dx, dw1, dw2, dp, db1, db2, *(None,) * 7
 
 
 _APPLY = autograd_apply(_FusedGroupedMLP)
+
+
+def _gather_rows(dout, index):
+    """``dout[index[r]]`` per row ``r`` (zeros where ``index[r] < 0``): a scattered fc2's output
+    gradient, back in its rows' order (one launch, no atomics)."""
+    return torch.ops.mtp.moe_gather_rows(dout, index, None)
 
 
 def _check_activation(weight1, activation) -> None:
@@ -147,7 +168,13 @@ def _check_activation(weight1, activation) -> None:
 
 
 def _check(x, weight1, weight2, probs, bias2, activation: str, gather=None,
-           token_map=None) -> None:  # fmt: skip
+           token_map=None, scatter=None) -> None:  # fmt: skip
+    if scatter is not None:
+        rows = x.shape[0] if gather is None else gather.shape[0]
+        check_tensor("scatter_index", scatter, ndim=1, dtypes=COUNT_DTYPES, device=x.device)
+        if scatter.shape[0] != rows:
+            raise ValueError(f"scatter_index must be [{rows}] (one per grouped row), got "
+                             f"{tuple(scatter.shape)}")  # fmt: skip
     gated = activation in ("swiglu", "clamped_swiglu")
     E, H, F = weight1.shape[0], x.shape[1], weight1.shape[2] // (2 if gated else 1)
     check_tensor("weight2", weight2, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -186,6 +213,7 @@ def grouped_mlp(
     validate: bool | str = True,
     gather_index: torch.Tensor | None = None,
     token_map: TokenMap | None = None,
+    scatter_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' MLP with fused epilogues (see the module doc).
 
@@ -200,7 +228,9 @@ def grouped_mlp(
         probs: ``[M]`` routing probabilities (any float dtype) multiplying ``act(h)`` before
             fc2, or None. Its gradient is ``sum_f dL/dy * act(h)`` (fp32, fixed order). With
             ``gather_index``: ``[S, E]``, row ``r`` of expert ``e`` weighs
-            ``probs[gather_index[r], e]`` (the router's probabilities, not permuted).
+            ``probs[gather_index[r], e]`` (the router's probabilities, not permuted), or ``[S]``,
+            row ``r`` weighs ``probs[gather_index[r]]`` (e.g. an expert-parallel receive
+            buffer's probabilities; then ``token_map`` has one column, of expert 0).
         bias1, bias2: ``[E, W]`` and ``[E, H]`` per-expert biases, or None.
         activation: ``"swiglu"``, ``"gelu"``, ``"gelu_tanh"`` or ``"clamped_swiglu"`` (GPT-OSS:
             ``W = 2F`` interleaved, gate in column ``2j``, up in ``2j + 1``, see
@@ -219,23 +249,30 @@ def grouped_mlp(
         token_map: with ``gather_index``, its :class:`~mtp.ops.moe_permute.TokenMap` (built
             with it; not checked against it): the backward sums each source row's gradients
             and writes the probabilities' gradient with it.
+        scatter_index: ``[M]`` int32/int64, a permutation of the output's rows: grouped row
+            ``r`` is stored at ``out[scatter_index[r]]`` by fc2's epilogue (e.g. an
+            expert-parallel receive buffer's rows straight back in the order they arrived in),
+            and the backward reads the output gradient through it (not checked to be one).
 
     Returns:
-        ``[M, H]`` in ``x``'s dtype; rows past ``sum(tokens_per_expert)`` are zero.
+        ``[M, H]`` in ``x``'s dtype; rows past ``sum(tokens_per_expert)`` are zero (with
+        ``scatter_index``: the rows they are stored at).
         Differentiable in ``x``, the weights, biases and ``probs`` (once).
     """
     args = (x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activation,
             float(activation_limit), float(activation_alpha), bool(gradient_accumulation_fusion),
-            backend, validate, gather_index, token_map)  # fmt: skip
-    if eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, gather_index):
+            backend, validate, gather_index, token_map, scatter_index)  # fmt: skip
+    if eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, gather_index,
+             scatter_index):  # fmt: skip
         return _eager(*args)
     name = resolve_backend("grouped_mlp", backend, x.device, _BACKENDS)
     _check_activation(weight1, activation)
     rows = gather_index.shape[0] if isinstance(gather_index, torch.Tensor) else None
     _, counts = prepare_call(x, weight1, tokens_per_expert, False, None, name, validate, bias1,
                              activation, rows)  # fmt: skip
-    _check(x, weight1, weight2, probs, bias2, activation, gather_index, token_map)
-    return _run(name, *args[:3], counts, *args[4:11], None, gather_index, token_map)
+    _check(x, weight1, weight2, probs, bias2, activation, gather_index, token_map, scatter_index)
+    return _run(name, *args[:3], counts, *args[4:11], None, gather_index, token_map,
+                scatter_index)  # fmt: skip
 
 
 def _gathered_reference(x, probs, gather, counts):
@@ -244,15 +281,25 @@ def _gathered_reference(x, probs, gather, counts):
     rows = torch.where(keep, x.index_select(0, gather.clamp(min=0).long()), 0)
     if probs is None:
         return rows, None
+    src = gather.clamp(min=0).long()
+    if probs.dim() == 1:
+        return rows, torch.where(keep.squeeze(1), probs[src], 0)
     ends = torch.cumsum(counts.to(gather.device), 0)
     r = torch.arange(gather.shape[0], device=gather.device)
     expert = torch.searchsorted(ends, r, right=True).clamp(max=probs.shape[1] - 1)
-    p = probs[gather.clamp(min=0).long(), expert]
-    return rows, torch.where(keep.squeeze(1), p, 0)
+    return rows, torch.where(keep.squeeze(1), probs[src, expert], 0)
+
+
+def _scattered_reference(out, scatter):
+    """``res[scatter[r]] = out[r]`` (rows with ``scatter[r] < 0`` dropped; the reference
+    backend)."""
+    keep = scatter >= 0
+    res = out.new_zeros(out.shape)
+    return res.index_put((scatter[keep].long(),), out[keep])
 
 
 def _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, limit, alpha,
-         accumulate, routing, gather=None, token_map=None):  # fmt: skip
+         accumulate, routing, gather=None, token_map=None, scatter=None):  # fmt: skip
     """The call on checked arguments (``routing``: the eager path's, else None)."""
     if accumulate:
         for w in (weight1, weight2):
@@ -264,7 +311,8 @@ def _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, lim
         kw = dict(backend="reference", validate=False, gradient_accumulation_fusion=accumulate)
         y = grouped_gemm(x, weight1, counts, bias=bias1, activation=activation, probs=probs,
                          activation_limit=limit, activation_alpha=alpha, **kw)  # fmt: skip
-        return grouped_gemm(y, weight2, counts, bias=bias2, **kw)
+        out = grouped_gemm(y, weight2, counts, bias=bias2, **kw)
+        return out if scatter is None else _scattered_reference(out, scatter)
     probs = None if probs is None else probs.contiguous()
     bias1 = None if bias1 is None else bias1.contiguous()
     bias2 = None if bias2 is None else bias2.contiguous()
@@ -273,16 +321,16 @@ def _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, lim
         token_map.rows, token_map.experts, token_map.count)
     if routing is None:
         return _FusedGroupedMLP.apply(x, weight1, weight2, probs, bias1, bias2, counts, gather,
-                                      *tm, (act, accumulate, None))  # fmt: skip
+                                      *tm, scatter, (act, accumulate, None))  # fmt: skip
     if not needs_grad(x, weight1, weight2, probs, bias1, bias2):
         return _fused_forward(x, weight1, weight2, counts, probs, bias1, bias2, act, routing,
-                              gather)[0]  # fmt: skip
-    return _APPLY(x, weight1, weight2, probs, bias1, bias2, counts, gather, *tm,
+                              gather, scatter)[0]  # fmt: skip
+    return _APPLY(x, weight1, weight2, probs, bias1, bias2, counts, gather, *tm, scatter,
                   (act, accumulate, routing))
 
 
 def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activation, limit, alpha,
-           accumulate, backend, validate, gather, token_map):  # fmt: skip
+           accumulate, backend, validate, gather, token_map, scatter):  # fmt: skip
     """:func:`grouped_mlp` on the eager path: the free checks once per key, the routing
     metadata of the counts derived once for both GEMMs and the backward (its status word is the
     counts' device-side check), no custom op."""
@@ -295,18 +343,19 @@ def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activati
            bias1 is None or (bias1.shape, bias1.dtype, bias1.device),
            bias2 is None or (bias2.shape, bias2.dtype, bias2.device),
            gather is None or (gather.shape, gather.dtype, gather.device, token_map.__class__,
-                              _map_key(token_map)))  # fmt: skip
+                              _map_key(token_map)),
+           scatter is None or (scatter.shape, scatter.dtype, scatter.device))  # fmt: skip
     impl = GROUPED_GEMM_BACKENDS[name]
     if not _eager_gemm.seen(key):
         _check_activation(weight1, activation)
         check_arguments(x, weight1, t, False, None, bias1, activation)
         check_backend(name, impl, x, weight1, t)
-        _check(x, weight1, weight2, probs, bias2, activation, gather, token_map)
+        _check(x, weight1, weight2, probs, bias2, activation, gather, token_map, scatter)
         _eager_gemm.remember(key)
     rows = None if gather is None else gather.shape[0]
     counts, routing = _eager_gemm.counts_and_routing(t, x, weight1.shape[0], impl, mode, rows)
     out = _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, limit, alpha,
-               accumulate, routing, gather, token_map)  # fmt: skip
+               accumulate, routing, gather, token_map, scatter)  # fmt: skip
     if routing.head is None:
         routing.validate()
     return out

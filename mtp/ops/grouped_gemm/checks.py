@@ -213,7 +213,7 @@ def check_main_grad(w: torch.Tensor) -> None:
 def check_gather(x, weight1, gather_index, token_map, probs) -> None:
     """:func:`mtp.ops.grouped_mlp`'s row gather: ``gather_index`` ``[M]`` int32/int64 on ``x``'s
     device, ``token_map`` the :class:`~mtp.ops.moe_permute.TokenMap` of its source rows (``x``'s
-    ``S`` rows), ``probs`` None or ``[S, E]`` (``E = weight1.shape[0]``)."""
+    ``S`` rows), ``probs`` None, ``[S, E]`` (``E = weight1.shape[0]``) or ``[S]``."""
     from mtp.ops.moe_permute.token_map import TokenMap
 
     check_tensor("gather_index", gather_index, ndim=1, dtypes=COUNT_DTYPES, device=x.device)
@@ -233,10 +233,11 @@ def check_gather(x, weight1, gather_index, token_map, probs) -> None:
         raise ValueError(f"token_map.rows and .experts must have one shape, got "
                          f"{tuple(token_map.rows.shape)} and {tuple(token_map.experts.shape)}")
     if probs is not None:
-        check_tensor("probs", probs, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
-        if tuple(probs.shape) != (S, weight1.shape[0]):
+        check_tensor("probs", probs, dtypes=FLOAT_DTYPES, device=x.device)
+        if tuple(probs.shape) not in ((S, weight1.shape[0]), (S,)):
             raise ValueError(f"with gather_index, probs must be [{S}, {weight1.shape[0]}] (each "
-                             f"source row's probability per expert), got {tuple(probs.shape)}")
+                             f"source row's probability per expert) or [{S}] (one per source "
+                             f"row), got {tuple(probs.shape)}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

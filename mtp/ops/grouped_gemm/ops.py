@@ -20,6 +20,7 @@ from mtp.ops.grouped_gemm.backends import (
     add_expert_bias_,
     expert_bias_sums,
     triton_dgrad_act,
+    triton_forward,
     triton_forward_act,
     triton_wgrad,
 )
@@ -53,8 +54,11 @@ def activation_width(n: int, activation: str | None) -> int:
 
 
 def run_out(x, w, counts, out, trans_b, backend, bias, h, probs, activation, limit, alpha,
-            routing=None, gather=None, row_probs=None) -> None:  # fmt: skip
+            routing=None, gather=None, row_probs=None, scatter=None) -> None:  # fmt: skip
     """The body of ``mtp::grouped_gemm_out`` (``routing``: the eager path's)."""
+    if scatter is not None:  # the triton backend's scattered fc2 (grouped_mlp checks it)
+        triton_forward(x, w, counts, trans_b, out, bias, routing, scatter)
+        return
     if gather is not None:  # the triton backend's gathered fc1 (grouped_mlp checks it)
         triton_forward_act(x, w, counts, trans_b, h, out, activation,
                            None if bias is None else bias.contiguous(), probs, limit, alpha,
@@ -97,22 +101,24 @@ def _forward_op(
     alpha: float,
     gather: torch.Tensor | None,
     row_probs: torch.Tensor | None,
+    scatter: torch.Tensor | None,
 ) -> None:
     """``out = x @ w[e] (+ bias[e])`` per expert; with an ``activation``: ``h`` gets that
     pre-activation and ``out = act(h) * probs``. Zeros past ``sum(tokens_per_expert)``. With
     ``gather`` (``[M]``, triton, an activation) row ``r`` reads ``x[gather[r]]`` and the
-    probability ``probs[gather[r] (, e)]``, which ``row_probs`` receives.
+    probability ``probs[gather[r] (, e)]``, which ``row_probs`` receives. With ``scatter``
+    (``[M]``, triton, no activation) row ``r`` is stored at ``out[scatter[r]]``.
 
     No argument has a default: torch 2.11's in-place kernel of a custom op finds a mutated
     argument by its position in a list whose trailing defaults were dropped (``h`` at 7 was
     out of range whenever ``h, probs, ...`` were all defaults: IndexError on the H200)."""
     run_out(x, w, tokens_per_expert, out, trans_b, backend, bias, h, probs, activation, limit,
-            alpha, None, gather, row_probs)
+            alpha, None, gather, row_probs, scatter)
 
 
 @_forward_op.register_fake
 def _(x, w, tokens_per_expert, out, trans_b, backend, bias, h, probs, activation, limit, alpha,
-      gather, row_probs):
+      gather, row_probs, scatter):
     return None
 
 
@@ -195,9 +201,10 @@ def _(dy, w, counts, h, probs, activation, limit, alpha, recompute=False):
 
 
 def forward(x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha, routing=None,
-            gather=None, row_probs=None):  # fmt: skip
+            gather=None, row_probs=None, scatter=None):  # fmt: skip
     """``(y, h)``: the forward into ``out`` (or a new buffer); ``h`` the pre-activation. With
-    ``gather`` (``[M]``) the rows are ``x[gather]`` (see ``mtp::grouped_gemm_out``)."""
+    ``gather`` (``[M]``) the rows are ``x[gather]``, with ``scatter`` row ``r`` goes to
+    ``y[scatter[r]]`` (see ``mtp::grouped_gemm_out``)."""
     n = w.shape[1] if trans_b else w.shape[2]
     M = x.shape[0] if gather is None else gather.shape[0]
     y = out if out is not None else empty((M, n // 2 if act in GATED else n), dtype=x.dtype,
@@ -205,10 +212,11 @@ def forward(x, w, counts, out, bias, probs, trans_b, backend, act, limit, alpha,
     h = None if act is None else empty((M, n), dtype=x.dtype, device=x.device)
     if routing is None:
         torch.ops.mtp.grouped_gemm_out(x, w, counts, y, trans_b, backend, bias, h, probs,
-                                       act or "none", limit, alpha, gather, row_probs)  # fmt: skip
+                                       act or "none", limit, alpha, gather, row_probs,
+                                       scatter)  # fmt: skip
     else:
         run_out(x, w, counts, y, trans_b, backend, bias, h, probs, act or "none", limit, alpha,
-                routing, gather, row_probs)  # fmt: skip
+                routing, gather, row_probs, scatter)  # fmt: skip
     return y, h
 
 

@@ -40,8 +40,9 @@ def _config(a: torch.Tensor, M: int, N: int, K: int, E: int, **choice):
     return make_config(arch, a.dtype, M, N, K, E, sms=sms, **choice)
 
 
-def triton_forward(x, w, counts, trans_b, out, bias=None, routing=None):
-    """``x @ w[e] (+ bias[e])`` (the bias in the epilogue). The kernels take ``w`` itself, read
+def triton_forward(x, w, counts, trans_b, out, bias=None, routing=None, scatter=None):
+    """``x @ w[e] (+ bias[e])`` (the bias in the epilogue); ``scatter`` (``[M]``): row ``r``
+    stored at ``out[scatter[r]]`` (pointer kernels). The kernels take ``w`` itself, read
     through the strides of its ``[E, K, N]`` view (no view per call)."""
     M, K = x.shape
     E, N = w.shape[0], w.shape[1] if trans_b else w.shape[2]
@@ -49,17 +50,22 @@ def triton_forward(x, w, counts, trans_b, out, bias=None, routing=None):
         out = empty((M, N), dtype=x.dtype, device=x.device)
     if bias is not None:
         bias = bias.contiguous()
+    s = scatter
     key = ("fwd", trans_b, M, N, K, E, x.stride(), w.stride(), out.stride(), x.dtype, out.dtype,
-           counts.dtype, None if bias is None else bias.dtype, aligned(x, w, out, bias, counts),
-           x.device, choice_state(), x.dtype is _F32 and _tf32())  # fmt: skip
+           counts.dtype, None if bias is None else bias.dtype,
+           aligned(x, w, out, bias, counts, s), x.device, choice_state(),
+           x.dtype is _F32 and _tf32(), None if s is None else s.dtype)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         b = w.transpose(1, 2) if trans_b else w
         tma_ok = (K > 0 and tma_aligned(x, 1) and (tma_aligned(b, 2) or tma_aligned(b, 1))
                   and out.stride(1) == 1)  # fmt: skip
-        config = _config(x, M, N, K, E, bias=bias is not None, tma_ok=tma_ok)
-        plan = _PLANS.add(key, _launch.forward_plan(x, b, counts, out, config, bias=bias))
-    plan((x, w, out, out if bias is None else bias), counts, routing or Routing(counts, M, E))
+        config = _config(x, M, N, K, E, bias=bias is not None, tma_ok=tma_ok,
+                         gather=s is not None)  # fmt: skip
+        plan = _PLANS.add(key, _launch.forward_plan(x, b, counts, out, config, bias=bias,
+                                                    scatter=s))  # fmt: skip
+    plan((x, w, out, out if bias is None else bias, counts if s is None else s), counts,
+         routing or Routing(counts, M, E))
     return out
 
 
