@@ -151,6 +151,30 @@ def test_gather_bad_inputs_name_the_argument():
     with pytest.raises((TypeError, ValueError), match="scatter_index"):
         ops.grouped_mlp(x, w1, w2, counts, probs, gather_index=rm.row_id_map,
                         token_map=rm.token_map, scatter_index=rm.row_id_map.float(), **kw)
+    # values: out of range, or two rows stored at one place, on either path, in both the
+    # default (device) and the "sync" mode; validate=False skips the check
+    M = rm.row_id_map.shape[0]
+    bad_scatter = torch.arange(M).flip(0)
+    bad_scatter[1] = bad_scatter[0]
+    bad_gather = rm.row_id_map.clone()
+    bad_gather[0] = T
+    for validate, err in ((True, RuntimeError), ("sync", ValueError)):
+        with pytest.raises(err, match="scatter_index must hold rows in .* each at most once"):
+            ops.grouped_mlp(x, w1, w2, counts, probs, gather_index=rm.row_id_map,
+                            token_map=rm.token_map, scatter_index=bad_scatter,
+                            validate=validate, **kw)  # fmt: skip
+        with pytest.raises(err, match=rf"gather_index must hold rows in \[0, {T}\)"):
+            ops.grouped_mlp(x, w1, w2, counts, probs, gather_index=bad_gather,
+                            token_map=rm.token_map, validate=validate, **kw)  # fmt: skip
+    out_of_range = torch.arange(M)
+    out_of_range[-1] = M
+    with pytest.raises(ValueError, match="scatter_index must hold rows"):
+        ops.grouped_mlp(x, w1, w2, counts, probs, gather_index=rm.row_id_map,
+                        token_map=rm.token_map, scatter_index=out_of_range, validate="sync",
+                        **kw)  # fmt: skip
+    from mtp.ops.grouped_gemm.checks import check_index_values
+
+    check_index_values(rm.row_id_map, T, torch.arange(M).flip(0), M, "sync")  # valid: no error
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

@@ -58,6 +58,7 @@ from mtp.ops.grouped_gemm.checks import (
     check_arguments,
     check_backend,
     check_gather,
+    check_index_values,
     check_main_grad,
 )
 from mtp.ops.grouped_gemm.ops import bias_grad, dact, forward, weight_grad
@@ -248,11 +249,13 @@ def grouped_mlp(
             :func:`mtp.ops.moe_permute.moe_permute_row_map`; fc1 reads ``x`` through it.
         token_map: with ``gather_index``, its :class:`~mtp.ops.moe_permute.TokenMap` (built
             with it; not checked against it): the backward sums each source row's gradients
-            and writes the probabilities' gradient with it.
+            and writes the probabilities' gradient with it. Its values are checked (in
+            ``[-1, S)``) under ``validate``.
         scatter_index: ``[M]`` int32/int64, a permutation of the output's rows: grouped row
             ``r`` is stored at ``out[scatter_index[r]]`` by fc2's epilogue (e.g. an
             expert-parallel receive buffer's rows straight back in the order they arrived in),
-            and the backward reads the output gradient through it (not checked to be one).
+            and the backward reads the output gradient through it (checked to be one, each row
+            in ``[-1, M)`` and stored once, under ``validate``).
 
     Returns:
         ``[M, H]`` in ``x``'s dtype; rows past ``sum(tokens_per_expert)`` are zero (with
@@ -271,6 +274,8 @@ def grouped_mlp(
     _, counts = prepare_call(x, weight1, tokens_per_expert, False, None, name, validate, bias1,
                              activation, rows)  # fmt: skip
     _check(x, weight1, weight2, probs, bias2, activation, gather_index, token_map, scatter_index)
+    if gather_index is not None or scatter_index is not None:
+        check_index_values(gather_index, x.shape[0], scatter_index, rows or x.shape[0], validate)
     return _run(name, *args[:3], counts, *args[4:11], None, gather_index, token_map,
                 scatter_index)  # fmt: skip
 
@@ -354,6 +359,8 @@ def _eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activati
         _eager_gemm.remember(key)
     rows = None if gather is None else gather.shape[0]
     counts, routing = _eager_gemm.counts_and_routing(t, x, weight1.shape[0], impl, mode, rows)
+    if gather is not None or scatter is not None:
+        check_index_values(gather, x.shape[0], scatter, rows or x.shape[0], mode)
     out = _run(name, x, weight1, weight2, counts, probs, bias1, bias2, activation, limit, alpha,
                accumulate, routing, gather, token_map, scatter)  # fmt: skip
     if routing.head is None:

@@ -17,6 +17,7 @@ __all__ = [
     "check_fp8_arguments",
     "check_fp8_device",
     "check_gather",
+    "check_index_values",
     "check_inputs",
     "check_main_grad",
     "check_out_memory",
@@ -187,6 +188,28 @@ def check_count_values(tokens_per_expert: torch.Tensor, M: int, validate: bool |
         return
     ok = (tokens_per_expert.min() >= 0) & (tokens_per_expert.sum() <= M)
     check_values(ok, count_message(M), validate=mode, tensors=(tokens_per_expert,))
+
+
+def check_index_values(gather, sources: int, scatter, rows: int, validate: bool | str) -> None:
+    """:func:`mtp.ops.grouped_mlp`'s row maps: ``gather_index`` in ``[-1, sources)``,
+    ``scatter_index`` in ``[-1, rows)`` with no row twice (two rows stored at one place race).
+    Under :func:`check_values`' rule: on the device by default (no host sync), typed errors
+    with ``validate="sync"``, nothing with ``validate=False``."""
+    mode = validation_mode(validate)
+    if mode == "off":
+        return
+    for name, index, size in (("gather_index", gather, sources), ("scatter_index", scatter, rows)):
+        if index is None or index.numel() == 0 or not data_checks_enabled(True, index):
+            continue
+        ok = ((index >= -1) & (index < size)).all()
+        message = f"{name} must hold rows in [0, {size}) or -1 (none)"
+        if name == "scatter_index":  # each target once (index_add: no host sync, unlike bincount)
+            slot = (index.long() + 1).clamp(0, size + 1)
+            hits = torch.zeros(size + 2, dtype=torch.int32, device=index.device).index_add_(
+                0, slot, torch.ones_like(slot, dtype=torch.int32))
+            ok = ok & (hits[1 : size + 1] <= 1).all()
+            message += ", each at most once (a permutation of the output's rows)"
+        check_values(ok, message, validate=mode, tensors=(index,))
 
 
 def count_message(M: int) -> str:
