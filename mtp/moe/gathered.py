@@ -31,14 +31,12 @@ def gathers(layer, tokens: torch.Tensor) -> bool:
     """Whether :class:`~mtp.moe.MoELayer` ``layer`` runs its dispatch inside the experts' fc1
     for ``tokens``: one expert-parallel and expert-tensor-parallel rank, the all-to-all
     dispatcher on the Triton permute backend, and fused Triton experts that scale by the
-    probability before fc2 (Megatron's order). FP8 experts (``fp8_recipe`` set) take the
-    materialised path: the gathered fc1 is a BF16 ``grouped_mlp`` with fused epilogues, while
-    FP8 runs its two GEMMs apart on a quantised, dispatched copy of the rows (``_fused`` is
-    False for them too; the check here says so explicitly)."""
+    probability before fc2 (Megatron's order). FP8 experts gather too: their ``grouped_mlp``
+    quantises the tokens once at their source rows and fc1 reads the FP8 rows through the
+    row map (:mod:`mtp.ops.grouped_mlp_fp8`)."""
     experts = layer.experts
     return (
-        getattr(experts, "fp8_recipe", None) is None
-        and layer.ep_size == 1
+        layer.ep_size == 1
         and layer.etp_size == 1
         and layer.token_dispatcher_type == "alltoall"
         and not experts.probs_after_fc2
