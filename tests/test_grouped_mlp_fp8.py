@@ -263,3 +263,73 @@ def test_argument_errors():
     with pytest.raises(TypeError, match="token_map"):
         grouped_mlp(x, w1, w2, counts, None, fp8_recipe="blockwise",
                     gather_index=torch.zeros(M, dtype=torch.int64))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Ahead-of-time builds: FP8 tensor cores, no spills
+# --------------------------------------------------------------------------------------------
+
+
+def _aot_build(cc, recipe, which):
+    """fc1's FP8 kernel (SwiGLU, row gather, probabilities) or fc2's data gradient with the
+    activation's backward, with the tiles the op picks, K-major operands, strides multiples
+    of 16 (a DeepSeek-like shape: 128 experts, H 2048, F 2048)."""
+    from mtp.kernels.grouped_gemm_details import fp8_act as ka
+    from mtp.ops.grouped_mlp_fp8_ops import act_tiles, dact_tiles
+    from mtp.testing import compile_for_targets
+
+    mx = recipe == "mxfp8"
+    scale = "*u8" if mx else "*fp32"
+    Ex = 128
+    consts = dict(stride_ak=1, stride_bk=1, BLOCK_E=Ex, GROUP_K=32 if mx else 128,
+                  GROUP_N=1 if mx else 128, MX=mx, ACT=2, LIMIT=7.0, ALPHA=1.702)  # fmt: skip
+    if which == "act":
+        bm, bn, bk, gm, warps, stages = act_tiles(cc // 10, recipe)
+        kernel = ka.grouped_gemm_fp8_act_kernel
+        ptrs = dict(a_ptr="*fp8e4nv", sa_ptr=scale, b_ptr="*fp8e4nv", sb_ptr=scale,
+                    h_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr=scale, p_ptr="*fp32",
+                    g_ptr="*i64", pp_ptr="*fp32", counts_ptr="*i64")  # fmt: skip
+        ints = ["M", "F", "K", "E", "stride_am", "stride_sam", "stride_sak", "stride_be",
+                "stride_bn", "stride_sbe", "stride_sbk", "stride_sbn", "stride_hm", "stride_qm",
+                "stride_sm", "stride_ps"]  # fmt: skip
+        consts.update(stride_pe=1, GROUP_Q=32 if mx else 128, HAS_PROB=True, GATHER=True,
+                      ROW_PROBS=True, SCALE=2 if mx else 0, SOFT_CVT=False)  # fmt: skip
+    else:
+        bm, bn, bk, gm, warps, stages = dact_tiles(cc // 10, recipe)
+        kernel = ka.grouped_gemm_fp8_dact_kernel
+        ptrs = dict(a_ptr="*fp8e4nv", sa_ptr=scale, b_ptr="*fp8e4nv", sb_ptr=scale,
+                    h_ptr="*bf16", p_ptr="*fp32", dh_ptr="*bf16", part_ptr="*fp32",
+                    y_ptr="*bf16", counts_ptr="*i64")  # fmt: skip
+        ints = ["M", "F", "K", "E", "stride_am", "stride_sam", "stride_sak", "stride_be",
+                "stride_bn", "stride_sbe", "stride_sbk", "stride_sbn", "stride_hm", "stride_dm",
+                "stride_ym"]  # fmt: skip
+        consts.update(HAS_PROB=True, RECOMPUTE=True)
+    consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm)
+    signature = {**ptrs, **{name: "i32" for name in ints}}
+    divisible = [k for k in ints if k.startswith("stride")] + ["F", "K"]
+    return compile_for_targets(kernel, signature, consts, targets=(cc,), num_warps=warps,
+                               num_stages=stages, divisible_by_16=divisible)[cc]
+
+
+_AOT = {  # name: (cc, recipe, kernel, SASS MMA)
+    "sm90_blockwise_fc1": (90, "blockwise", "act", "QGMMA"),
+    "sm90_blockwise_dact": (90, "blockwise", "dact", "QGMMA"),
+    "sm100_blockwise_fc1": (100, "blockwise", "act", "UTCQMMA"),
+    "sm100_blockwise_dact": (100, "blockwise", "dact", "UTCQMMA"),
+    "sm100_mxfp8_fc1": (100, "mxfp8", "act", "UTCQMMA"),
+    "sm100_mxfp8_dact": (100, "mxfp8", "dact", "UTCQMMA"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_AOT))
+def test_aot_fp8_mlp_kernels_tensor_cores_and_no_spills(name):
+    import re
+
+    from test_grouped_gemm_tma import _sass
+
+    cc, recipe, which, mma = _AOT[name]
+    build = _aot_build(cc, recipe, which)
+    assert build.arch == f"sm_{cc}a" and build.fits_shared_memory, build.shared
+    info, sass = _sass(build)
+    assert re.search(rf"\b{mma}\b", sass), f"no {mma} in the SASS"
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", info), info
