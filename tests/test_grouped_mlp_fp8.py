@@ -224,12 +224,37 @@ def test_custom_op_path_without_host_syncs(recipe):
     bodies, as torch.compile sees them): no host sync, the eager path's values bitwise."""
     case = _gathered(7)
     w1, w2 = _weights("swiglu")
-    want = _run(case, w1, w2, "swiglu", backend="triton", fp8_recipe=recipe)
+    with pytest.MonkeyPatch.context() as mp:  # the eager path runs the bodies, no custom op
+        for name in ("grouped_mlp_fp8_fc1", "grouped_mlp_fp8_dact", "quantize_fp8",
+                     "grouped_gemm_fp8_out", "grouped_gemm_fp8_wgrad"):  # fmt: skip
+            mp.setattr(torch.ops.mtp, name, lambda *a, **k: pytest.fail("a custom op"))
+        want = _run(case, w1, w2, "swiglu", backend="triton", fp8_recipe=recipe)
     with count_host_syncs() as syncs:
         got = _run(case, w1, w2, "swiglu", backend="triton", fp8_recipe=recipe)
     assert syncs.count == 0
     for name, value in got.items():
         assert torch.equal(value, want[name]), name
+
+
+def test_compiled_equals_eager():
+    """torch.compile (aot_eager: the custom ops and their fakes, forward and backward traced)
+    gives the eager values, with the row gather."""
+    x, probs, counts, index, token_map = _gathered(9)
+    w1, w2 = _weights("gelu")
+    case = (x, probs, counts, index, token_map)
+    want = _run(case, w1, w2, "gelu", backend="triton", fp8_recipe="blockwise")
+
+    def f(x, w1, w2, probs):
+        return grouped_mlp(x, w1, w2, counts, probs, activation="gelu", gather_index=index,
+                           token_map=token_map, backend="triton", fp8_recipe="blockwise",
+                           validate=False)  # fmt: skip
+
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2, probs)]
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(*leaves)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).bfloat16())
+    assert torch.equal(out.detach(), want["out"])
+    for name, leaf in zip(("dx", "dw1", "dw2", "dp"), leaves):
+        assert torch.equal(leaf.grad, want[name]), name
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,8 +265,10 @@ def test_custom_op_path_without_host_syncs(recipe):
 def test_argument_errors():
     x, probs, counts, _, _ = _plain()
     w1, w2 = _weights("swiglu")
-    call = lambda **kw: grouped_mlp(x, w1, w2, counts, probs, **{"fp8_recipe": "blockwise",  # noqa: E731
-                                                                 "backend": "reference", **kw})
+    def call(**kw):
+        kw = {"fp8_recipe": "blockwise", "backend": "reference", **kw}
+        return grouped_mlp(x, w1, w2, counts, probs, **kw)
+
     with pytest.raises(ValueError, match="fp8_recipe must be one of"):
         call(fp8_recipe="fp4")
     with pytest.raises(TypeError, match="fp8_recipe must be None, a str"):

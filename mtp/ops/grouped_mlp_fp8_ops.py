@@ -1,5 +1,6 @@
 """The custom ops of the FP8 expert MLP (each with its fake), their bodies on the ``triton`` and
-``reference`` backends and the Triton launch plans (:mod:`mtp.kernels.grouped_gemm_details.fp8_act`).
+``reference`` backends and the Triton launch plans
+(:mod:`mtp.kernels.grouped_gemm_details.fp8_act`).
 
 - ``mtp::grouped_mlp_fp8_fc1``: fc1 from row-wise FP8 tokens (read through ``gather`` when
   given) and fc1's FP8 weight; writes the pre-activation ``h`` and ``y = act(h) * p``
@@ -77,7 +78,7 @@ def _probs_strides(probs, gather) -> tuple[int, int]:
 def triton_fc1(x: Fp8Tensor, w: Fp8Tensor, counts, h, q, qs, probs, gather, row_probs, act,
                kind, limit, alpha) -> None:  # fmt: skip
     """The ``triton`` body of ``mtp::grouped_mlp_fp8_fc1`` (one launch)."""
-    K, (E, _, W), (M, F) = x.data.shape[1], w.data.shape, q.shape
+    K, E, (M, F) = x.data.shape[1], w.data.shape[0], q.shape
     if M == 0 or F == 0:
         return
     sa, sb, ss = _bytes(x.scales), _bytes(w.scales), _bytes(qs)
