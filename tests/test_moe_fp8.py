@@ -18,6 +18,7 @@ from test_grouped_gemm_fp8 import _deq, _per_expert, _weight_values
 
 from mtp.moe import GroupedMLP, MoEConfig, MoELayer
 from mtp.ops import Fp8WeightCache, grouped_gemm, quantize
+from mtp.ops import grouped_mlp_fp8 as fp8_mlp_module
 from mtp.ops.grouped_gemm import fp8 as fp8_module
 from mtp.ops.quantize import quantize_many
 from mtp.testing import assert_close, count_host_syncs
@@ -111,6 +112,7 @@ def test_weight_cache_quantises_once_per_step(monkeypatch):
         return quantize_many(x, *args, **kwargs)
 
     monkeypatch.setattr(fp8_module, "quantize_many", counting)
+    monkeypatch.setattr(fp8_mlp_module, "quantize_many", counting)
     x, counts, probs, dy = _inputs(torch.bfloat16)
     layer = _experts("blockwise")
     fresh = copy.deepcopy(layer)
@@ -122,7 +124,7 @@ def test_weight_cache_quantises_once_per_step(monkeypatch):
     quantised.clear()
     y = layer(x, counts, probs)
     assert (cache.misses, cache.hits) == (2, 2)
-    assert quantised == [(M, H), (M, F_)], "x and the intermediate, not the weights"
+    assert quantised == [(M, H)], "x only: not the weights, nor fc1's output (written in FP8)"
     assert torch.equal(y.detach(), first["y"])
     opt.step()
     opt.zero_grad()
@@ -228,21 +230,32 @@ def test_moe_layer_and_config():
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
-def test_moe_layer_fp8_takes_the_materialised_dispatch(recipe, monkeypatch):
-    """The gathered fc1 (:mod:`mtp.moe.gathered`) is BF16 only: a Triton FP8 layer dispatches
-    a permuted copy and runs the FP8 GEMMs on it; without the recipe it gathers again."""
+def test_moe_layer_fp8_takes_the_gathered_fc1(recipe, monkeypatch):
+    """A Triton FP8 layer runs the gathered fc1 (:mod:`mtp.moe.gathered`): the tokens quantised
+    once at their source rows, no permuted copy; its output and gradients match the same layer
+    on the materialised dispatch (row-wise quantisation is per row: the same FP8 rows)."""
     from mtp.moe.gathered import gathers
 
     torch.manual_seed(3)
     layer = MoELayer(H, F_, 4, 2, activation="swiglu", backend="triton", fp8_recipe=recipe)
     x = torch.randn(2, 6, H, requires_grad=True)
-    assert not gathers(layer, x.view(-1, H))
-    monkeypatch.setattr(GroupedMLP, "forward_gathered",
-                        lambda *a, **k: pytest.fail("FP8 experts took the gathered fc1"))
-    layer(x).square().mean().backward()
-    assert torch.isfinite(x.grad).all()
-    layer.set_fp8_recipe(None)
     assert gathers(layer, x.view(-1, H))
+    calls = []
+    original = GroupedMLP.forward_gathered
+    monkeypatch.setattr(GroupedMLP, "forward_gathered",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))  # fmt: skip
+    out = layer(x)
+    out.square().mean().backward()
+    assert calls == [1] and torch.isfinite(x.grad).all()
+    got = (out.detach(), x.grad.clone(), layer.experts.weight1.grad.clone())
+    x.grad = None
+    layer.zero_grad()
+    monkeypatch.setattr("mtp.moe.moe_layer.gathers", lambda *a: False)
+    out = layer(x)
+    out.square().mean().backward()
+    assert calls == [1], "the materialised dispatch this time"
+    for a, b in zip(got, (out.detach(), x.grad, layer.experts.weight1.grad)):
+        assert_close(a, b, torch.bfloat16)
 
 
 def test_errors():

@@ -361,8 +361,8 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
 
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether this call runs :func:`mtp.ops.grouped_mlp` (see ``bias_activation_fusion``;
-        FP8 experts run their two GEMMs and the activation apart)."""
-        if not self.bias_activation_fusion or self.activation == "relu2" or self.fp8_recipe:
+        FP8 experts too: its FP8 path, tokens quantised once, fc1 writing FP8 activations)."""
+        if not self.bias_activation_fusion or self.activation == "relu2":
             return False
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return False
@@ -370,17 +370,26 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
         names = tuple(GROUPED_GEMM_BACKENDS)
         return resolve_backend("grouped_gemm", backend, x.device, names) == "triton"
 
-    def _forward_fused(self, x, tokens_per_expert, permuted_probs):
+    def _mlp_weights(self, x: torch.Tensor):
+        """``(weight1, weight2, FP8 options)`` of a :func:`mtp.ops.grouped_mlp` call: the
+        master weights and the recipe with its cache for FP8 experts (quantised inside, their
+        gradients in the master dtype), else the weights in ``x``'s dtype."""
         w1, w2 = self.weight1, self.weight2
-        accumulate = self._accumulates(x, w1, w2)
+        if self.fp8_recipe is None:
+            return w1.to(x.dtype), w2.to(x.dtype), {}
+        return w1, w2, dict(fp8_recipe=self.fp8_recipe, fp8_weight_cache=self.fp8_weight_cache)
+
+    def _forward_fused(self, x, tokens_per_expert, permuted_probs):
+        w1, w2, fp8 = self._mlp_weights(x)
+        accumulate = self._accumulates(x, self.weight1, self.weight2)
         after = self.probs_after_fc2 and permuted_probs is not None
         y = ops.grouped_mlp(
-            x, w1.to(x.dtype), w2.to(x.dtype), tokens_per_expert,
+            x, w1, w2, tokens_per_expert,
             None if after else permuted_probs, self.bias1,
             self._fc2_bias(),
             activation=self.activation, activation_limit=self.activation_limit,
             activation_alpha=self.activation_alpha, gradient_accumulation_fusion=accumulate,
-            backend="triton", validate=False,
+            backend="triton", validate=False, **fp8,
         )  # fmt: skip
         return y * permuted_probs.to(y.dtype).unsqueeze(-1) if after else y
 
@@ -392,12 +401,12 @@ class GroupedMLP(GroupedMLPWeights, nn.Module):
         ``token_map``; returns the ``[M, H]`` rows, each scaled by its probability before fc2
         (row ``r`` at ``scatter_index[r]`` when given). Fused Triton experts only
         (:meth:`_fused`)."""
-        w1, w2 = self.weight1, self.weight2
+        w1, w2, fp8 = self._mlp_weights(tokens)
         return ops.grouped_mlp(
-            tokens, w1.to(tokens.dtype), w2.to(tokens.dtype), tokens_per_expert, probs,
+            tokens, w1, w2, tokens_per_expert, probs,
             self.bias1, self._fc2_bias(), activation=self.activation,
             activation_limit=self.activation_limit, activation_alpha=self.activation_alpha,
-            gradient_accumulation_fusion=self._accumulates(tokens, w1, w2), backend="triton",
-            validate=False, gather_index=gather_index, token_map=token_map,
-            scatter_index=scatter_index,
+            gradient_accumulation_fusion=self._accumulates(tokens, self.weight1, self.weight2),
+            backend="triton", validate=False, gather_index=gather_index, token_map=token_map,
+            scatter_index=scatter_index, **fp8,
         )  # fmt: skip

@@ -36,10 +36,9 @@ def gathers(layer, tokens: torch.Tensor) -> bool:
     """Whether :class:`~mtp.moe.MoELayer` ``layer`` runs its dispatch inside the experts' fc1
     for ``tokens``: one expert-parallel and expert-tensor-parallel rank, the all-to-all
     dispatcher on the Triton permute backend, and fused Triton experts that scale by the
-    probability before fc2 (Megatron's order). FP8 experts (``fp8_recipe`` set) take the
-    materialised path: the gathered fc1 is a BF16 ``grouped_mlp`` with fused epilogues, while
-    FP8 runs its two GEMMs apart on a quantised, dispatched copy of the rows (``_fused`` is
-    False for them too; the check here says so explicitly)."""
+    probability before fc2 (Megatron's order). FP8 experts gather too: their ``grouped_mlp``
+    quantises the tokens once at their source rows and fc1 reads the FP8 rows through the
+    row map (:mod:`mtp.ops.grouped_mlp_fp8`)."""
     return layer.ep_size == 1 and _fused_experts(layer, tokens)
 
 
@@ -47,15 +46,15 @@ def gathers_received(layer, tokens: torch.Tensor) -> bool:
     """Whether ``layer``'s experts read the rows an expert-parallel all-to-all delivered
     through their reorder index (``P > 1`` ranks, dropless or with a capacity, one
     expert-tensor-parallel rank, the experts as for :func:`gathers`) instead of a reordered
-    copy."""
-    return layer.ep_size > 1 and _fused_experts(layer, tokens)
+    copy. Not FP8 experts: their fused MLP has no row scatter (they take the reordered copy)."""
+    return (layer.ep_size > 1 and getattr(layer.experts, "fp8_recipe", None) is None
+            and _fused_experts(layer, tokens))  # fmt: skip
 
 
 def _fused_experts(layer, tokens: torch.Tensor) -> bool:
     experts = layer.experts
     return (
-        getattr(experts, "fp8_recipe", None) is None
-        and layer.etp_size == 1
+        layer.etp_size == 1
         and layer.token_dispatcher_type == "alltoall"
         and not experts.probs_after_fc2
         and experts._fused(tokens)

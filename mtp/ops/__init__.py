@@ -27,7 +27,10 @@ same name. Each op's path, API and autograd -> config -> kernel:
   operands' custom ops and autograd, ``.cutlass``) -> ``.config.make_config`` ->
   :mod:`mtp.kernels.grouped_gemm_details` (``launch``, ``routing``, ``pointer``, ``tma``,
   ``fp8``, ``epilogue``, ``tiles``, ``fill``); the CUTLASS kernels in ``csrc/``.
-- ``grouped_mlp``: :mod:`.grouped_mlp` -> two ``grouped_gemm`` calls with chained epilogues.
+- ``grouped_mlp``: :mod:`.grouped_mlp` -> two ``grouped_gemm`` calls with chained epilogues;
+  with ``fp8_recipe`` :mod:`.grouped_mlp_fp8` (autograd, the call) and
+  :mod:`.grouped_mlp_fp8_ops` (``mtp::grouped_mlp_fp8_fc1`` / ``_dact``, the FP8 kernels of
+  ``kernels/grouped_gemm_details/fp8_act.py``).
 - ``quantize`` (FP8 e4m3 with block scales, the grouped GEMM's FP8 operands): :mod:`.quantize`
   (``.tensor``: ``Fp8Tensor``, ``Fp8Recipe``; ``.cache``: ``Fp8WeightCache``; ``.reference``: the PyTorch definition; ``.ops``:
   the custom op, its bodies and plans) -> ``tile_shape`` -> :mod:`mtp.kernels.quantize`.

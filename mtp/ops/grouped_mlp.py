@@ -62,6 +62,7 @@ from mtp.ops.grouped_gemm.checks import (
     check_main_grad,
 )
 from mtp.ops.grouped_gemm.ops import bias_grad, dact, forward, weight_grad
+from mtp.ops.grouped_mlp_fp8 import fp8_mlp
 from mtp.ops.moe_permute.token_map import TokenMap, permute_grads
 from mtp.utils import check_tensor, empty, validation_mode
 
@@ -215,6 +216,8 @@ def grouped_mlp(
     gather_index: torch.Tensor | None = None,
     token_map: TokenMap | None = None,
     scatter_index: torch.Tensor | None = None,
+    fp8_recipe=None,
+    fp8_weight_cache=None,
 ) -> torch.Tensor:
     """The experts' MLP with fused epilogues (see the module doc).
 
@@ -256,6 +259,13 @@ def grouped_mlp(
             expert-parallel receive buffer's rows straight back in the order they arrived in),
             and the backward reads the output gradient through it (checked to be one, each row
             in ``[-1, M)`` and stored once, under ``validate``).
+        fp8_recipe: ``"blockwise"``, ``"mxfp8"`` or an :class:`~mtp.ops.Fp8Recipe`: both GEMMs
+            in FP8 with the tokens quantised once (at their source rows with
+            ``gather_index``) and fc1 writing its activation quantised
+            (:mod:`mtp.ops.grouped_mlp_fp8`); the weights in any float dtype (the master
+            weights: their gradients in that dtype), no biases.
+        fp8_weight_cache: with ``fp8_recipe``, an :class:`~mtp.ops.Fp8WeightCache` (the
+            weights quantised once per optimizer step).
 
     Returns:
         ``[M, H]`` in ``x``'s dtype; rows past ``sum(tokens_per_expert)`` are zero (with
@@ -265,6 +275,11 @@ def grouped_mlp(
     args = (x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, activation,
             float(activation_limit), float(activation_alpha), bool(gradient_accumulation_fusion),
             backend, validate, gather_index, token_map, scatter_index)  # fmt: skip
+    if fp8_recipe is not None or fp8_weight_cache is not None:
+        if scatter_index is not None:
+            raise ValueError("scatter_index is not supported with fp8_recipe (the FP8 MLP "
+                             "stores its rows in order); scatter the output after the call")
+        return fp8_mlp(*args[:-1], fp8_recipe, fp8_weight_cache)
     if eager(x, weight1, weight2, tokens_per_expert, probs, bias1, bias2, gather_index,
              scatter_index):  # fmt: skip
         return _eager(*args)
