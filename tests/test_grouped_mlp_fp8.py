@@ -275,6 +275,8 @@ def test_argument_errors():
         call(fp8_recipe=8)
     with pytest.raises(TypeError, match="fp8_weight_cache must be"):
         call(fp8_weight_cache={})
+    with pytest.raises(ValueError, match="scatter_index is not supported with fp8_recipe"):
+        call(scatter_index=torch.arange(x.shape[0]))
     with pytest.raises(ValueError, match="fp8_weight_cache is for FP8"):
         call(fp8_recipe=None, fp8_weight_cache=Fp8WeightCache())
     with pytest.raises(ValueError, match="bias1 / bias2"):

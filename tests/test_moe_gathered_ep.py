@@ -118,3 +118,28 @@ def test_a_rank_that_receives_nothing():
     results = run_distributed(_worker, 2, NOTHING_RECEIVED, timeout=600)
     empty = results[1][0]  # dropless, the rank receiving nothing: the same launches either way
     assert empty["fwd"] == empty["plain"] and empty["ops"] == empty["plain_ops"], empty
+
+
+def _fp8_worker(rank, world, recipe):
+    """FP8 experts at EP = 2 take the reordered copy (their fused MLP has no row scatter): the
+    layer runs, and its output and gradients stay within the recipe's error of the same
+    layer's high-precision experts."""
+    from mtp.moe import MoELayer
+    from mtp.moe.gathered import gathers_received
+
+    torch.manual_seed(0)
+    layer = MoELayer(H, F, 4, 2, backend="triton", activation="swiglu",
+                     ep_group=dist.group.WORLD, fp8_recipe=recipe)  # fmt: skip
+    g = torch.Generator().manual_seed(20 + rank)
+    x, dy = torch.randn(12, H, generator=g), torch.randn(12, H, generator=g)
+    assert not gathers_received(layer, x)
+    got = _grads(layer, x, dy)
+    layer.set_fp8_recipe(None)
+    ref = _grads(layer, x, dy)
+    return [float((a - b).norm() / b.norm()) for a, b in zip(got, ref)]
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_fp8_experts_at_ep2_take_the_reordered_copy(recipe):
+    for errs in run_distributed(_fp8_worker, 2, recipe, timeout=600):
+        assert all(e < 0.15 for e in errs) and errs[0] > 1e-4, errs  # FP8 ran, within its error
