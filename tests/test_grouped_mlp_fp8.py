@@ -362,3 +362,17 @@ def test_aot_fp8_mlp_kernels_tensor_cores_and_no_spills(name):
     info, sass = _sass(build)
     assert re.search(rf"\b{mma}\b", sass), f"no {mma} in the SASS"
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", info), info
+
+
+def test_gathered_rows_tolerates_an_unwritten_index():
+    """The backward's materialised gather (fc1's FP8 weight gradient) reads an index that a
+    recording pass (kernels counted, not launched: the bench's structure table) never wrote:
+    no IndexError, and the -1 rows stay zero."""
+    from mtp.ops.grouped_mlp_fp8_ops import gathered_rows
+
+    x = torch.randn(5, 4)
+    gather = torch.tensor([2, -1, torch.iinfo(torch.int32).max, 0], dtype=torch.int32)
+    rows, _ = gathered_rows(x, None, gather, torch.tensor([4]))
+    assert torch.equal(rows[0], x[2]) and torch.equal(rows[3], x[0]) and not rows[1].any()
+    empty, _ = gathered_rows(x[:0], None, torch.full((3,), -1), torch.tensor([3]))
+    assert empty.shape == (3, 4) and not empty.any()

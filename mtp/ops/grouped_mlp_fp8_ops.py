@@ -152,13 +152,19 @@ def gathered_rows(x, probs, gather, counts):
     """``(rows, probabilities)`` a row gather reads, materialised: ``x[gather[r]]`` (zeros for
     ``-1``) and ``probs[gather[r], expert of r]`` (``[S, E]`` probs; None stays None)."""
     keep = (gather >= 0).unsqueeze(1)
-    rows = torch.where(keep, x.index_select(0, gather.clamp(min=0).long()), 0)
+    if x.shape[0] == 0:  # no source row: every row reads -1
+        return x.new_zeros((gather.shape[0], x.shape[1])), None if probs is None else \
+            probs.new_zeros(gather.shape[0])  # fmt: skip
+    # clamped into range both ways: the -1 rows are masked, and an index the kernels have not
+    # written (a recording that launches nothing) reads a row instead of failing
+    src = gather.clamp(0, x.shape[0] - 1).long()
+    rows = torch.where(keep, x.index_select(0, src), 0)
     if probs is None:
         return rows, None
     ends = torch.cumsum(counts.to(gather.device), 0)
     r = torch.arange(gather.shape[0], device=gather.device)
     expert = torch.searchsorted(ends, r, right=True).clamp(max=probs.shape[1] - 1)
-    p = probs[gather.clamp(min=0).long(), expert]
+    p = probs[src, expert]
     return rows, torch.where(keep.squeeze(1), p, 0)
 
 
