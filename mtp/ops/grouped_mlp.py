@@ -57,7 +57,7 @@ from mtp.ops.grouped_gemm.checks import (
     FLOAT_DTYPES,
     check_arguments,
     check_backend,
-    check_gather,
+    check_rows,
     check_index_values,
     check_main_grad,
 )
@@ -187,15 +187,7 @@ def _check(x, weight1, weight2, probs, bias2, activation: str, gather=None,
         check_tensor("bias2", bias2, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
         if tuple(bias2.shape) != (E, H):
             raise ValueError(f"bias2 must be [{E}, {H}], got {tuple(bias2.shape)}")
-    if gather is not None:
-        check_gather(x, weight1, gather, token_map, probs)
-    elif token_map is not None:
-        raise ValueError("token_map goes with gather_index (the map of its rows); pass both")
-    elif probs is not None:
-        check_tensor("probs", probs, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
-        if probs.shape[0] != x.shape[0]:
-            raise ValueError(f"probs must be [{x.shape[0]}] (one per row of x), got "
-                             f"{tuple(probs.shape)}")  # fmt: skip
+    check_rows(x, weight1, probs, gather, token_map)
 
 
 def grouped_mlp(

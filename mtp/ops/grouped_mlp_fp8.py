@@ -38,7 +38,7 @@ from mtp.ops.grouped_gemm.checks import (
     FLOAT_DTYPES,
     check_count_values,
     check_fp8_device,
-    check_gather,
+    check_rows,
     check_index_values,
     check_main_grad,
 )
@@ -194,15 +194,7 @@ def _check(x, w1, w2, counts, probs, bias1, bias2, activation, gather, token_map
     if counts.shape[0] != E:
         raise ValueError(f"tokens_per_expert must be [{E}] (one count per expert), got "
                          f"{tuple(counts.shape)}")  # fmt: skip
-    if gather is not None:
-        check_gather(x, w1, gather, token_map, probs)
-    elif token_map is not None:
-        raise ValueError("token_map goes with gather_index (the map of its rows); pass both")
-    elif probs is not None:
-        check_tensor("probs", probs, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
-        if probs.shape[0] != x.shape[0]:
-            raise ValueError(f"probs must be [{x.shape[0]}] (one per row of x), got "
-                             f"{tuple(probs.shape)}")  # fmt: skip
+    check_rows(x, w1, probs, gather, token_map)
 
 
 def _recipe(fp8_recipe, cache) -> Fp8Recipe:

@@ -18,6 +18,7 @@ __all__ = [
     "check_fp8_device",
     "check_gather",
     "check_index_values",
+    "check_rows",
     "check_inputs",
     "check_main_grad",
     "check_out_memory",
@@ -188,6 +189,20 @@ def check_count_values(tokens_per_expert: torch.Tensor, M: int, validate: bool |
         return
     ok = (tokens_per_expert.min() >= 0) & (tokens_per_expert.sum() <= M)
     check_values(ok, count_message(M), validate=mode, tensors=(tokens_per_expert,))
+
+
+def check_rows(x, weight1, probs, gather_index, token_map) -> None:
+    """:func:`mtp.ops.grouped_mlp`'s rows: with ``gather_index`` its map, token map and
+    probabilities (:func:`check_gather`); without, no ``token_map`` and ``probs`` ``[M]``."""
+    if gather_index is not None:
+        check_gather(x, weight1, gather_index, token_map, probs)
+    elif token_map is not None:
+        raise ValueError("token_map goes with gather_index (the map of its rows); pass both")
+    elif probs is not None:
+        check_tensor("probs", probs, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+        if probs.shape[0] != x.shape[0]:
+            raise ValueError(f"probs must be [{x.shape[0]}] (one per row of x), got "
+                             f"{tuple(probs.shape)}")  # fmt: skip
 
 
 def check_index_values(gather, sources: int, scatter, rows: int, validate: bool | str) -> None:
